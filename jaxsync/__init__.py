@@ -1,0 +1,36 @@
+"""jaxsync: gradient synchronisation for data-parallel JAX training.
+
+Pack a gradient pytree into a few contiguous buffers, reduce them over the mesh
+axes of a process with XLA collectives and across processes with MPI (through
+mpi4jax) or a mesh axis, and unpack. Each strategy is an optax
+``GradientTransformation``::
+
+    tx = optax.chain(jaxsync.hierarchical_mean(axis_name="local"), optax.adam(1e-3))
+"""
+
+from ._backends import AxisComm
+from ._broadcast import broadcast_params
+from ._plan import Bucket, LeafSpec, Plan, make_plan
+from ._topology import Topology, topology
+from ._transforms import (SyncState, flat_mean, hierarchical_mean, naive_mean,
+                          single_node_mean, sync_gradients, two_dimensional_mean)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AxisComm",
+    "Bucket",
+    "LeafSpec",
+    "Plan",
+    "SyncState",
+    "Topology",
+    "broadcast_params",
+    "flat_mean",
+    "hierarchical_mean",
+    "make_plan",
+    "naive_mean",
+    "single_node_mean",
+    "sync_gradients",
+    "topology",
+    "two_dimensional_mean",
+]

@@ -1,0 +1,357 @@
+"""Collectives: XLA mesh axes inside a process, MPI or a mesh axis across them.
+
+Everything here runs inside a mapped context (``shard_map``, ``pmap`` or
+``vmap(axis_name=...)``), or under plain ``jit`` when a process has a single
+device and no intra axes. Strategies see only two kinds of objects:
+
+* :class:`AxisOps` - sum / all-to-all / all-gather over XLA axes;
+* a backend - ``run(program, bufs, intra, leader_only)`` runs ``program(ops,
+  bufs)`` with ``ops`` reducing *across processes* (over MPI with a token that
+  fixes the order of every call, over a mesh axis, or not at all).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import core as _core
+from jax._src.interpreters import batching as _batching
+
+from . import _mpi
+from ._topology import Comms
+
+Axes = tuple
+
+
+def bound_axes() -> dict:
+    """The axis names bound where this is traced, with their sizes."""
+    return dict(_core.get_axis_env().axis_sizes)
+
+
+def check_axes(axes: Axes, what: str = "axis_name") -> None:
+    """Raise a NameError at trace time when an axis is not bound."""
+    bound = bound_axes()
+    missing = [a for a in axes if a not in bound]
+    if missing:
+        raise NameError(
+            f"jaxsync: {what} {missing[0]!r} is not bound here; bound axes: "
+            f"{bound or 'none (not inside shard_map, pmap or vmap)'}. Fix: call the "
+            "transform inside jax.shard_map / jax.pmap / jax.vmap with "
+            f"axis_name={missing[0]!r}, or pass the axis names that are bound.")
+
+
+def axes_size(axes: Axes) -> int:
+    n = 1
+    for a in axes:
+        n *= lax.axis_size(a)
+    return n
+
+
+class AxisOps:
+    """Collectives over XLA axes (the intra-process stage, or a mesh backend)."""
+
+    def __init__(self, axes: Axes):
+        self.axes = tuple(axes)
+
+    @property
+    def size(self) -> int:
+        return axes_size(self.axes)
+
+    def allreduce(self, bufs: list) -> list:
+        if not self.axes or not bufs:
+            return list(bufs)
+        return list(lax.psum(list(bufs), self.axes))
+
+    def alltoall(self, x):
+        """``x`` has shape (size, m): row j goes to peer j; returns rows from peers."""
+        if not self.axes:
+            return x
+        return lax.all_to_all(x, self.axes, 0, 0, tiled=True)
+
+    def allgather(self, x):
+        """``x`` of shape (m,) -> (size, m)."""
+        if not self.axes:
+            return x[None]
+        return lax.all_gather(x, self.axes, axis=0, tiled=False)
+
+    def reduce_scatter(self, x):
+        if not self.axes:
+            return x
+        return lax.psum_scatter(x, self.axes, scatter_dimension=0, tiled=True)
+
+    def allgather_tiled(self, x):
+        if not self.axes:
+            return x
+        return lax.all_gather(x, self.axes, axis=0, tiled=True)
+
+    def index(self):
+        return lax.axis_index(self.axes) if self.axes else 0
+
+    def broadcast(self, bufs: list, root: int = 0) -> list:
+        if not self.axes:
+            return bufs
+        idx = lax.axis_index(self.axes)
+        return [lax.psum(jnp.where(idx == root, b, jnp.zeros_like(b)), self.axes)
+                for b in bufs]
+
+
+class LocalBackend:
+    """No inter-process stage: one process."""
+
+    name = "none"
+
+    def size(self) -> int:
+        return 1
+
+    def run(self, program, bufs, intra: AxisOps, leader_only: bool):
+        del intra, leader_only
+        return program(AxisOps(()), bufs)
+
+    def agree(self, text: str, what: str) -> None:
+        del text, what
+
+    def __repr__(self):
+        return "LocalBackend()"
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisComm:
+    """Use a mesh axis, reduced by XLA, as the inter-process stage.
+
+    Pass it as ``comm=jaxsync.AxisComm("host")`` and run the step under
+    ``shard_map`` over a mesh with axes ``("host", "local")``: in one process
+    that simulates hosts on fake devices; after ``jax.distributed.initialize``
+    the same code spans real processes (gloo collectives on CPU, NCCL on GPU).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxsync
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("host", "local"))
+      >>> tx = jaxsync.hierarchical_mean(axis_name="local",
+      ...                                comm=jaxsync.AxisComm("host"))
+      >>> def f(g):
+      ...     out, _ = tx.update({"g": g}, tx.init({"g": g}))
+      ...     return out["g"]
+      >>> g = jnp.arange(8.0)  # replica i holds the value i
+      >>> jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(("host", "local")),
+      ...                       out_specs=P(("host", "local"))))(g)
+      Array([3.5, 3.5, 3.5, 3.5, 3.5, 3.5, 3.5, 3.5], dtype=float32)
+    """
+
+    axis_name: Any
+
+    def __post_init__(self):
+        if not isinstance(self.axis_name, str):
+            raise TypeError(
+                f"AxisComm got unexpected type for argument 'axis_name' (expected: "
+                f"str, got: {type(self.axis_name).__name__}). Fix: AxisComm('host').")
+
+
+class AxisBackend:
+    """Inter-process stage over a mesh axis, reduced by XLA."""
+
+    name = "axis"
+
+    def __init__(self, axis: AxisComm):
+        self.axis = axis.axis_name
+
+    def size(self) -> int:
+        check_axes((self.axis,), "comm axis")
+        return lax.axis_size(self.axis)
+
+    def run(self, program, bufs, intra: AxisOps, leader_only: bool):
+        del intra, leader_only  # XLA runs the collective on every device
+        return program(AxisOps((self.axis,)), bufs)
+
+    def agree(self, text: str, what: str) -> None:
+        del text, what  # one program, traced once: nothing can disagree
+
+    def __repr__(self):
+        return f"AxisBackend({self.axis!r})"
+
+
+class _MPIOps:
+    """Token-threaded MPI collectives on one communicator, in program order."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.size = comm.Get_size()
+        self.token = lax.create_token()
+
+    def _call(self, kind, x):
+        y, self.token = _mpi.call(kind, x, self.token, self.comm)
+        return y
+
+    def allreduce(self, bufs):
+        return [self._call("allreduce", b) for b in bufs]
+
+    def alltoall(self, x):
+        return self._call("alltoall", x)
+
+    def allgather(self, x):
+        return self._call("allgather", x)
+
+
+class _HostOps:
+    """Host-staged collectives: device -> host numpy -> mpi4py -> device."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.size = comm.Get_size()
+
+    def _callback(self, fn, x, out_shape):
+        return jax.pure_callback(fn, jax.ShapeDtypeStruct(out_shape, x.dtype), x,
+                                 vmap_method="sequential")
+
+    def allreduce(self, bufs):
+        from mpi4py import MPI
+        comm = self.comm
+
+        def host_allreduce(*xs):
+            outs = []
+            for x in xs:
+                x = np.ascontiguousarray(x)
+                out = np.empty_like(x)
+                comm.Allreduce(x.view(_mpi_view(x.dtype)), out.view(_mpi_view(x.dtype)),
+                               op=MPI.SUM)
+                outs.append(out)
+            return tuple(outs)
+
+        if not bufs:
+            return []
+        shapes = tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in bufs)
+        return list(jax.pure_callback(host_allreduce, shapes, *bufs,
+                                      vmap_method="sequential"))
+
+    def alltoall(self, x):
+        comm = self.comm
+
+        def host_alltoall(x):
+            x = np.ascontiguousarray(x)
+            out = np.empty_like(x)
+            comm.Alltoall(x.view(np.uint8), out.view(np.uint8))
+            return out
+
+        return self._callback(host_alltoall, x, x.shape)
+
+    def allgather(self, x):
+        comm = self.comm
+        size = self.size
+
+        def host_allgather(x):
+            x = np.ascontiguousarray(x)
+            out = np.empty((size, *x.shape), x.dtype)
+            comm.Allgather(x.view(np.uint8), out.view(np.uint8))
+            return out
+
+        return self._callback(host_allgather, x, (size, *x.shape))
+
+
+def _varying(x, axes):
+    """Mark ``x`` as varying over ``axes`` (shard_map's manual-axis types).
+
+    Branches of ``lax.cond``/``lax.switch`` must agree on them; the values that
+    enter an inter-process stage differ per device in general.
+    """
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    vma = mat.varying if mat is not None else getattr(aval, "vma", None)
+    if vma is None:
+        return x
+    missing = tuple(a for a in axes if a not in vma)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _mpi_view(dtype):
+    # mpi4py maps numpy dtypes to MPI datatypes; float32/float64 are native.
+    return np.dtype(dtype)
+
+
+class MPIBackend:
+    """Inter-process stage over MPI (mpi4jax's compiled collectives).
+
+    Args:
+      comm: an mpi4py intra-communicator; jaxsync duplicates it once and never
+        sends on the user's handle.
+      staging: ``"device"`` (default) calls mpi4jax's FFI targets on the
+        device buffers (zero-copy on CPU; on GPU mpi4jax stages through host
+        unless ``MPI4JAX_USE_CUDA_MPI=1``); ``"host"`` copies each buffer to host
+        memory and calls mpi4py (ChainerMN's ``non_cuda_aware``): works with any
+        MPI, costs a device-to-host copy each way.
+    """
+
+    name = "mpi"
+
+    def __init__(self, comm, staging: str = "device"):
+        if staging == "device":
+            _mpi._load()
+        self.comm = comm
+        self.staging = staging
+        self._agreed: set = set()
+
+    @functools.cached_property
+    def comms(self) -> Comms:
+        return Comms.of(self.comm)
+
+    def size(self) -> int:
+        return self.comm.Get_size()
+
+    def _ops(self, comm):
+        return _HostOps(comm) if self.staging == "host" else _MPIOps(comm)
+
+    def run(self, program, bufs, intra: AxisOps, leader_only: bool):
+        comms = self.comms
+        if not bufs:
+            return []
+        if not intra.axes:
+            return program(self._ops(comms.world), bufs)
+        idx = lax.axis_index(intra.axes)
+        if isinstance(idx, _batching.BatchTracer):
+            # Under vmap all replicas live in one program: one ordered chain on
+            # the world communicator, every replica a row of the same message.
+            return program(self._ops(comms.world), bufs)
+        axes = intra.axes
+        bufs = [_varying(b, axes) for b in bufs]
+
+        def on(comm, bs):
+            return [_varying(y, axes) for y in program(self._ops(comm), bs)]
+
+        if leader_only:
+            out = lax.cond(idx == 0, functools.partial(on, comms.world), list, bufs)
+            return intra.broadcast(list(out), root=0)
+        per_dev = comms.per_device(intra.size)
+        return list(lax.switch(idx, [functools.partial(on, c) for c in per_dev], bufs))
+
+    def agree(self, text: str, what: str) -> None:
+        """Compare ``text`` across processes once; raise the same error everywhere."""
+        if text in self._agreed:
+            return
+        texts = self.comms.control.allgather(text)
+        if len(set(texts)) > 1:
+            raise ValueError(_disagreement(texts, what))
+        self._agreed.add(text)
+
+    def __repr__(self):
+        return f"MPIBackend(size={self.size()}, staging={self.staging!r})"
+
+
+def _disagreement(texts: Sequence[str], what: str) -> str:
+    """Name the first two ranks that differ and their first differing line."""
+    base = texts[0]
+    other = next(r for r, t in enumerate(texts) if t != base)
+    a, b = base.splitlines(), texts[other].splitlines()
+    for la, lb in zip(a + [""] * (len(b) - len(a)), b + [""] * (len(a) - len(b))):
+        if la != lb:
+            break
+    return (f"jaxsync: the {what} differs between rank 0 and rank {other}, so the "
+            f"processes would issue different collectives (a hang or wrong results).\n"
+            f"  rank 0:     {la or '<nothing>'}\n  rank {other}: {lb or '<nothing>'}\n"
+            "Fix: make every process build the same gradient tree (same structure, "
+            "shapes and dtypes) and the same transform options.")

@@ -1,0 +1,89 @@
+"""Parameter broadcast: every process starts from the root's values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from . import _backends
+from ._plan import make_plan
+from ._topology import Comms, default_comm
+
+PyTree = Any
+
+
+def broadcast_params(tree: PyTree, root: int = 0, comm: Any = "auto") -> PyTree:
+    """Return ``tree`` with every leaf replaced by the root process's value.
+
+    Call it eagerly (outside ``jit``) on every process, e.g. on the initial
+    parameters and optimizer state (Caffe2 ``_SyncAllParamsDistributed``,
+    ChainerMN ``bcast_data``, Horovod ``broadcast_parameters``). Each leaf keeps
+    its dtype, shape and, for ``jax.Array`` leaves, its sharding; every device of
+    every process then holds the root's value. Before any data moves, the
+    processes check that their trees agree; if not, every process raises the
+    same ``ValueError``.
+
+    Args:
+      tree: a pytree of arrays (any dtype, including ints and bools).
+      root: the rank whose values win.
+      comm: an mpi4py communicator, ``jaxsync.AxisComm`` (then
+        ``jax.distributed`` processes are used and ``root`` must be 0), ``None``
+        (a single process: returns ``tree``) or ``"auto"``.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxsync
+      >>> jaxsync.broadcast_params({"w": jnp.ones(2)}, comm=None)
+      {'w': Array([1., 1.], dtype=float32)}
+    """
+    if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
+        raise TypeError(f"broadcast_params got unexpected type for argument 'root' "
+                        f"(expected: int, got: {type(root).__name__}).")
+    if isinstance(comm, str) and comm == "auto":
+        comm = default_comm()
+    if comm is None:
+        if root != 0:
+            raise ValueError(f"broadcast_params: root={root} but there is one process "
+                             "(comm=None). Fix: root=0.")
+        return tree
+    if isinstance(comm, _backends.AxisComm):
+        if root != 0:
+            raise ValueError("broadcast_params with AxisComm broadcasts from process 0; "
+                             f"got root={root}. Fix: root=0.")
+        from jax.experimental import multihost_utils
+        return multihost_utils.broadcast_one_to_all(tree)
+    size = comm.Get_size()
+    if not 0 <= root < size:
+        raise ValueError(f"broadcast_params: root must be in [0, {size}), got {root}.")
+    world = Comms.of(comm).control
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    plan_text = _describe(tree)
+    texts = world.allgather(plan_text)
+    if len(set(texts)) > 1:
+        raise ValueError(_backends._disagreement(texts, "parameter tree"))
+    out = []
+    for leaf in leaves:
+        host = np.array(leaf, copy=True)
+        buf = host.reshape(-1).view(np.uint8) if host.size else host
+        if host.size:
+            world.Bcast(buf, root=root)
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(leaf, jax.Array) and sharding is not None:
+            out.append(jax.device_put(host, sharding))
+        elif isinstance(leaf, jax.Array):
+            out.append(jnp.asarray(host))
+        else:
+            out.append(host)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _describe(tree) -> str:
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    lines = [f"treedef {treedef}"]
+    for path, leaf in with_paths:
+        lines.append(f"leaf {jax.tree_util.keystr(path)} {np.shape(leaf)} "
+                     f"{getattr(leaf, 'dtype', np.asarray(leaf).dtype)}")
+    return "\n".join(lines)

@@ -1,0 +1,249 @@
+"""Static packing plan: which leaf goes into which contiguous buffer.
+
+A :class:`Plan` is computed from a pytree's structure, shapes and dtypes only
+(never from values), so it can be built at trace time from tracers or
+``jax.ShapeDtypeStruct``s. It is an immutable, hashable value: building the
+same plan twice gives equal plans, so reusing it never recompiles.
+
+Rules (documented in the README, "Sharp bits"):
+
+* Floating leaves (``float16``, ``bfloat16``, ``float32``, ``float64``) are
+  reduced. Each dtype gets its own buffers; nothing is ever promoted.
+* Integer, boolean and ``float0`` leaves (e.g. from
+  ``jax.grad(..., allow_int=True)``) pass through unreduced and unchanged.
+* Complex and other exotic dtypes are rejected with a ``TypeError``.
+* Leaves of at least ``pack_threshold`` bytes travel in their own buffer (a
+  free reshape, no copy); smaller leaves of one dtype are concatenated into
+  buckets of at most ``bucket_bytes`` bytes (a leaf is never split).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any, Sequence
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+PyTree = Any
+
+REDUCED_DTYPES = ("float16", "bfloat16", "float32", "float64")
+"""Dtypes that jaxsync reduces; everything else passes through or is rejected."""
+
+DEFAULT_BUCKET_BYTES = 64 * 2**20
+DEFAULT_PACK_THRESHOLD = 256 * 2**10
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+    """One leaf of the planned tree."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    reduced: bool
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(jnp.dtype(self.dtype)).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """A contiguous 1-D buffer holding whole leaves of one dtype."""
+
+    dtype: str
+    leaves: tuple[int, ...]
+    offsets: tuple[int, ...]
+    size: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(jnp.dtype(self.dtype)).itemsize
+
+
+def _path_str(path) -> str:
+    return jax.tree_util.keystr(path) or "<root>"
+
+
+def _leaf_dtype(leaf) -> str:
+    dt = getattr(leaf, "dtype", None)
+    if dt is None:
+        dt = np.asarray(leaf).dtype
+    return str(np.dtype(dt) if str(dt) != "bfloat16" else "bfloat16")
+
+
+def _classify(path: str, dtype: str) -> bool:
+    """True if the leaf is reduced, False if it passes through."""
+    if dtype in REDUCED_DTYPES:
+        return True
+    kind = np.dtype(jnp.dtype(dtype)).kind
+    if dtype == "float0" or kind in "iub" or str(jnp.dtype(dtype)) == "float0":
+        return False
+    raise TypeError(
+        f"jaxsync cannot reduce leaf {path} of dtype {dtype}: expected one of "
+        f"{', '.join(REDUCED_DTYPES)} (reduced) or an integer/bool/float0 leaf "
+        f"(passed through). Fix: split complex gradients into real and imaginary "
+        f"parts, or cast the leaf to a supported dtype before syncing."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How a pytree is packed into buffers. Build it with :func:`make_plan`.
+
+    Attributes:
+      treedef: the tree structure.
+      leaves: one :class:`LeafSpec` per leaf, in ``jax.tree_util`` order.
+      buckets: the buffers, grouped by dtype in order of first appearance.
+      bucket_bytes: the bucket cap used.
+      pack_threshold: leaves of at least this many bytes are not copied.
+    """
+
+    treedef: Any
+    leaves: tuple[LeafSpec, ...]
+    buckets: tuple[Bucket, ...]
+    bucket_bytes: int
+    pack_threshold: int
+
+    @property
+    def fingerprint(self) -> str:
+        """A short hash of structure, shapes, dtypes and buckets.
+
+        Equal on two processes exactly when their plans are equal, so it is
+        what processes compare before their first reduction.
+        """
+        return hashlib.sha256(self.describe().encode()).hexdigest()[:16]
+
+    def describe(self) -> str:
+        """A canonical text form of the plan (what the fingerprint hashes)."""
+        lines = [f"treedef {self.treedef}", f"bucket_bytes {self.bucket_bytes}",
+                 f"pack_threshold {self.pack_threshold}"]
+        lines += [f"leaf {l.path} {l.shape} {l.dtype} {l.reduced}" for l in self.leaves]
+        lines += [f"bucket {b.dtype} {b.leaves} {b.size}" for b in self.buckets]
+        return "\n".join(lines)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes in the reduced buffers."""
+        return sum(b.nbytes for b in self.buckets)
+
+    def pack(self, tree: PyTree) -> list[jax.Array]:
+        """Concatenate the reduced leaves of ``tree`` into 1-D buffers."""
+        leaves = self._leaves_of(tree)
+        out = []
+        for b in self.buckets:
+            parts = [jnp.ravel(leaves[i]) for i in b.leaves]
+            out.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
+        return out
+
+    def unpack(self, buffers: Sequence[jax.Array], tree: PyTree) -> PyTree:
+        """Inverse of :meth:`pack`; pass-through leaves are taken from ``tree``."""
+        if len(buffers) != len(self.buckets):
+            raise ValueError(
+                f"unpack expected {len(self.buckets)} buffers, got {len(buffers)}")
+        leaves = list(self._leaves_of(tree))
+        for b, buf in zip(self.buckets, buffers):
+            for i, off in zip(b.leaves, b.offsets):
+                spec = self.leaves[i]
+                if len(b.leaves) == 1:
+                    piece = buf
+                else:
+                    piece = jax.lax.slice(buf, (off,), (off + spec.size,))
+                leaves[i] = piece.reshape(spec.shape)
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def _leaves_of(self, tree: PyTree) -> list:
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        if treedef != self.treedef:
+            raise ValueError(
+                f"tree structure {treedef} does not match the plan's {self.treedef}; "
+                "build a plan for this tree with jaxsync.make_plan(tree).")
+        return leaves
+
+
+def _check_bytes(name: str, value, allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(
+            f"{name} must be a positive int (bytes){' or None' if allow_none else ''}, "
+            f"got {type(value).__name__} {value!r}. Fix: pass e.g. {name}=2**20.")
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0 bytes, got {value}. "
+                         f"Fix: pass a positive number of bytes, e.g. {name}=2**20.")
+
+
+def make_plan(tree: PyTree, *, bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+              pack_threshold: int | None = DEFAULT_PACK_THRESHOLD,
+              per_leaf: bool = False) -> Plan:
+    """Build the static packing plan of a pytree.
+
+    Args:
+      tree: any pytree of arrays, tracers or ``jax.ShapeDtypeStruct``s.
+      bucket_bytes: cap on the bytes of one packed buffer (``None``: no cap).
+      pack_threshold: leaves of at least this many bytes get a buffer of their
+        own without a copy (``None``: pack everything).
+      per_leaf: one buffer per reduced leaf (the naive strategy).
+
+    Returns:
+      A hashable :class:`Plan`.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxsync
+      >>> tree = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3, jnp.bfloat16),
+      ...         "step": jnp.int32(0)}
+      >>> plan = jaxsync.make_plan(tree)
+      >>> [(b.dtype, b.size) for b in plan.buckets]
+      [('bfloat16', 3), ('float32', 6)]
+      >>> back = plan.unpack(plan.pack(tree), tree)
+      >>> bool((back["w"] == tree["w"]).all()), back["b"].dtype
+      (True, dtype(bfloat16))
+    """
+    _check_bytes("bucket_bytes", bucket_bytes, allow_none=True)
+    _check_bytes("pack_threshold", pack_threshold, allow_none=True)
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    specs = []
+    for path, leaf in with_paths:
+        p = _path_str(path)
+        shape = tuple(int(s) for s in np.shape(leaf))
+        dtype = _leaf_dtype(leaf)
+        specs.append(LeafSpec(p, shape, dtype, _classify(p, dtype)))
+
+    cap = bucket_bytes if bucket_bytes is not None else float("inf")
+    thr = pack_threshold if pack_threshold is not None else float("inf")
+    buckets: list[Bucket] = []
+    dtypes = list(dict.fromkeys(s.dtype for s in specs if s.reduced))
+    for dt in dtypes:
+        cur: list[int] = []
+        cur_size = 0
+        itemsize = np.dtype(jnp.dtype(dt)).itemsize
+
+        def flush():
+            nonlocal cur, cur_size
+            if cur:
+                offs = tuple(int(x) for x in np.cumsum([0] + [specs[j].size for j in cur])[:-1])
+                buckets.append(Bucket(dt, tuple(cur), offs, cur_size))
+            cur, cur_size = [], 0
+
+        for i, s in enumerate(specs):
+            if s.dtype != dt or not s.reduced or s.size == 0:
+                continue
+            if per_leaf or s.nbytes >= thr:
+                buckets.append(Bucket(dt, (i,), (0,), s.size))
+                continue
+            if cur and (cur_size + s.size) * itemsize > cap:
+                flush()
+            cur.append(i)
+            cur_size += s.size
+        flush()
+    return Plan(treedef, tuple(specs), tuple(buckets),
+                bucket_bytes if bucket_bytes is not None else 0,
+                pack_threshold if pack_threshold is not None else 0)

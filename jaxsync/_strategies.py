@@ -1,0 +1,108 @@
+"""Strategies: short compositions of an intra stage and an inter stage.
+
+Each strategy maps a list of 1-D buffers (one per bucket, summed over every
+replica) to their sums. It never knows whether the inter-process stage is MPI,
+a mesh axis or absent: it only calls ``backend.run`` with a program that uses
+the ``ops`` it is given.
+
+=================  ======================================  ============================
+strategy           intra stage                             inter stage
+=================  ======================================  ============================
+naive              one sum per leaf                        one allreduce per leaf (leader)
+flat               one sum over all buckets                every device, whole buffers
+hierarchical       sum                                     leader allreduce, broadcast
+two_dimensional    reduce-scatter                          every device its slice; all-gather
+single_node        sum                                     none
+=================  ======================================  ============================
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+STRATEGIES = ("naive", "flat", "hierarchical", "two_dimensional", "single_node")
+
+_LOW = ("float16", "bfloat16")
+
+
+def _uint_view(x):
+    return lax.bitcast_convert_type(x, jnp.uint16)
+
+
+def _from_uint(x, dtype):
+    return lax.bitcast_convert_type(x, jnp.dtype(dtype))
+
+
+def sum_buffers(ops, bufs: list) -> list:
+    """Sum each buffer over ``ops``'s group.
+
+    32/64-bit buffers use one allreduce. 16-bit buffers are never summed in 16
+    bits: they travel as 16-bit payloads in an all-to-all, every member sums its
+    slice in float32, rounds once, and an all-gather returns the slices
+    (ChainerMN's inter-node step). MPI has no 16-bit float type; the payload
+    travels bit-cast to uint16.
+    """
+    wide = [i for i, b in enumerate(bufs) if str(b.dtype) not in _LOW]
+    out = list(bufs)
+    for i, y in zip(wide, ops.allreduce([bufs[i] for i in wide])):
+        out[i] = y
+    for i, b in enumerate(bufs):
+        if str(b.dtype) in _LOW:
+            out[i] = _sum_low(ops, b)
+    return out
+
+
+def _sum_low(ops, x):
+    size = ops.size
+    if size == 1:
+        return x
+    dtype = x.dtype
+    n = x.shape[0]
+    m = -(-n // size)
+    xp = jnp.pad(x, (0, m * size - n)).reshape(size, m)
+    got = _from_uint(ops.alltoall(_uint_view(xp)), dtype)          # (size, m)
+    part = jnp.sum(got.astype(jnp.float32), axis=0).astype(dtype)   # my slice
+    full = _from_uint(ops.allgather(_uint_view(part)), dtype)       # (size, m)
+    return full.reshape(-1)[:n]
+
+
+def _pad_to(x, k):
+    n = x.shape[0]
+    m = -(-n // k) * k
+    return jnp.pad(x, (0, m - n)), n
+
+
+def run(strategy: str, bufs: list, intra, backend) -> list:
+    """Sum ``bufs`` over every replica: intra axes x processes."""
+    if strategy == "single_node":
+        return sum_buffers(intra, bufs)
+    if strategy == "naive":
+        # One intra reduction per leaf, then one inter reduction per leaf; the
+        # inter calls share one ordered program so every process issues them in
+        # the same order.
+        bufs = [sum_buffers(intra, [b])[0] for b in bufs]
+        per_leaf = lambda ops, bs: [sum_buffers(ops, [b])[0] for b in bs]
+        return backend.run(per_leaf, bufs, intra, leader_only=True)
+    if strategy == "flat":
+        bufs = sum_buffers(intra, bufs)
+        return backend.run(sum_buffers, bufs, intra, leader_only=False)
+    if strategy == "hierarchical":
+        bufs = sum_buffers(intra, bufs)
+        return backend.run(sum_buffers, bufs, intra, leader_only=True)
+    if strategy == "two_dimensional":
+        d = intra.size
+        padded = [_pad_to(b, d) for b in bufs]
+        slices = [_scatter_sum(intra, x) for x, _ in padded]
+        slices = backend.run(sum_buffers, slices, intra, leader_only=False)
+        return [intra.allgather_tiled(s)[:n] for s, (_, n) in zip(slices, padded)]
+    raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
+
+
+def _scatter_sum(intra, x):
+    """Reduce-scatter over the intra axes, accumulating 16-bit data in float32."""
+    if str(x.dtype) not in _LOW or intra.size == 1:
+        return intra.reduce_scatter(x)
+    d = intra.size
+    got = _from_uint(intra.alltoall(_uint_view(x.reshape(d, -1))), x.dtype)
+    return jnp.sum(got.astype(jnp.float32), axis=0).astype(x.dtype)

@@ -1,0 +1,356 @@
+"""Public API: ``sync_gradients``, the optax factories and ``broadcast_params``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from . import _backends, _strategies
+from ._plan import (DEFAULT_BUCKET_BYTES, DEFAULT_PACK_THRESHOLD, REDUCED_DTYPES,
+                    _check_bytes, make_plan)
+from ._topology import default_comm
+
+PyTree = Any
+AUTO = "auto"
+_REDUCES = ("mean", "sum")
+_STAGINGS = ("device", "host")
+_CHECKS = (False, True, "raise")
+
+
+def _bad_type(fn, arg, expected, got, fix):
+    return TypeError(f"{fn} got unexpected type for argument {arg!r} (expected: "
+                     f"{expected}, got: {type(got).__name__} {got!r}). Fix: {fix}")
+
+
+def _normalize_axes(fn: str, axis_name) -> tuple:
+    if axis_name is None:
+        return ()
+    if isinstance(axis_name, (str, int)) and not isinstance(axis_name, bool):
+        return (axis_name,)
+    if isinstance(axis_name, tuple) and all(
+            isinstance(a, (str, int)) and not isinstance(a, bool) for a in axis_name):
+        if len(set(axis_name)) != len(axis_name):
+            raise ValueError(f"{fn}: axis_name {axis_name!r} repeats an axis.")
+        return axis_name
+    if isinstance(axis_name, list):
+        raise _bad_type(fn, "axis_name", "a str or a tuple of str", axis_name,
+                        f"pass a tuple: axis_name={tuple(axis_name)!r}")
+    raise _bad_type(fn, "axis_name", "a str, a tuple of str, or None", axis_name,
+                    "pass the axis name(s) bound by shard_map/pmap/vmap, e.g. "
+                    "axis_name='data'")
+
+
+def _make_backend(fn: str, comm, staging: str):
+    if isinstance(comm, str) and comm == AUTO:
+        comm = default_comm()
+    if comm is None:
+        return _backends.LocalBackend()
+    if isinstance(comm, _backends.AxisComm):
+        return _backends.AxisBackend(comm)
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        MPI = None
+    if MPI is not None and isinstance(comm, MPI.Intracomm):
+        if comm.Get_size() == 1:
+            return _backends.LocalBackend()
+        return _backends.MPIBackend(comm, staging=staging)
+    raise _bad_type(fn, "comm", "an mpi4py Intracomm, jaxsync.AxisComm, None or "
+                    "'auto'", comm, "pass comm=MPI.COMM_WORLD, "
+                    "comm=jaxsync.AxisComm('host') or comm=None")
+
+
+def _check_dtype(fn, comm_dtype):
+    if comm_dtype is None:
+        return None
+    try:
+        dt = str(jnp.dtype(comm_dtype))
+    except TypeError:
+        raise _bad_type(fn, "comm_dtype", f"one of {REDUCED_DTYPES} or None",
+                        comm_dtype, "pass e.g. comm_dtype=jnp.bfloat16") from None
+    if dt not in REDUCED_DTYPES:
+        raise ValueError(f"{fn}: comm_dtype must be one of {REDUCED_DTYPES} or None, "
+                         f"got {dt}. Fix: pass e.g. comm_dtype=jnp.bfloat16.")
+    return dt
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncConfig:
+    """Validated static configuration of one synchronisation."""
+
+    strategy: str
+    axes: tuple
+    backend: Any
+    reduce: str = "mean"
+    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES
+    pack_threshold: int | None = DEFAULT_PACK_THRESHOLD
+    comm_dtype: str | None = None
+    predivide: float = 1.0
+    check_finite: Any = False
+
+    def describe(self) -> str:
+        return (f"strategy {self.strategy} reduce {self.reduce} comm_dtype "
+                f"{self.comm_dtype} predivide {self.predivide} backend "
+                f"{self.backend.name}")
+
+
+def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
+                bucket_bytes=DEFAULT_BUCKET_BYTES, pack_threshold=DEFAULT_PACK_THRESHOLD,
+                comm_dtype=None, predivide=1.0, check_finite=False,
+                staging="device") -> SyncConfig:
+    """Validate every static option; raise TypeError/ValueError naming it."""
+    if strategy not in _strategies.STRATEGIES:
+        raise ValueError(f"{fn}: strategy must be one of {_strategies.STRATEGIES}, "
+                         f"got {strategy!r}.")
+    axes = _normalize_axes(fn, axis_name)
+    if not isinstance(reduce, str) or reduce not in _REDUCES:
+        raise ValueError(f"{fn}: reduce must be one of {_REDUCES}, got {reduce!r}. "
+                         "Fix: reduce='mean' (default) or reduce='sum'.")
+    _check_bytes("bucket_bytes", bucket_bytes, allow_none=True)
+    _check_bytes("pack_threshold", pack_threshold, allow_none=True)
+    dt = _check_dtype(fn, comm_dtype)
+    if isinstance(predivide, bool) or not isinstance(predivide, (int, float)):
+        raise _bad_type(fn, "predivide", "a Python float >= 1", predivide,
+                        "pass e.g. predivide=8.0 (a traced value cannot be static)")
+    if not predivide >= 1.0 or not np.isfinite(predivide):
+        raise ValueError(f"{fn}: predivide must be a finite float >= 1, got "
+                         f"{predivide}. Fix: predivide=1.0 (off) or the replica count.")
+    if check_finite not in _CHECKS or isinstance(check_finite, (int, float)) and \
+            not isinstance(check_finite, bool):
+        raise ValueError(f"{fn}: check_finite must be one of {_CHECKS}, got "
+                         f"{check_finite!r}.")
+    if staging not in _STAGINGS:
+        raise ValueError(f"{fn}: staging must be one of {_STAGINGS}, got {staging!r}.")
+    backend = (_backends.LocalBackend() if strategy == "single_node"
+               else _make_backend(fn, comm, staging))
+    return SyncConfig(strategy, axes, backend, reduce, bucket_bytes, pack_threshold,
+                      dt, float(predivide), check_finite)
+
+
+def _sync(tree: PyTree, cfg: SyncConfig):
+    """Reduce ``tree`` per ``cfg``; returns (tree, all_finite or None)."""
+    _backends.check_axes(cfg.axes)
+    plan = make_plan(tree, bucket_bytes=cfg.bucket_bytes,
+                     pack_threshold=cfg.pack_threshold,
+                     per_leaf=cfg.strategy == "naive")
+    cfg.backend.agree(plan.describe() + "\n" + cfg.describe(), "gradient tree")
+    intra = _backends.AxisOps(cfg.axes)
+    n = intra.size * cfg.backend.size()
+    bufs = plan.pack(tree)
+    dtypes = [b.dtype for b in bufs]
+    if cfg.comm_dtype is not None:
+        bufs = [b.astype(cfg.comm_dtype) for b in bufs]
+    if cfg.predivide != 1.0:
+        bufs = [b / jnp.asarray(cfg.predivide, b.dtype) for b in bufs]
+    bufs = _strategies.run(cfg.strategy, bufs, intra, cfg.backend)
+    post = (n / cfg.predivide) if cfg.reduce == "mean" else (1.0 / cfg.predivide)
+    out = []
+    for b, dt in zip(bufs, dtypes):
+        if post != 1.0:
+            wide = jnp.float32 if str(b.dtype) in ("float16", "bfloat16") else b.dtype
+            b = b.astype(wide) / jnp.asarray(post, wide)
+        out.append(b.astype(dt))
+    result = plan.unpack(out, tree)
+    finite = None
+    if cfg.check_finite:
+        flags = [jnp.all(jnp.isfinite(b)) for b in out]
+        finite = jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
+        if cfg.check_finite == "raise":
+            _raise_if_nonfinite(plan, out)
+    return result, finite
+
+
+def _raise_if_nonfinite(plan, out):
+    per_leaf = []
+    names = []
+    for bucket, buf in zip(plan.buckets, out):
+        for i, off in zip(bucket.leaves, bucket.offsets):
+            spec = plan.leaves[i]
+            piece = jax.lax.slice(buf, (off,), (off + spec.size,))
+            per_leaf.append(jnp.all(jnp.isfinite(piece)))
+            names.append(spec.path)
+    if not per_leaf:
+        return
+    flags = jnp.stack(per_leaf)
+
+    def check(flags):
+        bad = [n for n, ok in zip(names, np.asarray(flags)) if not ok]
+        if bad:
+            raise FloatingPointError(
+                f"jaxsync: non-finite values after the gradient reduction in "
+                f"{len(bad)} leaf/leaves: {', '.join(bad[:10])}"
+                f"{' ...' if len(bad) > 10 else ''}. Every replica sees the same "
+                "values. Use check_finite=True and optax.apply_if_finite to skip "
+                "such steps instead of failing.")
+
+    jax.debug.callback(check, flags)
+
+
+def sync_gradients(tree: PyTree, *, axis_name, strategy: str = "hierarchical",
+                   comm=AUTO, **options) -> PyTree:
+    """Reduce a gradient pytree over every replica; a pure function.
+
+    Call it inside ``shard_map``, ``pmap`` or ``vmap(axis_name=...)``. Options are
+    those of the transforms (``reduce``, ``bucket_bytes``, ``pack_threshold``,
+    ``comm_dtype``, ``predivide``, ``staging``). For use in a training loop,
+    prefer the optax factories, which validate options once.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxsync
+      >>> g = {"w": jnp.arange(8.0)[:, None] * jnp.ones((8, 2))}
+      >>> out = jax.vmap(lambda t: jaxsync.sync_gradients(
+      ...     t, axis_name="i", strategy="flat", comm=None), axis_name="i")(g)
+      >>> out["w"][0]
+      Array([3.5, 3.5], dtype=float32)
+    """
+    cfg = make_config("sync_gradients", strategy, axis_name, comm, **options)
+    return _sync(tree, cfg)[0]
+
+
+class SyncState(NamedTuple):
+    """State of a jaxsync transform made with ``check_finite=True``.
+
+    Attributes:
+      all_finite: whether the last synchronised gradients were all finite; the
+        same on every replica.
+    """
+
+    all_finite: jax.Array
+
+
+def _transform(fn: str, strategy: str, axis_name, comm, **options):
+    cfg = make_config(fn, strategy, axis_name, comm, **options)
+    expected = SyncState if cfg.check_finite else optax.EmptyState
+
+    def init_fn(params):
+        del params
+        if cfg.check_finite:
+            return SyncState(all_finite=jnp.array(True))
+        return optax.EmptyState()
+
+    def update_fn(updates, state, params=None):
+        del params
+        if not isinstance(state, expected):
+            raise TypeError(
+                f"{fn}: update got a state of type {type(state).__name__}, expected "
+                f"{expected.__name__} from this transform's init. Make sure you have "
+                "called init first and pass the state returned by this transform.")
+        synced, finite = _sync(updates, cfg)
+        if cfg.check_finite:
+            return synced, SyncState(all_finite=finite)
+        return synced, state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+_OPTIONS_DOC = """
+    Args:
+      axis_name: the mesh axis name, or tuple of names, of the replicas inside
+        this process (bound by ``shard_map``, ``pmap`` or ``vmap``); ``None``
+        when each process has a single device and no mapped axis.
+      comm: the inter-process stage: an mpi4py communicator, a
+        :class:`jaxsync.AxisComm` (a mesh axis), ``None`` (one process) or
+        ``"auto"`` (``MPI.COMM_WORLD`` when launched by MPI with several
+        processes, else ``None``).
+      reduce: ``"mean"`` (divide by devices x processes) or ``"sum"``.
+      bucket_bytes: cap on one packed buffer (``None``: no cap).
+      pack_threshold: leaves of at least this many bytes travel in their own
+        buffer without a copy (``None``: pack everything).
+      comm_dtype: dtype on the wire (``None``: each buffer's own dtype). 16-bit
+        data is always summed in float32.
+      predivide: divide by this before the sum and by ``n / predivide`` after.
+      check_finite: ``True`` keeps ``all_finite`` in the state; ``"raise"`` also
+        raises ``FloatingPointError`` naming the non-finite leaves.
+      staging: ``"device"`` or ``"host"`` (MPI through host memory).
+"""
+
+
+def _factory(strategy: str, fn: str, doc: str, *, has_comm=True):
+    if has_comm:
+        def factory(axis_name, comm=AUTO, **options) -> optax.GradientTransformation:
+            return _transform(fn, strategy, axis_name, comm, **options)
+    else:
+        def factory(axis_name, **options) -> optax.GradientTransformation:
+            return _transform(fn, strategy, axis_name, None, **options)
+    factory.__name__ = factory.__qualname__ = fn
+    factory.__doc__ = doc + _OPTIONS_DOC
+    return factory
+
+
+naive_mean = _factory("naive", "naive_mean", """Average gradients leaf by leaf.
+
+    One reduction per leaf over the local axes, then one inter-process allreduce
+    per leaf (ChainerMN ``naive``). Simple and the slowest with many small leaves.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxsync
+      >>> tx = jaxsync.naive_mean(axis_name="i", comm=None)
+      >>> f = lambda g: tx.update(g, tx.init(g))[0]
+      >>> jax.vmap(f, axis_name="i")({"w": jnp.arange(4.0)})["w"]
+      Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
+""")
+
+flat_mean = _factory("flat", "flat_mean", """Average gradients packed into a few buffers.
+
+    Small leaves are packed into one buffer per dtype (buckets of at most
+    ``bucket_bytes``); one reduction over the local axes, then every local device
+    allreduces the whole buffers across processes (ChainerMN ``flat``).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxsync
+      >>> tx = jaxsync.flat_mean(axis_name="i", comm=None)
+      >>> f = lambda g: tx.update(g, tx.init(g))[0]
+      >>> jax.vmap(f, axis_name="i")({"w": jnp.arange(4.0)})["w"]
+      Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
+""")
+
+hierarchical_mean = _factory("hierarchical", "hierarchical_mean", """Average gradients hierarchically.
+
+    Sum over the local axes, one inter-process allreduce per process (by local
+    device 0), broadcast back over the local axes (ChainerMN ``hierarchical``,
+    Caffe2 ``_AllReduceBlobsDistributed``). The inter-process traffic is one
+    buffer per process: the right default with several devices per process.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxsync
+      >>> tx = optax.chain(jaxsync.hierarchical_mean(axis_name="i", comm=None),
+      ...                  optax.sgd(1.0))
+      >>> f = lambda g: tx.update(g, tx.init(g))[0]
+      >>> jax.vmap(f, axis_name="i")({"w": jnp.arange(4.0)})["w"]
+      Array([-1.5, -1.5, -1.5, -1.5], dtype=float32)
+""")
+
+two_dimensional_mean = _factory("two_dimensional", "two_dimensional_mean", """Average gradients two-dimensionally.
+
+    Reduce-scatter over the local axes, every local device allreduces its slice
+    across processes on its own communicator (the world split by local device
+    index), all-gather over the local axes (ChainerMN ``two_dimensional``,
+    Horovod hierarchical allreduce). Spreads inter-process traffic over all
+    local devices.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxsync
+      >>> tx = jaxsync.two_dimensional_mean(axis_name="i", comm=None)
+      >>> f = lambda g: tx.update(g, tx.init(g))[0]
+      >>> jax.vmap(f, axis_name="i")({"w": jnp.arange(4.0)})["w"]
+      Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
+""")
+
+single_node_mean = _factory("single_node", "single_node_mean", """Average gradients over the local axes only.
+
+    One packed reduction over the devices of this process, no inter-process stage
+    (ChainerMN ``single_node``, Caffe2 ``_AllReduceBlobsSingleHost``).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxsync
+      >>> tx = jaxsync.single_node_mean(axis_name="i")
+      >>> f = lambda g: tx.update(g, tx.init(g))[0]
+      >>> jax.vmap(f, axis_name="i")({"w": jnp.arange(4.0)})["w"]
+      Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
+""", has_comm=False)
