@@ -29,6 +29,15 @@ from ._topology import Comms
 
 Axes = tuple
 
+try:  # typed as replicated over the axes (shard_map check_vma); jax >= 0.7
+    from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
+except ImportError:  # pragma: no cover
+    _all_gather_invariant = None
+
+
+def _is_batched(x) -> bool:
+    return isinstance(x, _batching.BatchTracer)
+
 
 def bound_axes() -> dict:
     """The axis names bound where this is traced, with their sizes."""
@@ -87,8 +96,11 @@ class AxisOps:
         return lax.psum_scatter(x, self.axes, scatter_dimension=0, tiled=True)
 
     def allgather_tiled(self, x):
+        """Concatenate the slices of all members; the result is replicated."""
         if not self.axes:
             return x
+        if _all_gather_invariant is not None and not _is_batched(x):
+            return _all_gather_invariant(x, self.axes, axis=0, tiled=True)
         return lax.all_gather(x, self.axes, axis=0, tiled=True)
 
     def index(self):
@@ -254,18 +266,18 @@ class _HostOps:
         return self._callback(host_allgather, x, (size, *x.shape))
 
 
-def _varying(x, axes):
-    """Mark ``x`` as varying over ``axes`` (shard_map's manual-axis types).
-
-    Branches of ``lax.cond``/``lax.switch`` must agree on them; the values that
-    enter an inter-process stage differ per device in general.
-    """
+def _vma(x) -> tuple:
+    """The shard_map axes over which ``x`` is typed as varying."""
     aval = jax.typeof(x)
     mat = getattr(aval, "manual_axis_type", None)
-    vma = mat.varying if mat is not None else getattr(aval, "vma", None)
-    if vma is None:
-        return x
-    missing = tuple(a for a in axes if a not in vma)
+    vma = mat.varying if mat is not None else getattr(aval, "vma", ())
+    return tuple(sorted(vma or (), key=str))
+
+
+def _varying(x, axes):
+    """Mark ``x`` as varying over ``axes`` (shard_map's manual-axis types)."""
+    have = _vma(x)
+    missing = tuple(a for a in axes if a not in have)
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -313,15 +325,14 @@ class MPIBackend:
         if not intra.axes:
             return program(self._ops(comms.world), bufs)
         idx = lax.axis_index(intra.axes)
-        if isinstance(idx, _batching.BatchTracer):
+        if _is_batched(idx):
             # Under vmap all replicas live in one program: one ordered chain on
             # the world communicator, every replica a row of the same message.
             return program(self._ops(comms.world), bufs)
-        axes = intra.axes
-        bufs = [_varying(b, axes) for b in bufs]
-
         def on(comm, bs):
-            return [_varying(y, axes) for y in program(self._ops(comm), bs)]
+            # Results keep the inputs' shard_map axis types, so branches agree
+            # and a replicated input gives a replicated (invariant) result.
+            return [_varying(y, _vma(b)) for y, b in zip(program(self._ops(comm), bs), bs)]
 
         if leader_only:
             out = lax.cond(idx == 0, functools.partial(on, comms.world), list, bufs)

@@ -8,12 +8,17 @@ the ``ops`` it is given.
 =================  ======================================  ============================
 strategy           intra stage                             inter stage
 =================  ======================================  ============================
-naive              one sum per leaf                        one allreduce per leaf (leader)
-flat               one sum over all buckets                every device, whole buffers
-hierarchical       sum                                     leader allreduce, broadcast
+naive              one sum per leaf                        leader: one allreduce per leaf
+flat               one sum of all buffers                  leader: one allreduce per buffer
+hierarchical       one sum of all buffers                  leader: one allreduce per buffer
 two_dimensional    reduce-scatter                          every device its slice; all-gather
 single_node        sum                                     none
 =================  ======================================  ============================
+
+"leader" means local device 0 talks to the other processes and the result is
+broadcast over the local axes. ``flat`` packs every leaf into one buffer per dtype
+(ChainerMN's flat communicator); ``hierarchical`` sends large leaves as they are,
+without a copy, and packs only the small ones.
 """
 
 from __future__ import annotations
@@ -84,10 +89,8 @@ def run(strategy: str, bufs: list, intra, backend) -> list:
         bufs = [sum_buffers(intra, [b])[0] for b in bufs]
         per_leaf = lambda ops, bs: [sum_buffers(ops, [b])[0] for b in bs]
         return backend.run(per_leaf, bufs, intra, leader_only=True)
-    if strategy == "flat":
-        bufs = sum_buffers(intra, bufs)
-        return backend.run(sum_buffers, bufs, intra, leader_only=False)
-    if strategy == "hierarchical":
+    if strategy in ("flat", "hierarchical"):
+        # Same stages; they differ in packing (flat: everything packed).
         bufs = sum_buffers(intra, bufs)
         return backend.run(sum_buffers, bufs, intra, leader_only=True)
     if strategy == "two_dimensional":

@@ -101,7 +101,7 @@ class SyncConfig:
 
 
 def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
-                bucket_bytes=DEFAULT_BUCKET_BYTES, pack_threshold=DEFAULT_PACK_THRESHOLD,
+                bucket_bytes=DEFAULT_BUCKET_BYTES, pack_threshold=AUTO,
                 comm_dtype=None, predivide=1.0, check_finite=False,
                 staging="device") -> SyncConfig:
     """Validate every static option; raise TypeError/ValueError naming it."""
@@ -113,6 +113,8 @@ def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
         raise ValueError(f"{fn}: reduce must be one of {_REDUCES}, got {reduce!r}. "
                          "Fix: reduce='mean' (default) or reduce='sum'.")
     _check_bytes("bucket_bytes", bucket_bytes, allow_none=True)
+    if isinstance(pack_threshold, str) and pack_threshold == AUTO:
+        pack_threshold = None if strategy == "flat" else DEFAULT_PACK_THRESHOLD
     _check_bytes("pack_threshold", pack_threshold, allow_none=True)
     dt = _check_dtype(fn, comm_dtype)
     if isinstance(predivide, bool) or not isinstance(predivide, (int, float)):
@@ -261,7 +263,8 @@ _OPTIONS_DOC = """
       reduce: ``"mean"`` (divide by devices x processes) or ``"sum"``.
       bucket_bytes: cap on one packed buffer (``None``: no cap).
       pack_threshold: leaves of at least this many bytes travel in their own
-        buffer without a copy (``None``: pack everything).
+        buffer without a copy (``None``: pack everything). Default: ``None``
+        for ``flat_mean``, 256 KiB otherwise.
       comm_dtype: dtype on the wire (``None``: each buffer's own dtype). 16-bit
         data is always summed in float32.
       predivide: divide by this before the sum and by ``n / predivide`` after.
@@ -298,9 +301,10 @@ naive_mean = _factory("naive", "naive_mean", """Average gradients leaf by leaf.
 
 flat_mean = _factory("flat", "flat_mean", """Average gradients packed into a few buffers.
 
-    Small leaves are packed into one buffer per dtype (buckets of at most
-    ``bucket_bytes``); one reduction over the local axes, then every local device
-    allreduces the whole buffers across processes (ChainerMN ``flat``).
+    Every leaf is packed into one buffer per dtype (split into buckets of at
+    most ``bucket_bytes``); one reduction over the local axes, one inter-process
+    allreduce per buffer by local device 0, broadcast over the local axes
+    (ChainerMN ``flat``).
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxsync
