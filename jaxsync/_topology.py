@@ -84,21 +84,15 @@ def topology(comm: Any = "auto") -> Topology:
     platform = jax.default_backend()
     if comm is None:
         return Topology(0, 1, 0, 1, 0, 1, ndev, platform)
-    _, hostcomm, leaders = _host_split(comm)
+    comms = Comms.of(comm)
+    hostcomm = comms.host
     rank, size = comm.Get_rank(), comm.Get_size()
     local_rank, local_size = hostcomm.Get_rank(), hostcomm.Get_size()
-    host_ids = comm.allgather(leaders)
-    hosts = len({h for h in host_ids})
-    host = sorted(set(host_ids)).index(leaders)
-    return Topology(rank, size, host, hosts, local_rank, local_size, ndev, platform)
-
-
-@functools.lru_cache(maxsize=None)
-def _host_split(comm):
-    from mpi4py import MPI
-    hostcomm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    leader = hostcomm.bcast(comm.Get_rank(), root=0)
-    return comm, hostcomm, leader
+    leader = hostcomm.bcast(rank, root=0)        # lowest rank on my host
+    leaders = comms.control.allgather(leader)
+    hosts = sorted(set(leaders))
+    return Topology(rank, size, hosts.index(leader), len(hosts), local_rank, local_size,
+                    ndev, platform)
 
 
 class Comms:
@@ -127,6 +121,12 @@ class Comms:
         if key not in cls._cache:
             cls._cache[key] = cls(comm)
         return cls._cache[key]
+
+    @functools.cached_property
+    def host(self):
+        """The processes on this host (MPI shared-memory split)."""
+        from mpi4py import MPI
+        return self.control.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
 
     def per_device(self, n: int) -> tuple:
         """``n`` communicators: the world split by local device index."""

@@ -32,7 +32,7 @@ if ! "$venv/bin/python" -c "import mpi4jax" >/dev/null 2>&1; then
   fi
   pip install --no-build-isolation --no-binary mpi4jax "mpi4jax>=0.9,<0.10"
 fi
-echo "[setup] installing jaxsync (editable) with test and bench extras"
-pip install --no-build-isolation -e ".[mpi,test,bench]"
+echo "[setup] installing jaxsync (editable) with mpi, test, bench and demo extras"
+pip install --no-build-isolation -e ".[mpi,test,bench,demo]"
 "$venv/bin/python" -c "import jax, optax, mpi4py, mpi4jax, jaxsync; print('[setup] ok: jax', jax.__version__, 'mpi4jax', mpi4jax.__version__)"
 echo "$want" > "$stamp"

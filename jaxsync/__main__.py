@@ -1,0 +1,45 @@
+"""Command line: ``python -m jaxsync {demo,bench,info}``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+_HELP = {
+    "demo": "data-parallel training under mpirun (2 processes x 2 fake CPU devices), "
+            "compared with single-process training",
+    "bench": "every strategy against the peers a user would write, side by side "
+             "(table, JSON/CSV, PNG plot); run under mpirun for the inter-process part",
+    "info": "versions, MPI library and thread level, and this process's topology "
+            "(run alone or under mpirun)",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxsync",
+        description="jaxsync: gradient synchronisation for data-parallel JAX.",
+        epilog="Run `python -m jaxsync COMMAND --help` for a command's options.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, text in _HELP.items():
+        sub.add_parser(name, help=text, add_help=False)
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "demo":
+        from . import _demo
+        return _demo.main(rest)
+    if command == "bench":
+        from . import _bench
+        return _bench.main(rest)
+    if command == "info":
+        from . import _info
+        return _info.main(rest)
+    parser.error(f"unknown command {command!r}; choose from {', '.join(_HELP)}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
