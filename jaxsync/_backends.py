@@ -301,12 +301,18 @@ class MPIBackend:
 
     name = "mpi"
 
-    def __init__(self, comm, staging: str = "device"):
+    def __init__(self, comm, staging: str = "device", timeout: float | None = None):
         if staging == "device":
             _mpi._load()
         self.comm = comm
         self.staging = staging
+        self.timeout = timeout
         self._agreed: set = set()
+
+    def _watched(self, program, watch: bool):
+        if self.timeout is None or not watch:
+            return program
+        return self.comms.watchdog(self.timeout).wrap(program)
 
     @functools.cached_property
     def comms(self) -> Comms:
@@ -323,22 +329,25 @@ class MPIBackend:
         if not bufs:
             return []
         if not intra.axes:
-            return program(self._ops(comms.world), bufs)
+            return self._watched(program, True)(self._ops(comms.world), bufs)
         idx = lax.axis_index(intra.axes)
         if _is_batched(idx):
             # Under vmap all replicas live in one program: one ordered chain on
             # the world communicator, every replica a row of the same message.
-            return program(self._ops(comms.world), bufs)
-        def on(comm, bs):
+            return self._watched(program, True)(self._ops(comms.world), bufs)
+
+        def on(comm, watch, bs):
             # Results keep the inputs' shard_map axis types, so branches agree
             # and a replicated input gives a replicated (invariant) result.
-            return [_varying(y, _vma(b)) for y, b in zip(program(self._ops(comm), bs), bs)]
+            out = self._watched(program, watch)(self._ops(comm), bs)
+            return [_varying(y, _vma(b)) for y, b in zip(out, bs)]
 
         if leader_only:
-            out = lax.cond(idx == 0, functools.partial(on, comms.world), list, bufs)
+            out = lax.cond(idx == 0, functools.partial(on, comms.world, True), list, bufs)
             return intra.broadcast(list(out), root=0)
         per_dev = comms.per_device(intra.size)
-        return list(lax.switch(idx, [functools.partial(on, c) for c in per_dev], bufs))
+        branches = [functools.partial(on, c, k == 0) for k, c in enumerate(per_dev)]
+        return list(lax.switch(idx, branches, bufs))
 
     def agree(self, text: str, what: str) -> None:
         """Compare ``text`` across processes once; raise the same error everywhere."""
@@ -350,7 +359,8 @@ class MPIBackend:
         self._agreed.add(text)
 
     def __repr__(self):
-        return f"MPIBackend(size={self.size()}, staging={self.staging!r})"
+        return (f"MPIBackend(size={self.size()}, staging={self.staging!r}, "
+                f"timeout={self.timeout})")
 
 
 def _disagreement(texts: Sequence[str], what: str) -> str:

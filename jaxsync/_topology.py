@@ -114,6 +114,7 @@ class Comms:
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
         self._per_device: dict[int, tuple] = {}
+        self._watchdogs: dict = {}
 
     @classmethod
     def of(cls, comm) -> "Comms":
@@ -121,6 +122,14 @@ class Comms:
         if key not in cls._cache:
             cls._cache[key] = cls(comm)
         return cls._cache[key]
+
+    def watchdog(self, timeout: float):
+        """The stall watchdog of this communicator (one per timeout value)."""
+        from ._watchdog import Watchdog
+        key = float(timeout)
+        if key not in self._watchdogs:
+            self._watchdogs[key] = Watchdog(self.control.Dup(), key)
+        return self._watchdogs[key]
 
     @functools.cached_property
     def host(self):

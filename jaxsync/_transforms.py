@@ -46,7 +46,7 @@ def _normalize_axes(fn: str, axis_name) -> tuple:
                     "axis_name='data'")
 
 
-def _make_backend(fn: str, comm, staging: str):
+def _make_backend(fn: str, comm, staging: str, timeout=None):
     if isinstance(comm, str) and comm == AUTO:
         comm = default_comm()
     if comm is None:
@@ -60,7 +60,8 @@ def _make_backend(fn: str, comm, staging: str):
     if MPI is not None and isinstance(comm, MPI.Intracomm):
         if comm.Get_size() == 1:
             return _backends.LocalBackend()
-        return _backends.MPIBackend(comm, staging=staging)
+        return _backends.MPIBackend(comm, staging=staging,
+                                    timeout=None if timeout is None else float(timeout))
     raise _bad_type(fn, "comm", "an mpi4py Intracomm, jaxsync.AxisComm, None or "
                     "'auto'", comm, "pass comm=MPI.COMM_WORLD, "
                     "comm=jaxsync.AxisComm('host') or comm=None")
@@ -97,13 +98,13 @@ class SyncConfig:
     def describe(self) -> str:
         return (f"strategy {self.strategy} reduce {self.reduce} comm_dtype "
                 f"{self.comm_dtype} predivide {self.predivide} backend "
-                f"{self.backend.name}")
+                f"{self.backend.name} timeout {getattr(self.backend, 'timeout', None)}")
 
 
 def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
                 bucket_bytes=DEFAULT_BUCKET_BYTES, pack_threshold=AUTO,
                 comm_dtype=None, predivide=1.0, check_finite=False,
-                staging="device") -> SyncConfig:
+                staging="device", timeout=None) -> SyncConfig:
     """Validate every static option; raise TypeError/ValueError naming it."""
     if strategy not in _strategies.STRATEGIES:
         raise ValueError(f"{fn}: strategy must be one of {_strategies.STRATEGIES}, "
@@ -129,8 +130,15 @@ def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
                          f"{check_finite!r}.")
     if staging not in _STAGINGS:
         raise ValueError(f"{fn}: staging must be one of {_STAGINGS}, got {staging!r}.")
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise _bad_type(fn, "timeout", "a number of seconds or None", timeout,
+                            "pass e.g. timeout=60.0, or None to turn the watchdog off")
+        if not timeout > 0:
+            raise ValueError(f"{fn}: timeout must be > 0 seconds, got {timeout}. "
+                             "Fix: timeout=60.0, or None (off).")
     backend = (_backends.LocalBackend() if strategy == "single_node"
-               else _make_backend(fn, comm, staging))
+               else _make_backend(fn, comm, staging, timeout))
     return SyncConfig(strategy, axes, backend, reduce, bucket_bytes, pack_threshold,
                       dt, float(predivide), check_finite)
 
@@ -271,6 +279,9 @@ _OPTIONS_DOC = """
       check_finite: ``True`` keeps ``all_finite`` in the state; ``"raise"`` also
         raises ``FloatingPointError`` naming the non-finite leaves.
       staging: ``"device"`` or ``"host"`` (MPI through host memory).
+      timeout: seconds (MPI only; default ``None``, off): when this process has
+        waited longer than this in one inter-process stage, a watchdog prints
+        which ranks have not arrived. The synchronisation keeps waiting.
 """
 
 

@@ -1,0 +1,142 @@
+"""Optional stall watchdog for the MPI stage (Horovod's stall check in spirit).
+
+With ``timeout=T`` on a transform, local device 0 of every process tells a
+watchdog thread when it enters and leaves each inter-process stage (two tiny host
+callbacks with a real data dependency on the MPI calls). When this process has
+waited more than ``T`` seconds inside one stage, its watchdog asks the others,
+over a private communicator, how many stages they have entered and prints which
+ranks have not arrived (or did not answer at all). The synchronisation itself
+goes on waiting: when the straggler arrives the result is the same as without
+the watchdog.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import time
+
+import numpy as np
+
+import jax
+from jax import lax
+
+_QUERY, _REPLY = 7101, 7102
+
+
+class Watchdog:
+    """One per communicator and process; started on first use."""
+
+    def __init__(self, comm, timeout: float, stream=None):
+        self.comm = comm  # a private duplicate, used by this thread only
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.timeout = float(timeout)
+        self.stream = stream or sys.stderr
+        self.entered = 0
+        self.left = 0
+        self.t_enter = 0.0
+        self.reports: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._reported = -1
+        self._thread = threading.Thread(target=self._loop, name="jaxsync-watchdog",
+                                        daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)
+
+    # -- called from the device thread through host callbacks -----------------
+    def enter(self, x):
+        with self._lock:
+            self.entered += 1
+            self.t_enter = time.monotonic()
+        return x
+
+    def leave(self, x):
+        with self._lock:
+            self.left += 1
+        return x
+
+    # -- the thread --------------------------------------------------------------
+    def _serve(self):
+        from mpi4py import MPI
+        status = MPI.Status()
+        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_QUERY, status=status):
+            src = status.Get_source()
+            self.comm.recv(source=src, tag=_QUERY)
+            with self._lock:
+                state = (self.entered, self.left)
+            self.comm.send(state, dest=src, tag=_REPLY)
+
+    def _loop(self):
+        poll = min(0.05, self.timeout / 4)
+        while not self._stop.is_set():
+            self._serve()
+            with self._lock:
+                waiting = self.entered > self.left
+                seq, since = self.entered, time.monotonic() - self.t_enter
+            if waiting and since > self.timeout and self._reported != seq:
+                self._reported = seq
+                self._report(seq, since)
+            time.sleep(poll)
+        self._serve()
+
+    def _report(self, seq: int, since: float):
+        from mpi4py import MPI
+        others = [r for r in range(self.size) if r != self.rank]
+        for r in others:
+            self.comm.send(None, dest=r, tag=_QUERY)
+        answers: dict[int, tuple] = {}
+        deadline = time.monotonic() + max(1.0, self.timeout)
+        status = MPI.Status()
+        while len(answers) < len(others) and time.monotonic() < deadline:
+            self._serve()
+            if self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_REPLY, status=status):
+                src = status.Get_source()
+                answers[src] = self.comm.recv(source=src, tag=_REPLY)
+            else:
+                time.sleep(0.01)
+        behind = [f"{r} (entered {answers[r][0]})" for r in others
+                  if r in answers and answers[r][0] < seq]
+        silent = [str(r) for r in others if r not in answers]
+        parts = []
+        if behind:
+            parts.append(f"ranks not arrived: {', '.join(behind)}")
+        if silent:
+            parts.append(f"ranks not answering (dead, or busy outside jaxsync): "
+                         f"{', '.join(silent)}")
+        if not parts:
+            parts.append("every rank has arrived; the collective itself is slow")
+        msg = (f"jaxsync watchdog: rank {self.rank} has waited {since:.1f} s in "
+               f"inter-process synchronisation #{seq}; " + "; ".join(parts))
+        self.reports.append(msg)
+        print(msg, file=self.stream, flush=True)
+
+    def stop(self):
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2.0)
+
+    # -- in-graph hooks ---------------------------------------------------------
+    def wrap(self, program):
+        """``program(ops, bufs)`` with enter/leave callbacks data-tied to its calls."""
+
+        def wrapped(ops, bufs):
+            bufs = list(bufs)
+            bufs[0] = _tie(self.enter, bufs[0])
+            out = list(program(ops, bufs))
+            out[0] = _tie(self.leave, out[0])
+            return out
+
+        return wrapped
+
+
+def _tie(fn, x):
+    """Call ``fn`` on the host; later uses of ``x`` depend on the call (1 element)."""
+    if x.size == 0:
+        return x
+    head = lax.slice(x, (0,), (1,))
+    head = jax.pure_callback(lambda h: np.asarray(fn(h)), jax.ShapeDtypeStruct((1,), x.dtype),
+                             head, vmap_method="expand_dims")
+    return lax.dynamic_update_slice(x, head, (0,))
