@@ -85,9 +85,11 @@ class AxisOps:
         return lax.all_to_all(x, self.axes, 0, 0, tiled=True)
 
     def allgather(self, x):
-        """``x`` of shape (m,) -> (size, m)."""
+        """``x`` of shape (m,) -> (size, m); the result is replicated."""
         if not self.axes:
             return x[None]
+        if _all_gather_invariant is not None and not _is_batched(x):
+            return _all_gather_invariant(x, self.axes, axis=0, tiled=False)
         return lax.all_gather(x, self.axes, axis=0, tiled=False)
 
     def reduce_scatter(self, x):

@@ -54,7 +54,9 @@ def broadcast_params(tree: PyTree, root: int = 0, comm: Any = "auto") -> PyTree:
             raise ValueError("broadcast_params with AxisComm broadcasts from process 0; "
                              f"got root={root}. Fix: root=0.")
         from jax.experimental import multihost_utils
-        return multihost_utils.broadcast_one_to_all(tree)
+        out = multihost_utils.broadcast_one_to_all(tree)
+        return jax.tree.map(lambda new, old: jnp.asarray(new) if isinstance(old, jax.Array)
+                            else new, out, tree)
     size = comm.Get_size()
     if not 0 <= root < size:
         raise ValueError(f"broadcast_params: root must be in [0, {size}), got {root}.")

@@ -7,3 +7,16 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Only test_*.py files are collected under tests/ (also for doctests).
+
+    Worker scripts run as subprocesses (under mpirun or jax.distributed) and
+    must never be imported by the pytest process.
+    """
+    del config
+    if collection_path.suffix == ".py" and not collection_path.name.startswith(
+            ("test_", "conftest")):
+        return True
+    return None

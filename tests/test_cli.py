@@ -1,0 +1,70 @@
+"""The command line (python -m jaxsync ...) and the quickstart example."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MPIRUN = str(Path(sys.executable).with_name("mpirun"))
+
+
+def run(*args, timeout=240):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT, env=env)
+
+
+def test_help_lists_commands():
+    r = run(sys.executable, "-m", "jaxsync", "--help")
+    assert r.returncode == 0, r.stderr
+    for command in ("demo", "bench", "info"):
+        assert command in r.stdout
+
+
+def test_no_command_is_an_error():
+    r = run(sys.executable, "-m", "jaxsync")
+    assert r.returncode == 2
+
+
+def test_info_json_single_process():
+    r = run(sys.executable, "-m", "jaxsync", "info", "--json", "--devices", "3")
+    assert r.returncode == 0, r.stderr
+    (info,) = [json.loads(line) for line in r.stdout.splitlines()]
+    assert info["topology"]["size"] == 1
+    assert info["topology"]["local_devices"] == 3
+    assert info["mpi_backend"] == "ok"
+
+
+def test_info_under_mpirun_lists_every_rank():
+    r = run(MPIRUN, "-n", "2", sys.executable, "-m", "jaxsync", "info", "--json",
+            "--devices", "2")
+    assert r.returncode == 0, r.stderr
+    infos = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert sorted(i["topology"]["rank"] for i in infos) == [0, 1]
+    assert all(i["topology"]["size"] == 2 and i["mpi_thread_level"] == "multiple"
+               for i in infos)
+
+
+def test_demo_trains_and_matches_single_process():
+    r = run(sys.executable, "-m", "jaxsync", "demo", "--steps", "25")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "demo OK" in r.stdout
+    assert "replicas bit-identical" in r.stdout
+
+
+@pytest.mark.parametrize("args", [["--batch", "7"], ["--devices", "0"]])
+def test_demo_rejects_bad_arguments(args):
+    r = run(sys.executable, "-m", "jaxsync", "demo", *args)
+    assert r.returncode == 2
+    assert "must be" in r.stderr
+
+
+def test_quickstart_example_converges():
+    r = run(sys.executable, str(ROOT / "examples" / "quickstart.py"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    loss = float(r.stdout.split("loss ")[1].split(",")[0])
+    assert loss < 1e-4
