@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -268,6 +269,44 @@ class _HostOps:
         return self._callback(host_allgather, x, (size, *x.shape))
 
 
+# Several MPI synchronisations in one compiled step: each one's MPI calls are
+# ordered by its own token, but two of them could run in either order (XLA's CPU
+# runtime runs independent work concurrently), differently on each process. The
+# second one's input is therefore tied to the first one's result by a real data
+# dependency: its first element is XOR-ed with (previous result AND a zero that
+# XLA cannot see through). The value is unchanged bit for bit.
+_last_sync: tuple = (None, None)  # (weakref to the trace, last result)
+
+
+def _current_trace():
+    try:
+        return _core.trace_ctx.trace
+    except AttributeError:  # pragma: no cover - other jax versions
+        return None
+
+
+def _record_sync(result) -> None:
+    global _last_sync
+    trace = _current_trace()
+    _last_sync = (weakref.ref(trace), result) if trace is not None else (None, None)
+
+
+def _after_previous_sync(x):
+    ref, prev = _last_sync
+    trace = _current_trace()
+    if ref is None or trace is None or ref() is not trace or x.size == 0 or prev.size == 0:
+        return x
+    width = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
+    pwidth = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[prev.dtype.itemsize]
+    zero = jax.pure_callback(lambda: np.zeros((), width), jax.ShapeDtypeStruct((), width),
+                             vmap_method="broadcast_all")
+    head = lax.bitcast_convert_type(lax.slice(x, (0,), (1,)), width)
+    dep = lax.bitcast_convert_type(lax.slice(prev.reshape(-1), (0,), (1,)), pwidth)
+    dep = lax.convert_element_type(dep, width) & zero
+    head = lax.bitcast_convert_type(head ^ _varying(dep, _vma(head)), x.dtype)
+    return lax.dynamic_update_slice(x, head, (0,))
+
+
 def _vma(x) -> tuple:
     """The shard_map axes over which ``x`` is typed as varying."""
     aval = jax.typeof(x)
@@ -327,9 +366,16 @@ class MPIBackend:
         return _HostOps(comm) if self.staging == "host" else _MPIOps(comm)
 
     def run(self, program, bufs, intra: AxisOps, leader_only: bool):
-        comms = self.comms
         if not bufs:
             return []
+        bufs = list(bufs)
+        bufs[0] = _after_previous_sync(bufs[0])
+        out = self._run(program, bufs, intra, leader_only)
+        _record_sync(out[0])
+        return out
+
+    def _run(self, program, bufs, intra: AxisOps, leader_only: bool):
+        comms = self.comms
         if not intra.axes:
             return self._watched(program, True)(self._ops(comms.world), bufs)
         idx = lax.axis_index(intra.axes)
