@@ -121,6 +121,7 @@ class LocalBackend:
     """No inter-process stage: one process."""
 
     name = "none"
+    mesh_axes: tuple = ()
 
     def size(self) -> int:
         return 1
@@ -176,6 +177,7 @@ class AxisBackend:
 
     def __init__(self, axis: AxisComm):
         self.axis = axis.axis_name
+        self.mesh_axes = (axis.axis_name,)
 
     def size(self) -> int:
         check_axes((self.axis,), "comm axis")
@@ -269,6 +271,36 @@ class _HostOps:
         return self._callback(host_allgather, x, (size, *x.shape))
 
 
+def share_invariant(tree, axes: Axes):
+    """Gradients that autodiff already summed over some axes take part once.
+
+    Under ``shard_map`` (with ``check_vma``), the gradient of a parameter that
+    entered replicated (``in_specs=P()``) comes out *invariant* over the mesh
+    axes: autodiff already summed the per-device gradients. Summing it again
+    would multiply it by the axis size. Such a leaf keeps its value on device 0
+    of the axes it is invariant over and becomes zero on the others, so the
+    usual sum counts it exactly once and the mean stays right (bit-exact: adding
+    zeros changes only the sign of a zero).
+    """
+    if not axes:
+        return tree
+    typed = set(_vma(lax.axis_index(axes)))
+    if not typed:  # vmap, pmap, or check_vma=False: values carry no axis types
+        return tree
+
+    def share(x):
+        if str(x.dtype) not in ("float16", "bfloat16", "float32", "float64"):
+            return x
+        have = _vma(x)
+        inv = tuple(a for a in axes if a in typed and a not in have)
+        if not inv:
+            return x
+        first = lax.axis_index(inv) == 0
+        return jnp.where(first, _varying(x, inv), jnp.zeros_like(x))
+
+    return jax.tree.map(share, tree)
+
+
 # Several MPI synchronisations in one compiled step: each one's MPI calls are
 # ordered by its own token, but two of them could run in either order (XLA's CPU
 # runtime runs independent work concurrently), differently on each process. The
@@ -341,6 +373,7 @@ class MPIBackend:
     """
 
     name = "mpi"
+    mesh_axes: tuple = ()
 
     def __init__(self, comm, staging: str = "device", timeout: float | None = None):
         if staging == "device":

@@ -77,15 +77,17 @@ def _leaf_dtype(leaf) -> str:
     dt = getattr(leaf, "dtype", None)
     if dt is None:
         dt = np.asarray(leaf).dtype
-    return str(np.dtype(dt) if str(dt) != "bfloat16" else "bfloat16")
+    if dt == jax.dtypes.float0:
+        return "float0"
+    # What the leaf becomes inside JAX (float64 is float32 unless x64 is on).
+    return str(jax.dtypes.canonicalize_dtype(dt))
 
 
 def _classify(path: str, dtype: str) -> bool:
     """True if the leaf is reduced, False if it passes through."""
     if dtype in REDUCED_DTYPES:
         return True
-    kind = np.dtype(jnp.dtype(dtype)).kind
-    if dtype == "float0" or kind in "iub" or str(jnp.dtype(dtype)) == "float0":
+    if dtype == "float0" or np.dtype(jnp.dtype(dtype)).kind in "iub":
         return False
     raise TypeError(
         f"jaxsync cannot reduce leaf {path} of dtype {dtype}: expected one of "

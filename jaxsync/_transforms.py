@@ -31,12 +31,12 @@ def _bad_type(fn, arg, expected, got, fix):
 def _normalize_axes(fn: str, axis_name) -> tuple:
     if axis_name is None:
         return ()
-    if isinstance(axis_name, (str, int)) and not isinstance(axis_name, bool):
+    if isinstance(axis_name, str):
         return (axis_name,)
-    if isinstance(axis_name, tuple) and all(
-            isinstance(a, (str, int)) and not isinstance(a, bool) for a in axis_name):
+    if isinstance(axis_name, tuple) and all(isinstance(a, str) for a in axis_name):
         if len(set(axis_name)) != len(axis_name):
-            raise ValueError(f"{fn}: axis_name {axis_name!r} repeats an axis.")
+            raise ValueError(f"{fn}: axis_name {axis_name!r} repeats an axis. Fix: name "
+                             f"each axis once, e.g. {tuple(dict.fromkeys(axis_name))!r}.")
         return axis_name
     if isinstance(axis_name, list):
         raise _bad_type(fn, "axis_name", "a str or a tuple of str", axis_name,
@@ -92,7 +92,7 @@ class SyncConfig:
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES
     pack_threshold: int | None = DEFAULT_PACK_THRESHOLD
     comm_dtype: str | None = None
-    predivide: float = 1.0
+    predivide: float | None = None
     check_finite: Any = False
 
     def describe(self) -> str:
@@ -103,7 +103,7 @@ class SyncConfig:
 
 def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
                 bucket_bytes=DEFAULT_BUCKET_BYTES, pack_threshold=AUTO,
-                comm_dtype=None, predivide=1.0, check_finite=False,
+                comm_dtype=None, predivide=None, check_finite=False,
                 staging="device", timeout=None) -> SyncConfig:
     """Validate every static option; raise TypeError/ValueError naming it."""
     if strategy not in _strategies.STRATEGIES:
@@ -118,18 +118,21 @@ def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
         pack_threshold = None if strategy == "flat" else DEFAULT_PACK_THRESHOLD
     _check_bytes("pack_threshold", pack_threshold, allow_none=True)
     dt = _check_dtype(fn, comm_dtype)
-    if isinstance(predivide, bool) or not isinstance(predivide, (int, float)):
-        raise _bad_type(fn, "predivide", "a Python float >= 1", predivide,
+    if predivide is not None and (isinstance(predivide, bool)
+                                  or not isinstance(predivide, (int, float))):
+        raise _bad_type(fn, "predivide", "a Python float >= 1 or None", predivide,
                         "pass e.g. predivide=8.0 (a traced value cannot be static)")
-    if not predivide >= 1.0 or not np.isfinite(predivide):
+    if predivide is not None and (not predivide >= 1.0 or not np.isfinite(predivide)):
         raise ValueError(f"{fn}: predivide must be a finite float >= 1, got "
                          f"{predivide}. Fix: predivide=1.0 (off) or the replica count.")
     if check_finite not in _CHECKS or isinstance(check_finite, (int, float)) and \
             not isinstance(check_finite, bool):
         raise ValueError(f"{fn}: check_finite must be one of {_CHECKS}, got "
-                         f"{check_finite!r}.")
+                         f"{check_finite!r}. Fix: check_finite=True (a flag in the "
+                         "state) or check_finite='raise' (an error naming the leaves).")
     if staging not in _STAGINGS:
-        raise ValueError(f"{fn}: staging must be one of {_STAGINGS}, got {staging!r}.")
+        raise ValueError(f"{fn}: staging must be one of {_STAGINGS}, got {staging!r}. "
+                         "Fix: staging='device' (default) or staging='host'.")
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
             raise _bad_type(fn, "timeout", "a number of seconds or None", timeout,
@@ -137,10 +140,11 @@ def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
         if not timeout > 0:
             raise ValueError(f"{fn}: timeout must be > 0 seconds, got {timeout}. "
                              "Fix: timeout=60.0, or None (off).")
-    backend = (_backends.LocalBackend() if strategy == "single_node"
-               else _make_backend(fn, comm, staging, timeout))
+    backend = _make_backend(fn, comm, staging, timeout)
+    if strategy == "single_node":
+        backend = _backends.LocalBackend()
     return SyncConfig(strategy, axes, backend, reduce, bucket_bytes, pack_threshold,
-                      dt, float(predivide), check_finite)
+                      dt, None if predivide is None else float(predivide), check_finite)
 
 
 def _sync(tree: PyTree, cfg: SyncConfig):
@@ -152,16 +156,17 @@ def _sync(tree: PyTree, cfg: SyncConfig):
     cfg.backend.agree(plan.describe() + "\n" + cfg.describe(), "gradient tree")
     intra = _backends.AxisOps(cfg.axes)
     n = intra.size * cfg.backend.size()
+    tree = _backends.share_invariant(tree, cfg.axes + cfg.backend.mesh_axes)
     bufs = plan.pack(tree)
     dtypes = [b.dtype for b in bufs]
     if cfg.comm_dtype is not None:
         bufs = [b.astype(cfg.comm_dtype) for b in bufs]
-    if cfg.predivide != 1.0:
-        bufs = [b / jnp.asarray(cfg.predivide, b.dtype) for b in bufs]
+    pres = [_predivide(cfg, b.dtype, n) for b in bufs]
+    bufs = [b if p == 1.0 else b / jnp.asarray(p, b.dtype) for b, p in zip(bufs, pres)]
     bufs = _strategies.run(cfg.strategy, bufs, intra, cfg.backend)
-    post = (n / cfg.predivide) if cfg.reduce == "mean" else (1.0 / cfg.predivide)
     out = []
-    for b, dt in zip(bufs, dtypes):
+    for b, dt, pre in zip(bufs, dtypes, pres):
+        post = (n / pre) if cfg.reduce == "mean" else (1.0 / pre)
         if post != 1.0:
             wide = jnp.float32 if str(b.dtype) in ("float16", "bfloat16") else b.dtype
             b = b.astype(wide) / jnp.asarray(post, wide)
@@ -174,6 +179,14 @@ def _sync(tree: PyTree, cfg: SyncConfig):
         if cfg.check_finite == "raise":
             _raise_if_nonfinite(plan, out)
     return result, finite
+
+
+def _predivide(cfg: SyncConfig, travel_dtype, n: int) -> float:
+    if cfg.predivide is not None:
+        return cfg.predivide
+    if cfg.reduce == "mean" and str(travel_dtype) == "float16":
+        return float(n)
+    return 1.0
 
 
 def _raise_if_nonfinite(plan, out):
@@ -275,7 +288,10 @@ _OPTIONS_DOC = """
         for ``flat_mean``, 256 KiB otherwise.
       comm_dtype: dtype on the wire (``None``: each buffer's own dtype). 16-bit
         data is always summed in float32.
-      predivide: divide by this before the sum and by ``n / predivide`` after.
+      predivide: divide by this before the sum and by ``n / predivide`` after
+        (Horovod's ``gradient_predivide_factor``). Default ``None``: the replica
+        count for float16 data averaged with ``reduce="mean"`` (so the sum cannot
+        overflow), else 1 (off).
       check_finite: ``True`` keeps ``all_finite`` in the state; ``"raise"`` also
         raises ``FloatingPointError`` naming the non-finite leaves.
       staging: ``"device"`` or ``"host"`` (MPI through host memory).
@@ -291,6 +307,10 @@ def _factory(strategy: str, fn: str, doc: str, *, has_comm=True):
             return _transform(fn, strategy, axis_name, comm, **options)
     else:
         def factory(axis_name, **options) -> optax.GradientTransformation:
+            if "comm" in options:
+                raise TypeError(f"{fn} got an unexpected argument 'comm': it reduces over "
+                                "the local axes only. Fix: drop comm, or use "
+                                "hierarchical_mean(axis_name, comm=...) across processes.")
             return _transform(fn, strategy, axis_name, None, **options)
     factory.__name__ = factory.__qualname__ = fn
     factory.__doc__ = doc + _OPTIONS_DOC
