@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -381,7 +382,6 @@ class MPIBackend:
         self.comm = comm
         self.staging = staging
         self.timeout = timeout
-        self._agreed: set = set()
 
     def _watched(self, program, watch: bool):
         if self.timeout is None or not watch:
@@ -431,17 +431,28 @@ class MPIBackend:
         return list(lax.switch(idx, branches, bufs))
 
     def agree(self, text: str, what: str) -> None:
-        """Compare ``text`` across processes once; raise the same error everywhere."""
-        if text in self._agreed:
-            return
-        texts = self.comms.control.allgather(text)
-        if len(set(texts)) > 1:
-            raise ValueError(_disagreement(texts, what))
-        self._agreed.add(text)
+        """Compare ``text`` across processes; raise the same error everywhere.
+
+        Runs each time a synchronisation is traced (never in the compiled step):
+        a 32-byte digest is exchanged, the full texts only on a mismatch.
+        """
+        control = self.comms.control
+        digests = control.allgather(hashlib.sha256(text.encode()).digest())
+        if len(set(digests)) > 1:
+            raise ValueError(_disagreement(control.allgather(text), what))
 
     def __repr__(self):
         return (f"MPIBackend(size={self.size()}, staging={self.staging!r}, "
                 f"timeout={self.timeout})")
+
+
+_FIXES = {
+    "gradient tree": "make every process build the same gradient tree (same structure, "
+                     "shapes and dtypes), drive the same number of devices, and create "
+                     "the transform with the same options",
+    "parameter tree": "call broadcast_params on every process with a tree of the same "
+                      "structure, shapes and dtypes (only the values may differ)",
+}
 
 
 def _disagreement(texts: Sequence[str], what: str) -> str:
@@ -452,8 +463,8 @@ def _disagreement(texts: Sequence[str], what: str) -> str:
     for la, lb in zip(a + [""] * (len(b) - len(a)), b + [""] * (len(a) - len(b))):
         if la != lb:
             break
+    w = len(f"rank {other}:")
     return (f"jaxsync: the {what} differs between rank 0 and rank {other}, so the "
             f"processes would issue different collectives (a hang or wrong results).\n"
-            f"  rank 0:     {la or '<nothing>'}\n  rank {other}: {lb or '<nothing>'}\n"
-            "Fix: make every process build the same gradient tree (same structure, "
-            "shapes and dtypes) and the same transform options.")
+            f"  {'rank 0:':<{w}} {la or '<nothing>'}\n  {f'rank {other}:':<{w}} "
+            f"{lb or '<nothing>'}\nFix: {_FIXES.get(what, 'make every process agree')}.")

@@ -84,8 +84,7 @@ def broadcast_params(tree: PyTree, root: int = 0, comm: Any = "auto") -> PyTree:
 
 def _describe(tree) -> str:
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    lines = [f"treedef {treedef}"]
-    for path, leaf in with_paths:
-        lines.append(f"leaf {jax.tree_util.keystr(path)} {np.shape(leaf)} "
-                     f"{getattr(leaf, 'dtype', np.asarray(leaf).dtype)}")
+    lines = [f"leaf {jax.tree_util.keystr(path)} {np.shape(leaf)} "
+             f"{getattr(leaf, 'dtype', np.asarray(leaf).dtype)}" for path, leaf in with_paths]
+    lines.append(f"treedef {treedef}")  # last: the first differing line names a leaf
     return "\n".join(lines)

@@ -126,9 +126,10 @@ class Plan:
 
     def describe(self) -> str:
         """A canonical text form of the plan (what the fingerprint hashes)."""
-        lines = [f"treedef {self.treedef}", f"bucket_bytes {self.bucket_bytes}",
-                 f"pack_threshold {self.pack_threshold}"]
-        lines += [f"leaf {l.path} {l.shape} {l.dtype} {l.reduced}" for l in self.leaves]
+        # Leaves first, so the first differing line names a leaf path.
+        lines = [f"leaf {l.path} {l.shape} {l.dtype} {l.reduced}" for l in self.leaves]
+        lines += [f"treedef {self.treedef}", f"bucket_bytes {self.bucket_bytes}",
+                  f"pack_threshold {self.pack_threshold}"]
         lines += [f"bucket {b.dtype} {b.leaves} {b.size}" for b in self.buckets]
         return "\n".join(lines)
 

@@ -153,8 +153,9 @@ def _sync(tree: PyTree, cfg: SyncConfig):
     plan = make_plan(tree, bucket_bytes=cfg.bucket_bytes,
                      pack_threshold=cfg.pack_threshold,
                      per_leaf=cfg.strategy == "naive")
-    cfg.backend.agree(plan.describe() + "\n" + cfg.describe(), "gradient tree")
     intra = _backends.AxisOps(cfg.axes)
+    cfg.backend.agree(f"{plan.describe()}\n{cfg.describe()}\nreplicas per process "
+                      f"{intra.size}", "gradient tree")
     n = intra.size * cfg.backend.size()
     tree = _backends.share_invariant(tree, cfg.axes + cfg.backend.mesh_axes)
     bufs = plan.pack(tree)

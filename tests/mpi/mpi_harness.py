@@ -1,0 +1,116 @@
+"""Launch MPI worker scripts under mpirun from pytest.
+
+``run_mpi(script, n=2, devices=2, args=(), timeout=120)`` starts
+``mpirun -n N python tests/mpi/SCRIPT --out DIR --devices D ARGS...`` in its
+own process group, kills the whole group if it runs past ``timeout`` (a hang
+fails the test instead of blocking the suite), and returns an :class:`MPIRun`
+with the exit code, the combined output and each rank's recorded results.
+``devices`` may be a comma list ("2,4"): one local device count per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+MPIRUN = Path(sys.executable).parent / "mpirun"
+
+
+def _have_mpi() -> bool:
+    # find_spec, not import: importing mpi4jax would initialise MPI in the pytest
+    # process (mpi4py.MPI), which changes jaxsync's comm="auto" for other tests.
+    import importlib.util
+    return MPIRUN.exists() and all(
+        importlib.util.find_spec(m) is not None for m in ("mpi4py", "mpi4jax"))
+
+
+requires_mpi = pytest.mark.skipif(
+    not _have_mpi(), reason=f"needs mpirun next to {sys.executable}, mpi4py and mpi4jax")
+
+
+class MPIRun:
+    def __init__(self, cmd, returncode, output, results, elapsed, timed_out):
+        self.cmd = cmd
+        self.returncode = returncode
+        self.output = output
+        self.results = results      # one dict per rank (None: rank wrote nothing)
+        self.elapsed = elapsed
+        self.timed_out = timed_out
+
+    def describe(self) -> str:
+        state = "TIMED OUT" if self.timed_out else f"exit code {self.returncode}"
+        return (f"$ {' '.join(map(str, self.cmd))}\n{state} after {self.elapsed:.1f} s\n"
+                f"----- output -----\n{self.output}\n------------------")
+
+    def check(self) -> "MPIRun":
+        """Fail unless every rank exited 0 and wrote its results."""
+        if self.timed_out or self.returncode != 0:
+            pytest.fail("MPI job failed:\n" + self.describe(), pytrace=False)
+        missing = [r for r, res in enumerate(self.results) if res is None]
+        if missing:
+            pytest.fail(f"ranks {missing} wrote no results:\n" + self.describe(),
+                        pytrace=False)
+        return self
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    # Workers choose their own device count; do not inherit the pytest process's.
+    env.pop("XLA_FLAGS", None)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run_mpi(script, n=2, devices=2, args=(), timeout=120, out=None) -> MPIRun:
+    """Run ``tests/mpi/SCRIPT`` under ``mpirun -n N``; never blocks past ``timeout``."""
+    own = out is None
+    out = Path(tempfile.mkdtemp(prefix="jaxsync-mpi-")) if own else Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [str(MPIRUN), "-n", str(n), sys.executable, str(HERE / script),
+           "--out", str(out), "--devices", str(devices), *map(str, args)]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, env=_env(), cwd=str(ROOT),
+                            start_new_session=True, text=True)
+    timed_out = False
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill_group(proc)
+        output, _ = proc.communicate()
+    elapsed = time.monotonic() - t0
+    results = []
+    for r in range(n):
+        p = out / f"rank{r}.pkl"
+        results.append(pickle.loads(p.read_bytes()) if p.exists() else None)
+    if own:
+        shutil.rmtree(out, ignore_errors=True)
+    return MPIRun(cmd, proc.returncode, output, results, elapsed, timed_out)
+
+
+def _kill_group(proc):
+    """Kill the process group this helper created for ``proc`` (mpirun and its ranks)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=5)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,410 @@
+"""Multi-process tests: worker scripts under ``mpirun -n 2``.
+
+Each worker records per-rank results in a pickle; the assertions live here.
+Launching and hang protection: ``mpi_harness.run_mpi``.
+Runs of the same worker are shared by a module-scoped fixture, so the whole
+file launches a handful of short MPI jobs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jaxsync
+import mpi_data
+from mpi_harness import requires_mpi, run_mpi
+
+pytestmark = requires_mpi
+
+STRATEGIES = ("naive", "flat", "hierarchical", "two_dimensional")
+FACTORIES = dict(naive=jaxsync.naive_mean, flat=jaxsync.flat_mean,
+                 hierarchical=jaxsync.hierarchical_mean,
+                 two_dimensional=jaxsync.two_dimensional_mean)
+
+
+def ml_dtype(name):
+    return jnp.dtype(name)
+
+
+def assert_bitwise(got, want, what):
+    """Same leaves, dtypes, shapes and bytes."""
+    assert isinstance(got, dict), f"{what}: {got}"
+    assert sorted(got) == sorted(want), f"{what}: leaves {sorted(got)} != {sorted(want)}"
+    for name in want:
+        g, w = np.asarray(got[name]), np.asarray(want[name])
+        assert g.dtype == w.dtype, f"{what} leaf {name}: dtype {g.dtype} != {w.dtype}"
+        assert g.shape == w.shape, f"{what} leaf {name}: shape {g.shape} != {w.shape}"
+        if g.tobytes() != w.tobytes():
+            bits = f"u{g.itemsize}"
+            bad = np.flatnonzero(g.reshape(-1).view(bits) != w.reshape(-1).view(bits))
+            pytest.fail(f"{what} leaf {name} ({g.dtype}): {bad.size} of {g.size} elements "
+                        f"differ bitwise; first at flat index {bad[0]}: got "
+                        f"{g.reshape(-1)[bad[0]]!r}, want {w.reshape(-1)[bad[0]]!r}\n"
+                        f"got  {g.reshape(-1)[:8]}\nwant {w.reshape(-1)[:8]}",
+                        pytrace=False)
+
+
+def stacked_expected(n_replicas, rows, reduce):
+    """The closed form, repeated for ``rows`` replicas (a leading axis)."""
+    exp = mpi_data.expected(np, ml_dtype, n_replicas, reduce)
+    return {k: np.broadcast_to(v, (rows, *v.shape)).copy() for k, v in exp.items()}
+
+
+def result_of(run, rank, key):
+    got = run.results[rank].get(key, "MISSING: the worker did not record this case")
+    if isinstance(got, str):
+        pytest.fail(f"rank {rank} case {key}:\n{got}", pytrace=False)
+    return got
+
+
+# --------------------------------------------------------------------------
+# 1. Exact by construction: 2 processes x 4 devices, N = 8 replicas.
+
+EXACT_DEVICES = 4
+EXACT_CASES = (
+    [f"shard_map-{s}-{r}" for s in STRATEGIES for r in ("mean", "sum")]
+    + [f"shard_map-{s}-mean-staging_host" for s in STRATEGIES]
+    + [f"shard_map-{s}-mean-comm_bf16" for s in STRATEGIES]
+    + [f"vmap-{s}-mean" for s in STRATEGIES]
+    + [f"pmap-{s}-mean" for s in ("hierarchical", "two_dimensional")])
+RANDOM_CASES = [f"random-shard_map-{s}-mean" for s in STRATEGIES]
+
+
+@pytest.fixture(scope="module")
+def exact_run():
+    return run_mpi("worker_exact.py", n=2, devices=EXACT_DEVICES, timeout=150).check()
+
+
+def test_exact_worker_ran_every_case(exact_run):
+    for rank, res in enumerate(exact_run.results):
+        assert res["meta"] == dict(rank=rank, size=2, devices=EXACT_DEVICES)
+        recorded = sorted(k for k in res if k not in ("meta", "leaves")
+                          and not k.startswith("calls:"))
+        assert recorded == sorted(EXACT_CASES + RANDOM_CASES)
+
+
+@pytest.mark.parametrize("case", EXACT_CASES)
+def test_exact_mpi(exact_run, case):
+    reduce = "sum" if "-sum" in case else "mean"
+    n = 2 * EXACT_DEVICES
+    want = stacked_expected(n, EXACT_DEVICES, reduce)
+    for rank in range(2):
+        assert_bitwise(result_of(exact_run, rank, case), want, f"rank {rank} {case}")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_transport_options_change_the_wire(exact_run, strategy):
+    """staging / comm_dtype really change what crosses processes (lowered custom calls)."""
+    calls = {v: exact_run.results[0][f"calls:shard_map-{strategy}-mean{v}"]
+             for v in ("", "-staging_host", "-comm_bf16")}
+    device, host, bf16 = calls[""], calls["-staging_host"], calls["-comm_bf16"]
+    assert device and all(t.startswith("mpi_") for t, _ in device), device
+    assert any(t == "mpi_allreduce_ffi" and "f32>" in ty for t, ty in device), device
+    assert host and all("callback" in t for t, _ in host), host
+    assert bf16 and all(t.startswith("mpi_") and "ui16>" in ty for t, ty in bf16), bf16
+
+
+def _mesh_2x4():
+    devs = jax.devices()
+    assert len(devs) >= 8, "tests/conftest.py sets 8 CPU devices"
+    return Mesh(np.array(devs[:8]).reshape(2, 4), ("host", "local"))
+
+
+def _mesh_sync(tx, tree):
+    """Run ``tx`` on a (host=2, local=4) mesh: replica r is row r of each leaf."""
+    def body(t):
+        t = jax.tree_util.tree_map(lambda x: x[0], t)
+        out = tx.update(t, tx.init(t))[0]
+        return jax.tree_util.tree_map(lambda x: x[None], out)
+    spec = P(("host", "local"))
+    f = jax.jit(jax.shard_map(body, mesh=_mesh_2x4(), in_specs=spec, out_specs=spec))
+    return jax.tree_util.tree_map(np.asarray, jax.block_until_ready(f(tree)))
+
+
+@pytest.mark.parametrize("options", [dict(reduce="mean"), dict(reduce="sum"),
+                                     dict(comm_dtype=jnp.bfloat16)],
+                         ids=["mean", "sum", "comm_bf16"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_exact_mesh_backend(strategy, options):
+    """The same closed form with the inter-process stage on a mesh axis, one process."""
+    tx = FACTORIES[strategy](axis_name="local", comm=jaxsync.AxisComm("host"), **options)
+    tree = mpi_data.make_tree(jnp, np, first_replica=0, count=8)
+    got = _mesh_sync(tx, tree)
+    assert_bitwise(got, stacked_expected(8, 8, options.get("reduce", "mean")),
+                   f"mesh {strategy} {options}")
+
+
+# --------------------------------------------------------------------------
+# 5. Mesh backend (one process) and MPI backend give bitwise identical results.
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_mesh_and_mpi_backends_agree_bitwise(exact_run, strategy):
+    n = 2 * EXACT_DEVICES
+    data = mpi_data.random_tree(np, n)
+    tx = FACTORIES[strategy](axis_name="local", comm=jaxsync.AxisComm("host"))
+    mesh_out = _mesh_sync(tx, {k: jnp.asarray(v) for k, v in data.items()})
+    key = f"random-shard_map-{strategy}-mean"
+    mpi_out = {name: np.concatenate([result_of(exact_run, r, key)[name] for r in range(2)])
+               for name in data}
+    # Sanity: the result is the mean, and every replica holds the same value.
+    for name, x in data.items():
+        np.testing.assert_allclose(mpi_out[name], np.broadcast_to(
+            x.astype(np.float64).mean(0), x.shape), rtol=1e-5, atol=1e-6)
+        assert (mpi_out[name] == mpi_out[name][:1]).all(), name
+    assert_bitwise(mpi_out, mesh_out, f"MPI vs mesh backend, {strategy}")
+
+
+# --------------------------------------------------------------------------
+# 2. One device per process, axis_name=None, plain jit: N = 2 replicas.
+
+@pytest.fixture(scope="module")
+def one_device_run():
+    return run_mpi("worker_one_device.py", n=2, devices=1, timeout=90).check()
+
+
+@pytest.mark.parametrize("reduce", ["mean", "sum"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_one_device_per_process_exact(one_device_run, strategy, reduce):
+    want = mpi_data.expected(np, ml_dtype, 2, reduce)
+    for rank in range(2):
+        assert one_device_run.results[rank]["devices"] == 1
+        assert_bitwise(result_of(one_device_run, rank, f"{strategy}-{reduce}"), want,
+                       f"rank {rank} {strategy}-{reduce}")
+
+
+# --------------------------------------------------------------------------
+# 3. Training parity: 2 processes x 2 devices vs one process on the whole batch.
+
+TRAIN_STEPS = 25
+# Observed: max |difference| ~1.2e-7 on parameters of size ~1 (f32 summation
+# order differs); the bound leaves ~100x headroom and is far below the distance
+# the parameters travel (> 2e-2 for every leaf).
+TRAIN_ATOL = 1e-5
+TRAIN_RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def train_run():
+    return run_mpi("worker_train.py", n=2, devices=2, timeout=120,
+                   args=("--steps", TRAIN_STEPS)).check()
+
+
+TRAIN_RUNS = ["hierarchical", "two_dimensional", "flat", "hierarchical-sgd"]
+
+
+@pytest.mark.parametrize("strategy", TRAIN_RUNS)
+def test_training_matches_single_process(train_run, strategy):
+    """Adam (as asked) hides a wrong gradient scale; the SGD run does not."""
+    ref = train_run.results[0]["reference-sgd" if "sgd" in strategy else "reference"]
+    assert ref["losses"][-1] < 0.75 * ref["losses"][0], "the reference did not train"
+    for rank in range(2):
+        got = result_of(train_run, rank, strategy)["params"]
+        for name, want in ref["params"].items():
+            moved = np.abs(want - ref["initial"][name]).max()
+            assert moved > 100 * TRAIN_ATOL, f"leaf {name} barely moved ({moved})"
+            assert got[name].shape == (2, *want.shape)
+            for replica in range(2):
+                np.testing.assert_allclose(
+                    got[name][replica], want, rtol=TRAIN_RTOL, atol=TRAIN_ATOL,
+                    err_msg=f"{strategy}: rank {rank} replica {replica} leaf {name} "
+                            f"after {TRAIN_STEPS} steps vs single-process training")
+
+
+@pytest.mark.parametrize("strategy", TRAIN_RUNS)
+def test_training_replicas_bit_identical(train_run, strategy):
+    recs = [result_of(train_run, rank, strategy) for rank in range(2)]
+    # Digests gathered with mpi4py inside the job: every rank saw the same list.
+    for rank, rec in enumerate(recs):
+        assert rec["digests"] == [r["digest"] for r in recs], f"rank {rank}"
+    assert recs[0]["digest"] == recs[1]["digest"], "parameters differ across processes"
+    # And bitwise, every local replica of every process.
+    for name in recs[0]["params"]:
+        copies = [rec["params"][name][i] for rec in recs for i in range(2)]
+        for i, c in enumerate(copies[1:], 1):
+            assert c.tobytes() == copies[0].tobytes(), f"leaf {name}: replica {i} != 0"
+
+
+# --------------------------------------------------------------------------
+# 4. Many buckets in one step, several steps: no deadlock, exact, one trace.
+
+@pytest.fixture(scope="module")
+def buckets_run():
+    return run_mpi("worker_buckets.py", n=2, devices=2, timeout=120).check()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_many_buckets_exact_no_recompile(buckets_run, strategy):
+    import worker_buckets
+    n, d, steps = 4, 2, worker_buckets.STEPS
+    for rank in range(2):
+        res = buckets_run.results[rank]
+        assert res["buckets"] >= 30, f"only {res['buckets']} buckets: not a many-bucket test"
+        rec = result_of(buckets_run, rank, strategy)
+        assert rec["traces"] == 1, f"step traced {rec['traces']} times in {steps} steps"
+        assert rec["cache_size"] == 1, f"{rec['cache_size']} compiled versions"
+        want = {name: np.full((d, *shape), steps * ((n - 1) / 2 + k), np.float32)
+                .astype(dtype) for k, (name, shape, dtype) in enumerate(res["specs"])}
+        assert_bitwise(rec["state"], want, f"rank {rank} {strategy}")
+
+
+# --------------------------------------------------------------------------
+# 6. broadcast_params(root=1): every process ends with rank 1's values.
+
+@pytest.fixture(scope="module")
+def broadcast_run():
+    return run_mpi("worker_broadcast.py", n=2, devices=2, timeout=90).check()
+
+
+def test_broadcast_params_root_values(broadcast_run):
+    import worker_broadcast
+    # Rank 1's tree, built here on this process's devices only for its values.
+    mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+    from jax.sharding import NamedSharding
+    root_tree = worker_broadcast.build(jnp, np, 1, NamedSharding(mesh, P("d")))
+    for rank in range(2):
+        res = broadcast_run.results[rank]
+        assert res["input_unchanged"], f"rank {rank}: the input tree was modified"
+        out = res["out"]
+        assert sorted(out) == sorted(root_tree)
+        for name, leaf in root_tree.items():
+            rec = out[name]
+            want = np.asarray(leaf)
+            what = f"rank {rank} leaf {name}"
+            assert rec["type"] == rec["type_before"], f"{what}: {rec['type']}"
+            assert rec["dtype"] == str(want.dtype), f"{what}: dtype {rec['dtype']}"
+            assert rec["shape"] == want.shape, what
+            assert rec["value"].dtype == want.dtype, what
+            assert rec["value"].tobytes() == want.tobytes(), \
+                f"{what}: {rec['value']} != root's {want}"
+            if "shards" in rec:
+                assert rec["same_sharding"], f"{what}: sharding changed"
+                for dev, index, data in rec["shards"]:
+                    sl = tuple(slice(a, b) for a, b in index)
+                    assert data.tobytes() == want[sl].tobytes(), f"{what} on {dev}"
+    sharded = broadcast_run.results[0]["out"]["sharded"]["shards"]
+    assert len(sharded) == 2 and sharded[0][1] != sharded[1][1], "not a sharded array"
+    assert len(broadcast_run.results[0]["out"]["replicated"]["shards"]) == 2
+
+
+# --------------------------------------------------------------------------
+# 7. Agreement: mismatched trees give the same ValueError on every rank.
+
+@pytest.fixture(scope="module")
+def agree_run():
+    return run_mpi("worker_agree.py", n=2, devices=2, timeout=90,
+                   args=("--watchdog", 80)).check()
+
+
+def _same_error_everywhere(run, key):
+    errs = [run.results[rank][key] for rank in range(2)]
+    for rank, (kind, msg) in enumerate(errs):
+        assert kind == "ValueError", f"rank {rank} {key}: {kind}: {msg}"
+    assert errs[0] == errs[1], f"{key}: ranks raised different errors:\n{errs}"
+    msg = errs[0][1]
+    assert "rank 0" in msg and "rank 1" in msg, msg
+    return msg
+
+
+@pytest.mark.parametrize("api", ["sync", "broadcast"])
+@pytest.mark.parametrize("case", ["structure", "shape", "dtype"])
+def test_agreement_same_error_on_every_rank(agree_run, api, case):
+    msg = _same_error_everywhere(agree_run, f"{api}-{case}")
+    if case == "shape":
+        assert "['w']" in msg and "(2, 3)" in msg and "(3, 2)" in msg, msg
+    if case == "dtype":
+        assert "['w']" in msg and "float32" in msg and "bfloat16" in msg, msg
+
+
+@pytest.mark.parametrize("api", ["sync", "broadcast"])
+def test_agreement_structure_names_leaf_path(agree_run, api):
+    msg = _same_error_everywhere(agree_run, f"{api}-structure")
+    assert "['layer'][2]" in msg, msg
+
+
+def test_agreement_options_differ(agree_run):
+    msg = _same_error_everywhere(agree_run, "sync-options")
+    assert "mean" in msg and "sum" in msg, msg
+
+
+def test_agreement_processes_still_in_step(agree_run):
+    for rank in range(2):
+        kind, out = agree_run.results[rank]["after-errors"]
+        assert kind == "OK", out
+        assert_bitwise(out, {"w": np.full((2, 3), 0.5, np.float32)}, f"rank {rank}")
+
+
+def test_agreement_checked_after_an_earlier_agreed_tree(tmp_path):
+    run = run_mpi("worker_agree.py", n=2, devices=2, timeout=60, out=tmp_path,
+                  args=("--mode", "cached"))
+    assert not run.timed_out and run.returncode != 124, \
+        "hang (watchdog fired):\n" + run.describe()
+    run.check()
+    for rank in range(2):
+        assert run.results[rank]["first"][0] == "OK", run.results[rank]["first"]
+    msg = _same_error_everywhere(run, "second")
+    assert "['w']" in msg and "(3,)" in msg and "(4,)" in msg, msg
+
+
+# --------------------------------------------------------------------------
+# 8. Process death and clean exit.
+
+DEATH_BOUND_S = 60
+
+
+@pytest.mark.parametrize("mode", ["die_before_sync", "die_after_compile"])
+def test_process_death_ends_the_job(tmp_path, mode):
+    run = run_mpi("worker_death.py", n=2, devices=2, timeout=DEATH_BOUND_S + 30,
+                  out=tmp_path, args=("--mode", mode))
+    assert not run.timed_out, "the job hung after rank 1 died:\n" + run.describe()
+    assert run.elapsed < DEATH_BOUND_S, run.describe()
+    assert run.returncode != 0, run.describe()
+    assert (tmp_path / "rank0.calling").exists(), \
+        "rank 0 never reached the sync:\n" + run.describe()
+    assert not (tmp_path / "rank0.returned").exists(), \
+        "rank 0's sync returned without rank 1:\n" + run.describe()
+
+
+def test_exit_right_after_jitted_syncs_is_clean(tmp_path):
+    run = run_mpi("worker_death.py", n=2, devices=2, timeout=DEATH_BOUND_S,
+                  out=tmp_path, args=("--mode", "exit_after_async"))
+    assert not run.timed_out, "deadlock at exit:\n" + run.describe()
+    assert run.returncode == 0, run.describe()
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}.dispatched").exists(), run.describe()
+    assert "Traceback" not in run.output, run.describe()
+
+
+# --------------------------------------------------------------------------
+# Processes with different local device counts (2 and 4): 6 replicas.
+
+@pytest.fixture(scope="module")
+def uneven_run():
+    return run_mpi("worker_uneven.py", n=2, devices="2,4", timeout=90,
+                   args=("--watchdog", 80)).check()
+
+
+def _check_uneven(run, strategy):
+    """Either the right mean (2.5) on every replica or the same ValueError everywhere."""
+    outs = [run.results[rank][strategy] for rank in range(2)]
+    assert [run.results[r]["devices"] for r in range(2)] == [2, 4]
+    if all(kind == "OK" for kind, _ in outs):
+        for rank, (_, w) in enumerate(outs):
+            np.testing.assert_array_equal(
+                w, np.full_like(w, 2.5),
+                err_msg=f"{strategy}: rank {rank} (replicas 6 = 2 + 4, mean 2.5)")
+    else:
+        assert outs[0] == outs[1] and outs[0][0] == "ValueError", outs
+
+
+def test_uneven_device_counts_two_dimensional(uneven_run):
+    _check_uneven(uneven_run, "two_dimensional")
+
+
+@pytest.mark.parametrize("strategy", ["naive", "flat", "hierarchical"])
+def test_uneven_device_counts(uneven_run, strategy):
+    _check_uneven(uneven_run, strategy)

@@ -1,0 +1,67 @@
+"""broadcast_params(tree, root=1): every process ends with rank 1's values.
+
+Each rank builds leaves whose values depend on its rank (ints, bools, bf16,
+f32, a numpy array, a scalar, a zero-size leaf, and a jax.Array sharded over
+the local devices) and records what broadcast_params returns.
+"""
+
+from _worker import Results, init
+
+
+def build(jnp, np, rank, sharding):
+    import jax
+    return {
+        "i32": jnp.arange(5, dtype=jnp.int32) + 100 * rank,
+        "u8": jnp.array([rank, 255 - rank], jnp.uint8),
+        "bool": jnp.array([rank == 1, rank == 0, True]),
+        "bf16": jnp.full((3, 2), rank + 0.5, jnp.bfloat16),
+        "f16": jnp.full((2,), -rank - 0.25, jnp.float16),
+        "f32": jnp.arange(6, dtype=jnp.float32).reshape(2, 3) / 7 + rank,
+        "np_i64": np.arange(3, dtype=np.int64) * (rank + 1),
+        "scalar": jnp.float32(rank + 1),
+        "empty": jnp.zeros((0, 2), jnp.float32),
+        "sharded": jax.device_put(
+            jnp.arange(24, dtype=jnp.float32).reshape(4, 6) * (rank + 1), sharding),
+        "replicated": jax.device_put(
+            jnp.full((3,), rank - 5, jnp.int32),
+            sharding.update(spec=type(sharding.spec)())),
+    }
+
+
+def main():
+    ns, jax, MPI = init()
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import jaxsync
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    res = Results(ns.out, rank)
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    sharding = NamedSharding(mesh, P("d"))
+    tree = build(jnp, np, rank, sharding)
+    out = jaxsync.broadcast_params(tree, root=1, comm=comm)
+    assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(tree)
+    rec = {}
+    for name, leaf in out.items():
+        before = tree[name]
+        info = dict(type=type(leaf).__name__, type_before=type(before).__name__,
+                    dtype=str(leaf.dtype), shape=tuple(leaf.shape),
+                    value=np.asarray(leaf))
+        if isinstance(leaf, jax.Array):
+            info["same_sharding"] = bool(leaf.sharding == before.sharding)
+            info["shards"] = [(str(s.device), tuple((i.start, i.stop) for i in s.index),
+                               np.asarray(s.data)) for s in leaf.addressable_shards]
+        rec[name] = info
+    res.add("out", rec)
+    # The tree passed in is not modified.
+    res.add("input_unchanged", all(
+        np.array_equal(np.asarray(tree[k]), np.asarray(build(jnp, np, rank, sharding)[k]))
+        for k in tree))
+    res.write()
+
+
+if __name__ == "__main__":
+    main()
