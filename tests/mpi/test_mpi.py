@@ -408,3 +408,34 @@ def test_uneven_device_counts_two_dimensional(uneven_run):
 @pytest.mark.parametrize("strategy", ["naive", "flat", "hierarchical"])
 def test_uneven_device_counts(uneven_run, strategy):
     _check_uneven(uneven_run, strategy)
+
+
+# --------------------------------------------------------------------------
+# Rows 10 and 12: straggler under the watchdog; several syncs in one step.
+
+@pytest.fixture(scope="module")
+def watchdog_run():
+    return run_mpi("worker_watchdog.py", n=2, devices=2, timeout=120).check()
+
+
+def test_watchdog_names_the_straggler_and_the_result_stays_right(watchdog_run):
+    # replicas r = 0..3 hold r: the mean is 1.5 at every step, straggler or not
+    for rank in range(2):
+        for strategy in ("hierarchical", "two_dimensional"):
+            for out in watchdog_run.results[rank][f"straggler-{strategy}"]:
+                np.testing.assert_array_equal(out, np.full(5, 1.5, np.float32))
+    reports = watchdog_run.results[0]["watchdog-reports"]
+    assert len(reports) >= 2, reports  # one per strategy's delayed step
+    assert all("ranks not arrived: 1" in r for r in reports), reports
+    assert "jaxsync watchdog: rank 0 has waited" in watchdog_run.output
+    assert watchdog_run.results[1]["watchdog-reports"] == []  # rank 1 never waited
+
+
+def test_two_syncs_with_many_buckets_in_one_step(watchdog_run):
+    for rank in range(2):
+        a, b = watchdog_run.results[rank]["two-syncs"]
+        for k in range(30):
+            np.testing.assert_array_equal(a[f"a{k}"], np.full(20, 1.5 + k, np.float32))
+            np.testing.assert_array_equal(b[f"b{k}"].astype(np.float32),
+                                          np.full(7, 1.5 - k, np.float32))
+        assert watchdog_run.results[rank]["two-syncs-traces"] == 1
