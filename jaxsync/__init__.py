@@ -10,6 +10,7 @@ mpi4jax) or a mesh axis, and unpack. Each strategy is an optax
 
 from ._backends import AxisComm
 from ._broadcast import broadcast_params
+from ._host import tune_host_allocator
 from ._plan import Bucket, LeafSpec, Plan, make_plan
 from ._topology import Topology, topology
 from ._transforms import (SyncState, flat_mean, hierarchical_mean, naive_mean,
@@ -32,5 +33,6 @@ __all__ = [
     "single_node_mean",
     "sync_gradients",
     "topology",
+    "tune_host_allocator",
     "two_dimensional_mean",
 ]

@@ -91,6 +91,8 @@ def _load_digits():
 def _worker(args) -> int:
     import jax
     jax.config.update("jax_num_cpu_devices", args.devices)
+    from ._host import tune_host_allocator
+    tune_host_allocator()
     import jax.numpy as jnp
     import numpy as np
     import optax

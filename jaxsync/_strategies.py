@@ -67,9 +67,21 @@ def _sum_low(ops, x):
     m = -(-n // size)
     xp = jnp.pad(x, (0, m * size - n)).reshape(size, m)
     got = _from_uint(ops.alltoall(_uint_view(xp)), dtype)          # (size, m)
-    part = jnp.sum(got.astype(jnp.float32), axis=0).astype(dtype)   # my slice
+    part = _rows_sum_f32(got).astype(dtype)                          # my slice
     full = _from_uint(ops.allgather(_uint_view(part)), dtype)       # (size, m)
     return full.reshape(-1)[:n]
+
+
+def _rows_sum_f32(rows):
+    """Sum the rows of a (k, m) 16-bit array in float32, in row order.
+
+    Written as k-1 elementwise adds: XLA's CPU column reduction
+    (``jnp.sum(axis=0)``) of a (2, 2.75M) array took 70 ms, the adds 1 ms.
+    """
+    acc = rows[0].astype(jnp.float32)
+    for i in range(1, rows.shape[0]):
+        acc = acc + rows[i].astype(jnp.float32)
+    return acc
 
 
 def _pad_to(x, k):
@@ -108,4 +120,4 @@ def _scatter_sum(intra, x):
         return intra.reduce_scatter(x)
     d = intra.size
     got = _from_uint(intra.alltoall(_uint_view(x.reshape(d, -1))), x.dtype)
-    return jnp.sum(got.astype(jnp.float32), axis=0).astype(x.dtype)
+    return _rows_sum_f32(got).astype(x.dtype)
