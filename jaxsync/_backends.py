@@ -68,8 +68,11 @@ def axes_size(axes: Axes) -> int:
 class AxisOps:
     """Collectives over XLA axes (the intra-process stage, or a mesh backend)."""
 
-    def __init__(self, axes: Axes):
+    def __init__(self, axes: Axes, wire16: bool = False):
         self.axes = tuple(axes)
+        # False: 16-bit data is summed as float32 by one all-reduce (in-process
+        # traffic). True: it travels as 16-bit payloads (see sum_buffers).
+        self.wire16 = wire16
 
     @property
     def size(self) -> int:
@@ -186,7 +189,7 @@ class AxisBackend:
 
     def run(self, program, bufs, intra: AxisOps, leader_only: bool):
         del intra, leader_only  # XLA runs the collective on every device
-        return program(AxisOps((self.axis,)), bufs)
+        return program(AxisOps((self.axis,), wire16=True), bufs)
 
     def agree(self, text: str, what: str) -> None:
         del text, what  # one program, traced once: nothing can disagree

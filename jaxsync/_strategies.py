@@ -43,18 +43,34 @@ def sum_buffers(ops, bufs: list) -> list:
     """Sum each buffer over ``ops``'s group.
 
     32/64-bit buffers use one allreduce. 16-bit buffers are never summed in 16
-    bits: they travel as 16-bit payloads in an all-to-all, every member sums its
-    slice in float32, rounds once, and an all-gather returns the slices
-    (ChainerMN's inter-node step). MPI has no 16-bit float type; the payload
-    travels bit-cast to uint16.
+    bits. Inside a process (``ops.wire16`` false) they are summed as float32 by
+    one XLA all-reduce and rounded once. Across processes the 16-bit payloads
+    travel as they are: all 16-bit buffers of a dtype are concatenated, go through
+    one all-to-all, every member sums its slice in float32 and rounds once, and
+    one all-gather returns the slices (ChainerMN's inter-node step). MPI has no
+    16-bit float type; the payload travels bit-cast to uint16.
     """
-    wide = [i for i, b in enumerate(bufs) if str(b.dtype) not in _LOW]
     out = list(bufs)
+    low = [i for i, b in enumerate(bufs) if str(b.dtype) in _LOW]
+    if not getattr(ops, "wire16", True):
+        wide = list(range(len(bufs)))
+        sent = [b.astype(jnp.float32) if i in low else b for i, b in enumerate(bufs)]
+        for i, y in zip(wide, ops.allreduce(sent)):
+            out[i] = y.astype(bufs[i].dtype)
+        return out
+    wide = [i for i in range(len(bufs)) if i not in low]
     for i, y in zip(wide, ops.allreduce([bufs[i] for i in wide])):
         out[i] = y
-    for i, b in enumerate(bufs):
-        if str(b.dtype) in _LOW:
-            out[i] = _sum_low(ops, b)
+    for dtype in dict.fromkeys(str(bufs[i].dtype) for i in low):
+        idx = [i for i in low if str(bufs[i].dtype) == dtype]
+        sizes = [bufs[i].shape[0] for i in idx]
+        packed = bufs[idx[0]] if len(idx) == 1 else jnp.concatenate([bufs[i] for i in idx])
+        total = _sum_low(ops, packed)
+        offsets = [0]
+        for n in sizes:
+            offsets.append(offsets[-1] + n)
+        for i, a, b in zip(idx, offsets, offsets[1:]):
+            out[i] = total if len(idx) == 1 else lax.slice(total, (a,), (b,))
     return out
 
 
@@ -118,6 +134,8 @@ def _scatter_sum(intra, x):
     """Reduce-scatter over the intra axes, accumulating 16-bit data in float32."""
     if str(x.dtype) not in _LOW or intra.size == 1:
         return intra.reduce_scatter(x)
+    if not intra.wire16:
+        return intra.reduce_scatter(x.astype(jnp.float32)).astype(x.dtype)
     d = intra.size
     got = _from_uint(intra.alltoall(_uint_view(x.reshape(d, -1))), x.dtype)
     return _rows_sum_f32(got).astype(x.dtype)
