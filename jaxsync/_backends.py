@@ -221,58 +221,65 @@ class _MPIOps:
 
 
 class _HostOps:
-    """Host-staged collectives: device -> host numpy -> mpi4py -> device."""
+    """Host-staged collectives: device -> host numpy -> mpi4py -> device.
+
+    Every callback takes and returns a one-byte dependency, so the callbacks of
+    one program run in program order on every process (independent callbacks
+    may otherwise run in any order and MPI would match the wrong buffers).
+    """
 
     def __init__(self, comm):
         self.comm = comm
         self.size = comm.Get_size()
+        self.dep = jnp.zeros((), jnp.uint8)
 
-    def _callback(self, fn, x, out_shape):
-        return jax.pure_callback(fn, jax.ShapeDtypeStruct(out_shape, x.dtype), x,
-                                 vmap_method="sequential")
+    def _call(self, fn, xs, out_structs):
+        def host(dep, *xs):
+            del dep
+            outs = fn(*[np.ascontiguousarray(x) for x in xs])
+            return (*outs, np.zeros((), np.uint8))
+
+        structs = (*out_structs, jax.ShapeDtypeStruct((), jnp.uint8))
+        *ys, self.dep = jax.pure_callback(host, structs, self.dep, *xs,
+                                          vmap_method="sequential")
+        return ys
 
     def allreduce(self, bufs):
         from mpi4py import MPI
         comm = self.comm
 
         def host_allreduce(*xs):
-            outs = []
-            for x in xs:
-                x = np.ascontiguousarray(x)
-                out = np.empty_like(x)
-                comm.Allreduce(x.view(_mpi_view(x.dtype)), out.view(_mpi_view(x.dtype)),
-                               op=MPI.SUM)
-                outs.append(out)
-            return tuple(outs)
+            outs = [np.empty_like(x) for x in xs]
+            for x, out in zip(xs, outs):
+                comm.Allreduce(x, out, op=MPI.SUM)
+            return outs
 
         if not bufs:
             return []
-        shapes = tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in bufs)
-        return list(jax.pure_callback(host_allreduce, shapes, *bufs,
-                                      vmap_method="sequential"))
+        return self._call(host_allreduce, bufs,
+                          [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in bufs])
 
     def alltoall(self, x):
         comm = self.comm
 
         def host_alltoall(x):
-            x = np.ascontiguousarray(x)
             out = np.empty_like(x)
             comm.Alltoall(x.view(np.uint8), out.view(np.uint8))
-            return out
+            return [out]
 
-        return self._callback(host_alltoall, x, x.shape)
+        return self._call(host_alltoall, [x], [jax.ShapeDtypeStruct(x.shape, x.dtype)])[0]
 
     def allgather(self, x):
         comm = self.comm
         size = self.size
 
         def host_allgather(x):
-            x = np.ascontiguousarray(x)
             out = np.empty((size, *x.shape), x.dtype)
             comm.Allgather(x.view(np.uint8), out.view(np.uint8))
-            return out
+            return [out]
 
-        return self._callback(host_allgather, x, (size, *x.shape))
+        return self._call(host_allgather, [x],
+                          [jax.ShapeDtypeStruct((size, *x.shape), x.dtype)])[0]
 
 
 def share_invariant(tree, axes: Axes):
@@ -356,11 +363,6 @@ def _varying(x, axes):
     have = _vma(x)
     missing = tuple(a for a in axes if a not in have)
     return lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _mpi_view(dtype):
-    # mpi4py maps numpy dtypes to MPI datatypes; float32/float64 are native.
-    return np.dtype(dtype)
 
 
 class MPIBackend:

@@ -6,20 +6,21 @@ import ctypes
 import ctypes.util
 
 _M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
 
 
 def tune_host_allocator(mmap_threshold: int = 32 * 2**20,
-                        trim_threshold: int = 2**30) -> bool:
+                        trim_threshold: int = 2**30, top_pad: int = 256 * 2**20) -> bool:
     """Let glibc reuse large host buffers instead of mapping fresh pages each step.
 
     XLA's CPU runtime allocates each step's large buffers with ``malloc``; above
     glibc's mmap threshold (128 KiB to start with) every allocation is a fresh
     ``mmap`` whose pages fault in on first touch, and an MPI allreduce into a
     fresh 22 MB buffer spends most of its time in page faults. Raising the mmap
-    and trim thresholds (the same as ``MALLOC_MMAP_THRESHOLD_`` and
-    ``MALLOC_TRIM_THRESHOLD_`` in the environment, but at run time) keeps such
-    buffers in the heap for reuse. Process-wide; the cost is memory kept by the
+    and trim thresholds and the top pad (like ``MALLOC_MMAP_THRESHOLD_``,
+    ``MALLOC_TRIM_THRESHOLD_`` and ``MALLOC_TOP_PAD_`` in the environment, but at
+    run time) keeps such buffers in the heap for reuse. Process-wide; the cost is memory kept by the
     heap rather than returned to the system. Call it once, early, on every
     process. No effect (returns False) where the C library is not glibc.
 
@@ -28,7 +29,8 @@ def tune_host_allocator(mmap_threshold: int = 32 * 2**20,
       >>> jaxsync.tune_host_allocator() in (True, False)
       True
     """
-    for arg, value in (("mmap_threshold", mmap_threshold), ("trim_threshold", trim_threshold)):
+    for arg, value in (("mmap_threshold", mmap_threshold), ("trim_threshold", trim_threshold),
+                       ("top_pad", top_pad)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"tune_host_allocator: {arg} must be a positive int (bytes), "
                              f"got {value!r}.")
@@ -40,4 +42,5 @@ def tune_host_allocator(mmap_threshold: int = 32 * 2**20,
         return False
     ok = mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)) == 1
     ok = mallopt(_M_TRIM_THRESHOLD, int(trim_threshold)) == 1 and ok
+    ok = mallopt(_M_TOP_PAD, int(top_pad)) == 1 and ok
     return bool(ok)

@@ -439,3 +439,15 @@ def test_two_syncs_with_many_buckets_in_one_step(watchdog_run):
             np.testing.assert_array_equal(b[f"b{k}"].astype(np.float32),
                                           np.full(7, 1.5 - k, np.float32))
         assert watchdog_run.results[rank]["two-syncs-traces"] == 1
+
+
+@pytest.fixture(scope="module")
+def host_order_run():
+    return run_mpi("worker_host_order.py", n=2, devices=1, timeout=120).check()
+
+
+@pytest.mark.parametrize("strategy", ["naive", "flat", "hierarchical"])
+def test_host_staging_keeps_callback_order(host_order_run, strategy):
+    for rank in range(2):
+        assert host_order_run.results[rank][strategy] == 0, \
+            f"rank {rank}: leaves matched with the wrong leaves of the other rank"

@@ -1,0 +1,45 @@
+"""Smoke test of the benchmark (jaxsync/_bench.py): it runs and writes its files.
+
+The figures are not checked here (the targets are evaluated by the benchmark
+itself); the run is ``--quick``, in a subprocess so that its device count does
+not depend on this pytest process, which already has 8 devices.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Not started by mpirun: a child that inherits these would try to join an MPI job.
+_MPI_ENV = ("PMI_", "PMIX_", "OMPI_", "HYDI_", "HYDRA_", "MPI_LOCAL", "MV2_")
+
+
+def test_quick_bench_writes_json_csv_and_png(tmp_path):
+    env = {k: v for k, v in os.environ.items()
+           if k != "XLA_FLAGS" and not k.startswith(_MPI_ENV)}
+    code = ("import sys, jaxsync._bench as b; "
+            f"sys.exit(b.main(['--quick', '--out', {str(tmp_path)!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for suffix in ("json", "csv", "png"):
+        path = tmp_path / f"intra.{suffix}"
+        assert path.is_file() and path.stat().st_size > 0, path
+        assert str(path) in proc.stdout
+    result = json.loads((tmp_path / "intra.json").read_text())
+    rows = result["rows"]
+    assert result["meta"]["devices"] == 8 and result["meta"]["processes"] == 1
+
+    expected = {"naive", "flat", "hierarchical", "two_dimensional", "single_node",
+                "hierarchical bf16", "pmean/leaf", "pmean/tree", "ravel+pmean",
+                "psum bare"}
+    for tree in result["meta"]["trees"]:
+        got = {row["method"] for row in rows if row["tree"] == tree}
+        assert expected <= got, (tree, expected - got)
+    assert any(row["kind"] == "sweep" for row in rows)
+    for row in rows:
+        assert len(row["samples_ms"]) == 2 and row["wire_bytes"] > 0
+    assert result["targets"]
+    assert any(tag in proc.stdout for tag in ("PASS", "MISS", "N/A"))
