@@ -110,9 +110,6 @@ class AxisOps:
             return _all_gather_invariant(x, self.axes, axis=0, tiled=True)
         return lax.all_gather(x, self.axes, axis=0, tiled=True)
 
-    def index(self):
-        return lax.axis_index(self.axes) if self.axes else 0
-
     def broadcast(self, bufs: list, root: int = 0) -> list:
         if not self.axes:
             return bufs

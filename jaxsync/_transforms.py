@@ -125,8 +125,7 @@ def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
     if predivide is not None and (not predivide >= 1.0 or not np.isfinite(predivide)):
         raise ValueError(f"{fn}: predivide must be a finite float >= 1, got "
                          f"{predivide}. Fix: predivide=1.0 (off) or the replica count.")
-    if check_finite not in _CHECKS or isinstance(check_finite, (int, float)) and \
-            not isinstance(check_finite, bool):
+    if not (isinstance(check_finite, bool) or check_finite == "raise"):
         raise ValueError(f"{fn}: check_finite must be one of {_CHECKS}, got "
                          f"{check_finite!r}. Fix: check_finite=True (a flag in the "
                          "state) or check_finite='raise' (an error naming the leaves).")
