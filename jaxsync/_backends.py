@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import hashlib
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 

@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 
 from . import _backends
-from ._plan import make_plan
 from ._topology import Comms, default_comm
 
 PyTree = Any

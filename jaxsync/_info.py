@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 
 def collect(comm="auto") -> dict:
@@ -34,7 +35,7 @@ def collect(comm="auto") -> dict:
     except ImportError:
         info["mpi4jax"] = None
         info["mpi_backend"] = "unavailable: mpi4jax not installed"
-    if comm is not None or "mpi4py.MPI" in __import__("sys").modules:
+    if comm is not None or "mpi4py.MPI" in sys.modules:
         from mpi4py import MPI
         info["mpi_library"] = MPI.Get_library_version().splitlines()[0].strip()
         levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",

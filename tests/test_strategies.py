@@ -21,23 +21,11 @@ import pytest
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 import jaxsync
 
-N = 8
-STRATEGIES = ["naive", "flat", "hierarchical", "two_dimensional", "single_node"]
-INTER = [s for s in STRATEGIES if s != "single_node"]  # have an inter-process stage
-MESH1 = Mesh(np.array(jax.devices()[:N]), ("i",))
-MESH2 = Mesh(np.array(jax.devices()[:N]).reshape(2, 4), ("host", "local"))
-HL = ("host", "local")
-
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def bits(x) -> np.ndarray:
-    a = np.asarray(x)
-    return a.view(_UINT[a.dtype.itemsize])
+from _common import HL, INTER, MESH1, MESH2, N, STRATEGIES, bits  # noqa: E402
 
 
 def make_tx(strategy, layout, **opts):

@@ -15,24 +15,13 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxsync
 
-N = 8
-STRATEGIES = ["naive", "flat", "hierarchical", "two_dimensional", "single_node"]
-INTER = [s for s in STRATEGIES if s != "single_node"]
+from _common import HL, INTER, MESH1, MESH2, N, STRATEGIES, bits  # noqa: E402
+
 FACTORIES = {s: getattr(jaxsync, f"{s}_mean") for s in STRATEGIES}
-MESH1 = Mesh(np.array(jax.devices()[:N]), ("i",))
-MESH2 = Mesh(np.array(jax.devices()[:N]).reshape(2, 4), ("host", "local"))
-HL = ("host", "local")
-
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def bits(x) -> np.ndarray:
-    a = np.asarray(x)
-    return a.view(_UINT[a.dtype.itemsize])
 
 
 def make_tx(strategy, layout="i", **opts):

@@ -6,7 +6,6 @@
   step, several steps: no deadlock, exact results, one compilation.
 """
 
-import io
 import time
 
 from _worker import Results, init, to_numpy
