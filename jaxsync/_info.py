@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
+import subprocess
 import sys
 
 
@@ -35,6 +37,7 @@ def collect(comm="auto") -> dict:
     except ImportError:
         info["mpi4jax"] = None
         info["mpi_backend"] = "unavailable: mpi4jax not installed"
+    info["mpi4jax_bridges"] = mpi4jax_bridges()
     if comm is not None or "mpi4py.MPI" in sys.modules:
         from mpi4py import MPI
         info["mpi_library"] = MPI.Get_library_version().splitlines()[0].strip()
@@ -44,6 +47,38 @@ def collect(comm="auto") -> dict:
     info["devices"] = [str(d) for d in jax.local_devices()]
     info["topology"] = topology(comm).as_dict()
     return info
+
+
+def linked_mpi(path: str) -> str:
+    """The MPI library a compiled bridge links, as the dynamic loader resolves it."""
+    try:
+        out = subprocess.run(["ldd", path], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"unknown ({type(e).__name__})"
+    for line in out.splitlines():
+        name = line.strip().split(" ")[0]
+        if name.startswith(("libmpi.so", "libmpi_abi.so", "libmpich.so")):
+            return " ".join(line.split()[:3])
+    return "no MPI library linked"
+
+
+def mpi4jax_bridges() -> dict:
+    """mpi4jax's compiled bridges (``cpu``, ``cuda``) and the MPI each one links.
+
+    Found without importing mpi4jax (which would initialise MPI).
+    """
+    import importlib.util
+    spec = importlib.util.find_spec("mpi4jax")
+    if spec is None or spec.origin is None:
+        return {}
+    folder = pathlib.Path(spec.origin).parent / "_src" / "xla_bridge"
+    out = {}
+    for kind in ("cpu", "cuda"):
+        found = sorted(folder.glob(f"mpi_xla_bridge_{kind}*.so"))
+        if found:
+            out[kind] = linked_mpi(str(found[0]))
+    return out
 
 
 def main(argv: list[str]) -> int:
@@ -76,7 +111,11 @@ def main(argv: list[str]) -> int:
     for key in ("jaxsync", "jax", "optax", "mpi4py", "mpi4jax", "mpi_backend",
                 "mpi_library", "mpi_thread_level"):
         if key in first:
-            con.print(f"{key:>17}: {first[key]}")
+            con.print(f"{key:>19}: {first[key]}", soft_wrap=True)
+    bridges = first.get("mpi4jax_bridges") or {}
+    for kind in ("cpu", "cuda"):
+        con.print(f"{'mpi4jax ' + kind.upper() + ' bridge':>19}: "
+                  f"{('built, links ' + bridges[kind]) if kind in bridges else 'not built'}", soft_wrap=True)
     t = Table(title="topology")
     for col in ("rank", "size", "host", "hosts", "local_rank", "local_size",
                 "local_devices", "platform"):

@@ -3,6 +3,7 @@
 # devices (sets everything up first). Extra args go to `python -m jaxsync demo`.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${JAXSYNC_VENV:-$root/.venv}"
 bash "$root/scripts/setup.sh"
-export PATH="$root/.venv/bin:$PATH"
-exec "$root/.venv/bin/python" -m jaxsync demo "$@"
+export PATH="$venv/bin:$PATH"
+exec "$venv/bin/python" -m jaxsync demo "$@"

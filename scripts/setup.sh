@@ -1,38 +1,131 @@
 #!/usr/bin/env bash
-# Create (or reuse) .venv in the checkout and install jaxsync with MPI, tests and
-# benchmark extras. Needs only python3 (>= 3.10). A second run skips finished work.
+# Create (or reuse) a virtual environment and install jaxsync with its MPI, test,
+# benchmark and demo extras. Needs only python3 (>= 3.10). A second run skips the
+# work when nothing changed; a run that stopped half-way is redone.
+#
+# Every step's output goes to $VENV/setup.log. A failed step stops set-up at once
+# with a non-zero exit, the step's name and the last lines of its output.
+#
+# Environment (all optional):
+#   JAXSYNC_VENV    the virtual environment (default: .venv in the checkout)
+#   JAXSYNC_CUDA    12 or 13: GPU build - jax[cudaNN] and mpi4jax's CUDA bridge,
+#                   compiled against the toolkit folder that holds
+#                   include/cuda_runtime.h ($CUDA_HOME, $CUDA_PATH, $CUDA_ROOT,
+#                   /usr/local/cuda, ...; see jaxsync/_toolkit.py). Unset: CPU only,
+#                   whatever CUDA toolkits the machine has.
+#   JAXSYNC_SETUP_EXTRA_PACKAGES
+#                   more pip requirements (space separated), installed first; also
+#                   the hook the tests use to make a step fail.
+#   PYTHON          the interpreter that creates the environment (default: python3)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-venv="$root/.venv"
+venv="${JAXSYNC_VENV:-$root/.venv}"
 py="${PYTHON:-python3}"
-if [ ! -x "$venv/bin/python" ]; then
-  echo "[setup] creating $venv"
-  "$py" -m venv "$venv"
-fi
-export PATH="$venv/bin:$PATH"
+cuda="${JAXSYNC_CUDA:-}"
+case "$cuda" in
+  ""|0) cuda="" ;;
+  12|13) ;;
+  *) echo "[setup] JAXSYNC_CUDA must be 12, 13 or unset (CPU only), got '$cuda'." >&2; exit 2 ;;
+esac
+extra="${JAXSYNC_SETUP_EXTRA_PACKAGES:-}"
+
 stamp="$venv/.jaxsync-setup"
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+inputs=(pyproject.toml setup.py scripts/setup.sh scripts/verify_install.py jaxsync/_toolkit.py
+        jaxsync/_native/*.cc)
+want="$(for f in "${inputs[@]}"; do if [ -f "$f" ]; then cat "$f"; fi; done | sha256sum | cut -c1-16)"
+want="$want cuda=$cuda extra=$extra"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
   exit 0
 fi
-pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
-echo "[setup] installing build tools, jax, MPI (mpich wheel) and mpi4py"
-pip install --upgrade pip setuptools wheel nanobind
-pip install "jax[cpu]>=0.10,<0.11" "mpich>=4" "mpi4py>=4.0"
-# mpi4jax builds from source: it needs mpicc (from the mpich wheel, now on PATH),
-# mpi4py + nanobind + setuptools + wheel without build isolation, and - on
-# machines with a CUDA toolkit lacking headers - CUDA_ROOT at an empty folder
-# for a CPU-only build.
-if ! "$venv/bin/python" -c "import mpi4jax" >/dev/null 2>&1; then
-  echo "[setup] building mpi4jax from source (about 30 s)"
-  command -v mpicc >/dev/null || { echo "mpicc not found on PATH" >&2; exit 1; }
-  if [ -z "${CUDA_ROOT:-}" ] && ! [ -f /usr/local/cuda/include/cuda_runtime.h ]; then
-    export CUDA_ROOT="$venv/.no-cuda"; mkdir -p "$CUDA_ROOT"
+
+mkdir -p "$venv"
+rm -f "$stamp"                      # written again only after the final check
+log="$venv/setup.log"
+: > "$log"
+started=$SECONDS
+
+# step NAME COMMAND...: run COMMAND with its output in the log; on failure print the
+# step's name, exit status and last lines, and stop set-up.
+step() {
+  local name="$1"; shift
+  local out rc t0=$SECONDS
+  out="$(mktemp)"
+  echo "[setup] $name"
+  printf '\n===== %s: %s\n' "$name" "$*" >> "$log"
+  if "$@" > "$out" 2>&1; then rc=0; else rc=$?; fi
+  cat "$out" >> "$log"
+  if [ "$rc" -ne 0 ]; then
+    {
+      echo "[setup] FAILED: $name (exit status $rc). Last lines of its output:"
+      tail -n 25 "$out" | sed 's/^/    /'
+      echo "[setup] full log: $log"
+      echo "[setup] nothing was marked done; fix the cause and run this again."
+    } >&2
+    rm -f "$out"
+    exit "$rc"
   fi
-  pip install --no-build-isolation --no-binary mpi4jax "mpi4jax>=0.9,<0.10"
+  rm -f "$out"
+  echo "        done in $((SECONDS - t0)) s" >> "$log"
+}
+
+pip() { "$venv/bin/python" -m pip --disable-pip-version-check "$@"; }
+
+if [ ! -x "$venv/bin/python" ]; then
+  step "create the virtual environment $venv" "$py" -m venv "$venv"
 fi
-echo "[setup] installing jaxsync (editable) with mpi, test, bench and demo extras"
-pip install --no-build-isolation -e ".[mpi,test,bench,demo]"
-"$venv/bin/python" -c "import jax, optax, mpi4py, mpi4jax, jaxsync; print('[setup] ok: jax', jax.__version__, 'mpi4jax', mpi4jax.__version__)"
+export PATH="$venv/bin:$PATH"
+step "upgrade pip and the build tools" pip install --upgrade pip setuptools wheel nanobind
+if [ -n "$extra" ]; then
+  # shellcheck disable=SC2086
+  step "install JAXSYNC_SETUP_EXTRA_PACKAGES ($extra)" pip install $extra
+fi
+
+jax_req="jax[cpu]>=0.10,<0.11"
+[ -n "$cuda" ] && jax_req="jax[cuda$cuda]>=0.10,<0.11"
+step "install $jax_req, MPI (mpich wheel) and mpi4py" \
+  pip install "$jax_req" "mpich>=4" "mpi4py>=4.0"
+
+# mpi4jax is built from source against the mpich wheel's MPI: mpicc from the
+# environment, mpi4py + nanobind + setuptools + wheel without build isolation, and
+# no pip cache (a cached wheel may have been built for another machine).
+#  - CPU (default): CUDA_PATH and CUDA_ROOT point at an empty folder, so mpi4jax
+#    builds its CPU bridge only, even when nvcc is on PATH.
+#  - JAXSYNC_CUDA: CUDA_PATH is the toolkit folder that holds the headers.
+build_mpi4jax() {
+  local cuda_root="$venv/.no-cuda"
+  if [ -n "$cuda" ]; then
+    cuda_root="$("$venv/bin/python" "$root/jaxsync/_toolkit.py" cuda-root)" || return 1
+    echo "CUDA toolkit: $cuda_root"
+  else
+    mkdir -p "$cuda_root"
+  fi
+  CUDA_PATH="$cuda_root" CUDA_ROOT="$cuda_root" MPI4JAX_BUILD_MPICC="$venv/bin/mpicc" \
+    pip install --no-build-isolation --no-cache-dir --no-binary mpi4jax --force-reinstall \
+    --no-deps "mpi4jax>=0.9,<0.10"
+}
+bridges() {  # which mpi4jax bridges are built: "cpu", "cpu cuda"
+  "$venv/bin/python" - <<'EOF' 2>/dev/null || true
+import importlib.util, pathlib
+spec = importlib.util.find_spec("mpi4jax")
+d = pathlib.Path(spec.origin).parent / "_src" / "xla_bridge"
+print(" ".join(k for k in ("cpu", "cuda") if list(d.glob(f"mpi_xla_bridge_{k}*.so"))))
+EOF
+}
+have="$(bridges)"
+if [[ " $have " != *" cpu "* ]] || { [ -n "$cuda" ] && [[ " $have " != *" cuda "* ]]; }; then
+  if [ -n "$cuda" ]; then what="CPU and CUDA bridges"; else what="CPU bridge only"; fi
+  step "build mpi4jax from source ($what, about 30 s)" build_mpi4jax
+fi
+
+step "install jaxsync (editable) with the mpi, test, bench and demo extras" \
+  pip install --no-build-isolation -e ".[mpi,test,bench,demo]"
+
+# The stamp means "verified": every extra imports, versions match their pins, and
+# `import jaxsync` resolves to this checkout through the install (run from outside).
+verify() { (cd "$(mktemp -d)" && JAXSYNC_CUDA="$cuda" "$venv/bin/python" \
+  "$root/scripts/verify_install.py" "$root"); }
+step "verify the install from outside the checkout" verify
+grep "^\[setup\] ok" "$log" | tail -n 1
 echo "$want" > "$stamp"
+echo "[setup] done in $((SECONDS - started)) s (log: $log)"
