@@ -1,0 +1,68 @@
+"""The benchmark under mpirun (``python -m jaxsync bench``): it runs the README's
+shard_map step, the plain-jit path, the bare collectives and a whole train step,
+and every sync row really synchronises (it has collectives).
+
+The figures are not checked (the benchmark evaluates its targets itself).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from mpi_harness import MPIRUN, ROOT, requires_mpi
+
+pytestmark = requires_mpi
+
+
+def _bench(tmp_path, devices: int):
+    out = tmp_path / f"d{devices}"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(ROOT)
+    cmd = [str(MPIRUN), "-n", "2", sys.executable, "-m", "jaxsync", "bench", "--quick",
+           "--no-sweeps", "--repeats", "1", "--devices", str(devices), "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=ROOT, env=env, start_new_session=True)
+    try:
+        text, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        text, _ = proc.communicate()
+        pytest.fail("bench under mpirun timed out:\n" + text[-3000:])
+    assert proc.returncode == 0, text[-3000:]
+    result = json.loads((out / "mpi.json").read_text())
+    assert result["meta"]["processes"] == 2 and result["meta"]["devices"] == devices
+    assert result["meta"]["tune_host_allocator"] is False  # glibc defaults, as a user has
+    return {r["method"]: r for r in result["rows"]}, result
+
+
+def _check_syncs(rows, names):
+    for name in names:
+        r = rows[name]
+        # A sync that XLA removed or that never reached MPI would have no collective.
+        assert r["ops"] >= 1 and r["arrays"] >= 1 and r["wire_bytes"] > 0, r
+        assert len(r["samples_ms"]) == 1
+
+
+def test_bench_one_device_per_process(tmp_path):
+    rows, result = _bench(tmp_path, 1)
+    strategies = ["naive", "flat", "hierarchical", "two_dimensional", "hierarchical bf16"]
+    _check_syncs(rows, strategies + [f"{s} (jit)" for s in strategies]
+                 + ["hierarchical in a train step", "mpi4jax/leaf", "ravel+mpi4jax",
+                    "mpi4jax bare"])
+    assert rows["mpi4py bare"]["kind"] == "bare"
+    assert rows["mpi4py bare in-place"]["kind"] == "limit"
+    assert rows["hierarchical in a train step"]["kind"] == "jaxsync"
+    names = {t["name"] for t in result["targets"]}
+    assert "hierarchical no slower than the mpi4jax loop" in names
+
+
+def test_bench_two_devices_per_process(tmp_path):
+    rows, _ = _bench(tmp_path, 2)
+    _check_syncs(rows, ["naive", "flat", "hierarchical", "two_dimensional",
+                        "hierarchical in a train step", "psum bare"])
+    # mpi4jax's ordered effects refuse multi-device computations: no such rows.
+    assert not any("mpi4jax" in m or m.endswith("(jit)") for m in rows)
