@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _backends
+from ._plan import structure_text
 from ._topology import Comms, default_comm
 
 PyTree = Any
@@ -85,5 +86,5 @@ def _describe(tree) -> str:
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
     lines = [f"leaf {jax.tree_util.keystr(path)} {np.shape(leaf)} "
              f"{getattr(leaf, 'dtype', np.asarray(leaf).dtype)}" for path, leaf in with_paths]
-    lines.append(f"treedef {treedef}")  # last: the first differing line names a leaf
+    lines.append(f"treedef {structure_text(treedef)}")  # last: the first differing line names a leaf
     return "\n".join(lines)
