@@ -22,6 +22,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import io_callback
 from jax._src import core as _core
 from jax._src.interpreters import batching as _batching
 
@@ -223,7 +224,11 @@ class _HostOps:
 
     Every callback takes and returns a one-byte dependency, so the callbacks of
     one program run in program order on every process (independent callbacks
-    may otherwise run in any order and MPI would match the wrong buffers).
+    may otherwise run in any order and MPI would match the wrong buffers). They
+    are ``io_callback``s: MPI calls are side effects that JAX must neither drop
+    nor repeat (it may do both with a ``pure_callback``); unordered, since JAX
+    refuses ordered effects in multi-device computations - the dependency
+    chain orders them.
     """
 
     def __init__(self, comm):
@@ -238,8 +243,7 @@ class _HostOps:
             return (*outs, np.zeros((), np.uint8))
 
         structs = (*out_structs, jax.ShapeDtypeStruct((), jnp.uint8))
-        *ys, self.dep = jax.pure_callback(host, structs, self.dep, *xs,
-                                          vmap_method="sequential")
+        *ys, self.dep = io_callback(host, structs, self.dep, *xs, ordered=False)
         return ys
 
     def allreduce(self, bufs):

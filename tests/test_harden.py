@@ -240,3 +240,99 @@ def test_broadcast_params_sends_digests_not_texts_at_scale(monkeypatch):
     assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(tree)
     assert comm.gathered and all(isinstance(g, bytes) and len(g) == 32
                                  for g in comm.gathered), [type(g) for g in comm.gathered]
+
+
+# --------------------------------------------------------------------------
+# Item 7: the watchdog stops promptly and ignores late replies.
+
+class _Status:
+    def __init__(self):
+        self.source = -1
+
+    def Get_source(self):
+        return self.source
+
+
+class _WatchComm:
+    """Rank 0 of 2; rank 1 answers only what ``replies`` holds (a list)."""
+
+    def __init__(self, replies):
+        self.replies = list(replies)
+        self.queries = []
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 2
+
+    def Iprobe(self, source=None, tag=None, status=None):
+        from jaxsync._watchdog import _REPLY
+        if tag == _REPLY and self.replies:
+            status.source = 1
+            return True
+        return False
+
+    def recv(self, source=None, tag=None):
+        return self.replies.pop(0)
+
+    def send(self, obj, dest=None, tag=None):
+        self.queries.append(obj)
+
+
+@pytest.fixture
+def fake_mpi_status(monkeypatch):
+    mpi = types.ModuleType("mpi4py.MPI")
+    mpi.Status, mpi.ANY_SOURCE = _Status, -1
+    pkg = types.ModuleType("mpi4py")
+    pkg.MPI = mpi
+    monkeypatch.setitem(sys.modules, "mpi4py", pkg)
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", mpi)
+
+
+def _stalled(comm, timeout):
+    import io
+    from jaxsync._watchdog import Watchdog
+    wd = Watchdog(comm, timeout, stream=io.StringIO())
+    wd.enter(None)  # inside a stage...
+    with wd._lock:
+        wd.t_enter -= 10 * timeout  # ...for a long time already
+    return wd
+
+
+def test_watchdog_stop_does_not_wait_out_a_report(fake_mpi_status):
+    import time
+    wd = _stalled(_WatchComm([]), timeout=5.0)  # rank 1 never answers
+    deadline = time.monotonic() + 5
+    while not wd.comm.queries and time.monotonic() < deadline:
+        time.sleep(0.01)  # the report has started: it waits up to 5 s for answers
+    assert wd.comm.queries, "no report started"
+    t0 = time.monotonic()
+    wd.stop()
+    took = time.monotonic() - t0
+    assert not wd._thread.is_alive(), "stop() returned with the thread still in MPI"
+    assert took < 1.0, f"stop() took {took:.1f} s"
+
+
+def test_watchdog_ignores_replies_of_an_earlier_round(fake_mpi_status):
+    import time
+    # A reply from an earlier round (rank 1 had entered 0) arrives first; this
+    # round's reply says rank 1 has entered 1 stage, like rank 0.
+    comm = _WatchComm([(0, 0, 0), (1, 1, 0)])
+    wd = _stalled(comm, timeout=0.2)
+    deadline = time.monotonic() + 10
+    while not wd.reports and time.monotonic() < deadline:
+        time.sleep(0.01)
+    wd.stop()
+    assert wd.reports, "no report"
+    assert comm.queries[0] == 1  # the round number travels with the query
+    assert "every rank has arrived" in wd.reports[0], wd.reports
+
+
+def test_mpi_side_effects_are_io_callbacks():
+    """Host-staged MPI calls and watchdog hooks are effects JAX keeps, once each."""
+    from jaxsync._watchdog import _tie
+    ops = _backends._HostOps(_FakeComm(size=2))
+    jaxpr = str(jax.make_jaxpr(lambda x: ops.allgather(ops.allreduce([x])[0]))(jnp.ones(3)))
+    jaxpr += str(jax.make_jaxpr(lambda x: _tie(lambda h: h, x))(jnp.ones(3)))
+    assert "io_callback" in jaxpr and "pure_callback" not in jaxpr, jaxpr
