@@ -336,3 +336,27 @@ def test_mpi_side_effects_are_io_callbacks():
     jaxpr = str(jax.make_jaxpr(lambda x: ops.allgather(ops.allreduce([x])[0]))(jnp.ones(3)))
     jaxpr += str(jax.make_jaxpr(lambda x: _tie(lambda h: h, x))(jnp.ones(3)))
     assert "io_callback" in jaxpr and "pure_callback" not in jaxpr, jaxpr
+
+
+# --------------------------------------------------------------------------
+# The MPI suite may be skipped without MPI, but never in CI.
+
+@pytest.mark.parametrize("ci", ["", "true"])
+def test_mpi_suite_without_mpirun_fails_in_ci(ci):
+    import os
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CI", "XLA_FLAGS") and not k.startswith(
+               ("PMI_", "PMIX_", "OMPI_", "HYDI_", "HYDRA_", "MPI_LOCAL", "MV2_"))}
+    env.update(JAXSYNC_MPIRUN="/nonexistent/mpirun", CI=ci)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:nbmake",
+                        "-o", "addopts=", "tests/mpi/test_mpi.py",
+                        "-k", "test_exact_mesh_backend and mean and naive"],
+                       capture_output=True, text=True, cwd=root, env=env, timeout=300)
+    if ci:
+        assert r.returncode != 0 and ("1 failed" in r.stdout or "1 error" in r.stdout), \
+            r.stdout[-2000:]
+        assert "CI is set but the MPI suite cannot run" in r.stdout, r.stdout[-2000:]
+    else:
+        assert r.returncode == 0 and "1 skipped" in r.stdout, r.stdout[-2000:]

@@ -1,6 +1,6 @@
 """Numerical tests of the five strategies in one process (8 fake CPU devices).
 
-Reliability rows covered: 12 (many buckets and several syncs in one step, no
+Reliability rows (the table in tests/_common.py) covered: 12 (many buckets and several syncs in one step, no
 recompilation), 13 (integer-valued gradients are exact; divisor = devices x
 processes), 14 (random f32, bf16 and f16 vs a float64 reference within a stated ULP
 bound), 15 (determinism, replicas bit-identical).

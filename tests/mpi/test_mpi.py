@@ -422,7 +422,7 @@ def test_uneven_device_counts(uneven_run, strategy):
 
 
 # --------------------------------------------------------------------------
-# Rows 10 and 12: straggler under the watchdog; several syncs in one step.
+# Rows 10 and 12 (tests/_common.py): straggler under the watchdog; several syncs in one step.
 
 @pytest.fixture(scope="module")
 def watchdog_run():
