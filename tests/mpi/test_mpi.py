@@ -522,9 +522,10 @@ def test_watchdog_many_short_syncs_then_clean_exit(tmp_path):
     for rank in range(2):
         rounds = run.results[rank]["rounds"]
         assert len(rounds) == 20
-        for out, freed in rounds:
+        for out, freed, made, all_null in rounds:
             np.testing.assert_array_equal(out, np.full(7, 1.5, np.float32))
-            assert freed == 1
+            # world, control, agreement, 2 per-device, 1 watchdog: all freed
+            assert freed == 1 and made == 6 and all_null, (freed, made, all_null)
 
 
 def test_exit_right_after_host_staged_syncs_is_clean(tmp_path):

@@ -123,9 +123,14 @@ def main():
             for _ in range(5):
                 out = step(x)
             out = np.asarray(jax.block_until_ready(out)["w"])
+            from jaxsync._topology import Comms
+            mine = Comms.of(sub)
+            handles = [mine.world, mine.control, mine.agreement, *mine._devices,
+                       *[w.comm for w in mine._watchdogs.values()]]
             freed = jaxsync.free_communicators(sub)
             sub.Free()
-            rounds.append((out, freed))
+            rounds.append((out, freed, len(handles),
+                           all(h == MPI.COMM_NULL for h in handles)))
         res.add("rounds", rounds)
         res.write()
         # falls off the end: clean exit with watchdog threads stopped
