@@ -15,7 +15,6 @@ Modes (``--mode``):
 """
 
 import sys
-import time
 
 if "thread_level" in sys.argv:  # before mpi4py.MPI is imported by init()
     import mpi4py
@@ -151,7 +150,6 @@ def main():
         res.write()
     else:
         raise SystemExit(f"unknown mode {ns.mode}")
-    time.sleep(0)
 
 
 if __name__ == "__main__":
