@@ -12,7 +12,7 @@ from ._backends import AxisComm
 from ._broadcast import broadcast_params
 from ._host import tune_host_allocator
 from ._plan import Bucket, LeafSpec, Plan, make_plan
-from ._topology import Topology, topology
+from ._topology import Topology, free_communicators, topology
 from ._transforms import (SyncState, flat_mean, hierarchical_mean, naive_mean,
                           single_node_mean, sync_gradients, two_dimensional_mean)
 
@@ -27,6 +27,7 @@ __all__ = [
     "Topology",
     "broadcast_params",
     "flat_mean",
+    "free_communicators",
     "hierarchical_mean",
     "make_plan",
     "naive_mean",

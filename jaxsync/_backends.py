@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import weakref
 from typing import Any, Sequence
 
@@ -23,6 +22,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import io_callback
 from jax._src import core as _core
 from jax._src.interpreters import batching as _batching
 
@@ -131,8 +131,9 @@ class LocalBackend:
         del intra, leader_only
         return program(AxisOps(()), bufs)
 
-    def agree(self, text: str, what: str) -> None:
+    def agree(self, text: str, what: str, bufs: list) -> list:
         del text, what
+        return bufs
 
     def __repr__(self):
         return "LocalBackend()"
@@ -188,8 +189,9 @@ class AxisBackend:
         del intra, leader_only  # XLA runs the collective on every device
         return program(AxisOps((self.axis,), wire16=True), bufs)
 
-    def agree(self, text: str, what: str) -> None:
+    def agree(self, text: str, what: str, bufs: list) -> list:
         del text, what  # one program, traced once: nothing can disagree
+        return bufs
 
     def __repr__(self):
         return f"AxisBackend({self.axis!r})"
@@ -222,7 +224,11 @@ class _HostOps:
 
     Every callback takes and returns a one-byte dependency, so the callbacks of
     one program run in program order on every process (independent callbacks
-    may otherwise run in any order and MPI would match the wrong buffers).
+    may otherwise run in any order and MPI would match the wrong buffers). They
+    are ``io_callback``s: MPI calls are side effects that JAX must neither drop
+    nor repeat (it may do both with a ``pure_callback``); unordered, since JAX
+    refuses ordered effects in multi-device computations - the dependency
+    chain orders them.
     """
 
     def __init__(self, comm):
@@ -237,8 +243,7 @@ class _HostOps:
             return (*outs, np.zeros((), np.uint8))
 
         structs = (*out_structs, jax.ShapeDtypeStruct((), jnp.uint8))
-        *ys, self.dep = jax.pure_callback(host, structs, self.dep, *xs,
-                                          vmap_method="sequential")
+        *ys, self.dep = io_callback(host, structs, self.dep, *xs, ordered=False)
         return ys
 
     def allreduce(self, bufs):
@@ -277,6 +282,34 @@ class _HostOps:
 
         return self._call(host_allgather, [x],
                           [jax.ShapeDtypeStruct((size, *x.shape), x.dtype)])[0]
+
+
+def _check_host_mpi() -> None:
+    """What ``_mpi._load`` checks for the device path, for host staging.
+
+    Host callbacks of several local devices call MPI from their own threads, so
+    MPI must provide ``MPI_THREAD_MULTIPLE``; computations still in flight at
+    exit must finish their MPI calls before ``MPI_Finalize``.
+    """
+    try:
+        from mpi4py import MPI
+    except ImportError as e:  # pragma: no cover - depends on install
+        raise _mpi.MPIUnavailableError(
+            "jaxsync needs mpi4py for inter-process communication (comm=...); "
+            "install it with `pip install 'jaxsync[mpi]'`, or pass comm=None.") from e
+    _register_drain()
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        raise RuntimeError(
+            "jaxsync needs MPI initialised with MPI_THREAD_MULTIPLE (each local "
+            f"device runs in its own thread); MPI provides level {MPI.Query_thread()}. "
+            "Do not set mpi4py.rc.thread_level to a lower level.")
+
+
+@functools.lru_cache(maxsize=None)
+def _register_drain() -> None:
+    import atexit
+    # Registered after mpi4py's MPI_Finalize handler, so it runs before it.
+    atexit.register(_mpi._drain)
 
 
 def share_invariant(tree, axes: Axes):
@@ -381,9 +414,17 @@ class MPIBackend:
     def __init__(self, comm, staging: str = "device", timeout: float | None = None):
         if staging == "device":
             _mpi._load()
+        else:
+            _check_host_mpi()
         self.comm = comm
         self.staging = staging
         self.timeout = timeout
+        # Every communicator this backend will use is made now, when the factory
+        # is called (on every process): never while tracing, which a process may
+        # do alone (eval_shape, lower, make_jaxpr on rank 0).
+        self.comms.prepare(jax.local_device_count())
+        if timeout is not None:
+            self.comms.watchdog(timeout)
 
     def _watched(self, program, watch: bool):
         if self.timeout is None or not watch:
@@ -432,16 +473,17 @@ class MPIBackend:
         branches = [functools.partial(on, c, k == 0) for k, c in enumerate(per_dev)]
         return list(lax.switch(idx, branches, bufs))
 
-    def agree(self, text: str, what: str) -> None:
-        """Compare ``text`` across processes; raise the same error everywhere.
+    def agree(self, text: str, what: str, bufs: list) -> list:
+        """Compare ``text`` across processes before ``bufs`` travel.
 
-        Runs each time a synchronisation is traced (never in the compiled step):
-        a 32-byte digest is exchanged, the full texts only on a mismatch.
+        Returns ``bufs`` tied to a host callback that, the first time the
+        compiled step runs, exchanges a 32-byte digest of ``text`` (the full
+        texts only on a mismatch) and raises the same ``ValueError`` text on
+        every process when they differ. Tracing alone never blocks (see
+        ``_agree``).
         """
-        control = self.comms.control
-        digests = control.allgather(hashlib.sha256(text.encode()).digest())
-        if len(set(digests)) > 1:
-            raise ValueError(_disagreement(control.allgather(text), what))
+        from ._agree import agree_in_step
+        return agree_in_step(self.comms.agreement, text, what, bufs, _disagreement)
 
     def __repr__(self):
         return (f"MPIBackend(size={self.size()}, staging={self.staging!r}, "

@@ -361,10 +361,39 @@ class Row:
     compile_s: float
     program: str
     iters: int
+    correct: bool | None       # the result is the mean (None: not a mean)
     samples_ms: list[float]
 
 
-def make_rows(mode, tree_name, info, cases, iters, samples, faults) -> list[Row]:
+def check_results(cases: list[Case]) -> dict[str, bool]:
+    """Whether each method averaging the base tree's gradients gives their mean.
+
+    Every replica computes the same gradients (from the same input), so the
+    mean is each replica's own value: a wrong divisor, a lost or mixed-up leaf
+    shows. Tolerance: a few ULP of the travelling dtype (bfloat16 for the
+    ``bf16`` methods). Runs collectives: every process checks, in case order.
+    """
+    import jax
+    base = next(c for c in cases if c.method == "base tree")
+    want = jax.tree.map(np.asarray, jax.block_until_ready(base.run()))
+    out = {}
+    for c in cases:
+        if c.base != "base tree" or c.kind == "base":
+            continue
+        got = jax.tree.map(np.asarray, jax.block_until_ready(c.run()))
+        ok = jax.tree.structure(got) == jax.tree.structure(want)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)) if ok else ():
+            g64, w64 = np.asarray(g, np.float64), np.asarray(w, np.float64)
+            bits = 8 if "bf16" in c.method or str(w.dtype) == "bfloat16" else (
+                11 if str(w.dtype) == "float16" else 24)
+            ok = ok and g.shape == w.shape and bool(np.all(
+                np.abs(g64 - w64) <= 4.0 * 2.0 ** -bits * np.abs(w64)))
+        out[c.method] = ok
+    return out
+
+
+def make_rows(mode, tree_name, info, cases, iters, samples, faults,
+              correct=None) -> list[Row]:
     """Marginal statistics per case; ``samples[r, i]``: round r, case i (seconds)."""
     index = {c.method: i for i, c in enumerate(cases)}
     samples = np.asarray(samples) * 1e3
@@ -389,7 +418,7 @@ def make_rows(mode, tree_name, info, cases, iters, samples, faults) -> list[Row]
             c.arrays, c.ops, med, float(np.quantile(m, .25)), float(np.quantile(m, .75)),
             float(m.min()), float(m.max()), med / bare if bare > 0 else float("nan"),
             float(f), round(c.compile_s, 3), c.program, int(iters[index[c.method]]),
-            [round(float(x), 4) for x in m]))
+            (correct or {}).get(c.method), [round(float(x), 4) for x in m]))
     return rows
 
 
@@ -767,6 +796,7 @@ def run_tree(bench, tree_name: str, tree, repeats: int, min_sample_s: float,
     t0 = time.perf_counter()
     cases, skipped = bench.cases(tree, bench.sweeps and tree_name in SWEEP_TREES)
     t1 = time.perf_counter()
+    correct = check_results(cases)
     # Warm up (first runs, allocator) and calibrate: a sample is the median of
     # enough calls to last about min_sample_s; every process uses the same counts.
     warm = np.array([time_calls(c.run, 2, bench.barrier)[0] for c in cases])
@@ -785,7 +815,8 @@ def run_tree(bench, tree_name: str, tree, repeats: int, min_sample_s: float,
     if bench.comm is not None:  # a step is done when the slowest process is
         from mpi4py import MPI
         bench.comm.Allreduce(MPI.IN_PLACE, samples, op=MPI.MAX)
-    return make_rows(bench.mode, tree_name, info, cases, iters, samples, faults), skipped
+    return make_rows(bench.mode, tree_name, info, cases, iters, samples, faults,
+                     correct), skipped
 
 
 # --------------------------------------------------------------------------

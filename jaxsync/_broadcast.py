@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import numpy as np
@@ -10,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _backends
+from ._plan import structure_text
 from ._topology import Comms, default_comm
 
 PyTree = Any
@@ -54,17 +56,21 @@ def broadcast_params(tree: PyTree, root: int = 0, comm: Any = "auto") -> PyTree:
                              f"got root={root}. Fix: root=0.")
         from jax.experimental import multihost_utils
         out = multihost_utils.broadcast_one_to_all(tree)
-        return jax.tree.map(lambda new, old: jnp.asarray(new) if isinstance(old, jax.Array)
-                            else new, out, tree)
+        # broadcast_one_to_all returns host arrays: put each jax.Array leaf back
+        # where it was (its sharding), not on the default device.
+        return jax.tree.map(lambda new, old: jax.device_put(new, old.sharding)
+                            if isinstance(old, jax.Array) else new, out, tree)
     size = comm.Get_size()
     if not 0 <= root < size:
         raise ValueError(f"broadcast_params: root must be in [0, {size}), got {root}.")
     world = Comms.of(comm).control
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     plan_text = _describe(tree)
-    texts = world.allgather(plan_text)
-    if len(set(texts)) > 1:
-        raise ValueError(_backends._disagreement(texts, "parameter tree"))
+    # A 32-byte digest per process; the texts travel only on a mismatch.
+    digests = world.allgather(hashlib.sha256(plan_text.encode()).digest())
+    if len(set(digests)) > 1:
+        raise ValueError(_backends._disagreement(world.allgather(plan_text),
+                                                 "parameter tree"))
     out = []
     for leaf in leaves:
         host = np.array(leaf, copy=True)
@@ -83,7 +89,13 @@ def broadcast_params(tree: PyTree, root: int = 0, comm: Any = "auto") -> PyTree:
 
 def _describe(tree) -> str:
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    # Shapes and dtypes from the leaf itself: no copy to host.
     lines = [f"leaf {jax.tree_util.keystr(path)} {np.shape(leaf)} "
-             f"{getattr(leaf, 'dtype', np.asarray(leaf).dtype)}" for path, leaf in with_paths]
-    lines.append(f"treedef {treedef}")  # last: the first differing line names a leaf
+             f"{_dtype(leaf)}" for path, leaf in with_paths]
+    lines.append(f"treedef {structure_text(treedef)}")  # last: the first differing line names a leaf
     return "\n".join(lines)
+
+
+def _dtype(leaf):
+    dt = getattr(leaf, "dtype", None)
+    return np.dtype(dt) if dt is not None else np.result_type(leaf)

@@ -24,10 +24,18 @@ def tune_host_allocator(mmap_threshold: int = 32 * 2**20,
     heap rather than returned to the system. Call it once, early, on every
     process. No effect (returns False) where the C library is not glibc.
 
-    Example:
+    Example (once, early, on every process; returns True with glibc)::
+
+        import jaxsync
+        jaxsync.tune_host_allocator()
+
+    The arguments are checked before anything changes:
+
       >>> import jaxsync
-      >>> jaxsync.tune_host_allocator() in (True, False)
-      True
+      >>> jaxsync.tune_host_allocator(mmap_threshold=0)
+      Traceback (most recent call last):
+      ...
+      ValueError: tune_host_allocator: mmap_threshold must be a positive int (bytes), got 0.
     """
     for arg, value in (("mmap_threshold", mmap_threshold), ("trim_threshold", trim_threshold),
                        ("top_pad", top_pad)):

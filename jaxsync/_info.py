@@ -94,9 +94,15 @@ def main(argv: list[str]) -> int:
     if args.devices:
         import jax
         jax.config.update("jax_num_cpu_devices", args.devices)
-    from ._topology import default_comm
-    comm = default_comm()
+    from ._topology import LaunchError, default_comm
+    try:
+        comm, launch_error = default_comm(), None
+    except LaunchError as e:  # report it: info is the tool to diagnose a launch
+        comm, launch_error = None, str(e)
+        print(f"warning: {e}", file=sys.stderr)
     info = collect(comm)
+    if launch_error:
+        info["launch_error"] = launch_error
     infos = comm.gather(info, root=0) if comm is not None else [info]
     if infos is None:
         return 0

@@ -97,6 +97,21 @@ def _classify(path: str, dtype: str) -> bool:
     )
 
 
+def structure_text(treedef) -> str:
+    """The tree structure with node types only, e.g. ``dict(*,list(*,*))``.
+
+    ``str(treedef)`` prints custom nodes' auxiliary data, whose repr may hold a
+    memory address (a function, an object in a static field) that differs between
+    processes although the trees agree; the keys are in the leaf paths already.
+    """
+    data = treedef.node_data()
+    if data is None:
+        return "*"
+    kind = data[0]
+    kids = ",".join(structure_text(c) for c in treedef.children())
+    return f"{getattr(kind, '__module__', '?')}.{getattr(kind, '__qualname__', kind)}({kids})"
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """How a pytree is packed into buffers. Build it with :func:`make_plan`.
@@ -128,7 +143,7 @@ class Plan:
         """A canonical text form of the plan (what the fingerprint hashes)."""
         # Leaves first, so the first differing line names a leaf path.
         lines = [f"leaf {l.path} {l.shape} {l.dtype} {l.reduced}" for l in self.leaves]
-        lines += [f"treedef {self.treedef}", f"bucket_bytes {self.bucket_bytes}",
+        lines += [f"treedef {structure_text(self.treedef)}", f"bucket_bytes {self.bucket_bytes}",
                   f"pack_threshold {self.pack_threshold}"]
         lines += [f"bucket {b.dtype} {b.leaves} {b.size}" for b in self.buckets]
         return "\n".join(lines)

@@ -19,20 +19,67 @@ def launched_by_mpi() -> bool:
     return "mpi4py.MPI" in sys.modules or any(k in os.environ for k in _MPI_ENV)
 
 
+# The launcher's own process count: more than one means this process was started
+# as one of several MPI ranks, whatever MPI itself says.
+_LAUNCHER_SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE",
+                      "PMIX_SIZE", "MPI_LOCALNRANKS")
+
+
+def _launcher_sizes() -> dict:
+    """The launcher size variables set in the environment with a value > 1."""
+    seen = {}
+    for k in _LAUNCHER_SIZE_ENV:
+        try:
+            if int(os.environ.get(k, "")) > 1:
+                seen[k] = os.environ[k]
+        except ValueError:
+            pass
+    return seen
+
+
+class LaunchError(RuntimeError):
+    """An MPI launcher started several processes but MPI sees only one."""
+
+
 def default_comm():
     """``MPI.COMM_WORLD`` when MPI is in use with more than one process, else None.
 
     mpi4py is imported only when this process was started by an MPI launcher
     (or mpi4py is already imported), so a notebook never initialises MPI by
     accident.
+
+    Raises:
+      LaunchError: the launcher says there are several processes (``PMI_SIZE``,
+        ``OMPI_COMM_WORLD_SIZE``, ... > 1) but mpi4py cannot be imported or its
+        ``COMM_WORLD`` has a single process (mpi4py built against another MPI
+        than the launcher's, PMI not wired): every process would otherwise train
+        alone without a word. ``mpirun -n 1`` is fine (size 1 both ways).
     """
     if not launched_by_mpi():
         return None
+    sizes = _launcher_sizes()
+    seen = ", ".join(f"{k}={v}" for k, v in sizes.items())
     try:
         from mpi4py import MPI
-    except ImportError:
+    except ImportError as e:
+        if sizes:
+            raise LaunchError(
+                f"jaxsync: comm='auto' found an MPI launcher with several processes "
+                f"({seen}) but mpi4py cannot be imported ({e}); every process would "
+                "train alone. Fix: install mpi4py built against the launcher's MPI "
+                "(pip install 'jaxsync[mpi]'), or pass comm=None to train each "
+                "process on its own on purpose.") from e
         return None
-    return MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
+    size = MPI.COMM_WORLD.Get_size()
+    if size == 1 and sizes:
+        raise LaunchError(
+            f"jaxsync: comm='auto' found an MPI launcher with several processes "
+            f"({seen}) but MPI.COMM_WORLD has 1 process: mpi4py's MPI is not the "
+            "launcher's (PMI not wired), so every process would train alone. Fix: "
+            "launch with the mpirun/mpiexec of the MPI that mpi4py was built with "
+            "(python -c 'import mpi4py; print(mpi4py.get_config())'), or pass "
+            "comm=None to train each process on its own on purpose.")
+    return MPI.COMM_WORLD if size > 1 else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +148,11 @@ class Comms:
     jaxsync never sends on the user's communicator itself, so its messages can
     not be confused with the user's own MPI traffic.
 
-    Creating them is collective over ``comm``; it happens when a transform is
-    first traced, which every process does at the same point of its program.
+    Creating them is collective over ``comm``: it happens when a transform is
+    made (the factory call), or ``broadcast_params``/``topology`` is called, on
+    every process - never while a step is traced, which a process may do alone.
+    They are freed by :func:`free_communicators` or at exit (before
+    ``MPI_Finalize``).
     """
 
     _cache: dict = {}
@@ -111,17 +161,36 @@ class Comms:
         self.user = comm
         self.world = comm.Dup()      # collectives inside compiled steps
         self.control = comm.Dup()    # Python-level checks, never concurrent with steps
+        self.agreement = comm.Dup()  # in-step agreement callbacks (see _agree)
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
-        self._per_device: dict[int, tuple] = {}
+        self._devices: list = []     # per-device duplicates, made by prepare()
         self._watchdogs: dict = {}
+        self._host = None
+        self.freed = False
+        _register_atexit()
 
     @classmethod
     def of(cls, comm) -> "Comms":
         key = id(comm)
-        if key not in cls._cache:
-            cls._cache[key] = cls(comm)
-        return cls._cache[key]
+        got = cls._cache.get(key)
+        if got is None or got.user is not comm:
+            got = cls._cache[key] = cls(comm)
+        return got
+
+    def prepare(self, n: int) -> None:
+        """Make per-device communicators for ``n`` local devices now.
+
+        Collective over the user's communicator: every process makes as many as
+        the process with the most devices (processes may differ; that is caught
+        before the first reduction, see ``per_device``).
+        """
+        if n <= len(self._devices):
+            return
+        from mpi4py import MPI
+        n = self.control.allreduce(n, op=MPI.MAX)
+        while len(self._devices) < n:
+            self._devices.append(self.control.Dup())
 
     def watchdog(self, timeout: float):
         """The stall watchdog of this communicator (one per timeout value)."""
@@ -131,21 +200,104 @@ class Comms:
             self._watchdogs[key] = Watchdog(self.control.Dup(), key)
         return self._watchdogs[key]
 
-    @functools.cached_property
+    @property
     def host(self):
         """The processes on this host (MPI shared-memory split)."""
-        from mpi4py import MPI
-        return self.control.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        if self._host is None:
+            from mpi4py import MPI
+            self._host = self.control.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        return self._host
 
     def per_device(self, n: int) -> tuple:
-        """``n`` communicators: the world split by local device index."""
-        if n not in self._per_device:
-            counts = self.control.allgather(n)
-            if len(set(counts)) != 1:
-                raise ValueError(
-                    "every process must drive the same number of local devices in the "
-                    f"synchronised axes; got {dict(enumerate(counts))} (rank: devices). "
-                    "Fix: launch every process with the same device count.")
-            self._per_device[n] = tuple(
-                self.control.Split(color=k, key=self.rank) for k in range(n))
-        return self._per_device[n]
+        """``n`` communicators, one per local device index (no communication).
+
+        Each is a duplicate of the world, made by :meth:`prepare` when the
+        transform was made (for every local device). That every process drives
+        the same number of devices is checked with the rest of the gradient
+        tree's description, before the first reduction.
+        """
+        if n > len(self._devices):
+            # More replicas per process than local devices (not a shard_map/pmap
+            # over local devices): made here, collectively, at trace time.
+            self.prepare(n)
+        return tuple(self._devices[:n])
+
+    def free(self) -> None:
+        """Stop the watchdogs and free every duplicate (not the user's handle)."""
+        if self.freed:
+            return
+        self.freed = True
+        for wd in self._watchdogs.values():
+            wd.stop()
+        comms = [wd.comm for wd in self._watchdogs.values()]
+        comms += [self._host] if self._host is not None else []
+        comms += self._devices + [self.agreement, self.control, self.world]
+        self._watchdogs, self._devices, self._host = {}, [], None
+        for c in comms:
+            try:
+                c.Free()
+            except Exception:  # noqa: BLE001 - MPI already finalized, or freed
+                pass
+
+
+def free_communicators(comm: Any = None) -> int:
+    """Free the private communicators jaxsync made for ``comm`` (or for all).
+
+    jaxsync duplicates each user communicator it is given (and once per local
+    device, plus one per watchdog) and keeps the duplicates for the life of the
+    process; they are freed at exit, before ``MPI_Finalize``. Call this to free
+    them earlier, e.g. before freeing a communicator of your own. Collective:
+    every process of ``comm`` must call it. Afterwards, transforms and compiled
+    steps made with ``comm`` must not run again (make new ones: that duplicates
+    afresh); finish pending steps first (``jax.block_until_ready``).
+
+    Args:
+      comm: an mpi4py communicator given to jaxsync, or ``None`` for all.
+
+    Returns:
+      How many user communicators were released.
+
+    Example:
+      >>> import jaxsync
+      >>> jaxsync.free_communicators()  # nothing made in this process yet
+      0
+    """
+    if comm is None:
+        victims = list(Comms._cache.values())
+        Comms._cache.clear()
+    else:
+        c = Comms._cache.get(id(comm))
+        victims = [c] if c is not None and c.user is comm else []
+        if victims:
+            del Comms._cache[id(comm)]
+    if victims:
+        _drain()
+    for c in victims:
+        c.free()
+    return len(victims)
+
+
+def _drain() -> None:
+    """Let computations in flight finish their MPI calls.
+
+    Their results may be gone already (a step dispatched in a function that
+    returned): every synchronising step holds a host callback (the agreement,
+    see ``_agree``), so ``jax.effects_barrier`` waits for it.
+    """
+    try:
+        jax.effects_barrier()
+    except Exception:  # noqa: BLE001 - a failed step: its error was reported
+        pass
+    try:
+        for a in jax.live_arrays():
+            a.block_until_ready()
+    except Exception:  # noqa: BLE001 - interpreter shutdown
+        pass
+
+
+@functools.lru_cache(maxsize=None)
+def _register_atexit() -> None:
+    import atexit
+    # Registered after mpi4py.MPI was imported (a Comms exists), so it runs
+    # before mpi4py's MPI_Finalize: drain, stop the watchdogs, free.
+    atexit.register(free_communicators)

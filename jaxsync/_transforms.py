@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -53,15 +54,23 @@ def _make_backend(fn: str, comm, staging: str, timeout=None):
         return _backends.LocalBackend()
     if isinstance(comm, _backends.AxisComm):
         return _backends.AxisBackend(comm)
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        MPI = None
+    _check_comm_type(fn, comm)
+    if comm.Get_size() == 1:
+        return _backends.LocalBackend()
+    return _backends.MPIBackend(comm, staging=staging,
+                                timeout=None if timeout is None else float(timeout))
+
+
+def _check_comm_type(fn: str, comm) -> None:
+    """TypeError unless ``comm`` is None, 'auto', an AxisComm or an Intracomm."""
+    if comm is None or isinstance(comm, _backends.AxisComm) or (
+            isinstance(comm, str) and comm == AUTO):
+        return
+    # An mpi4py communicator exists only once mpi4py.MPI is imported: never import
+    # it (which initialises MPI) just to reject a wrong argument.
+    MPI = sys.modules.get("mpi4py.MPI")
     if MPI is not None and isinstance(comm, MPI.Intracomm):
-        if comm.Get_size() == 1:
-            return _backends.LocalBackend()
-        return _backends.MPIBackend(comm, staging=staging,
-                                    timeout=None if timeout is None else float(timeout))
+        return
     raise _bad_type(fn, "comm", "an mpi4py Intracomm, jaxsync.AxisComm, None or "
                     "'auto'", comm, "pass comm=MPI.COMM_WORLD, "
                     "comm=jaxsync.AxisComm('host') or comm=None")
@@ -97,8 +106,10 @@ class SyncConfig:
 
     def describe(self) -> str:
         return (f"strategy {self.strategy} reduce {self.reduce} comm_dtype "
-                f"{self.comm_dtype} predivide {self.predivide} backend "
-                f"{self.backend.name} timeout {getattr(self.backend, 'timeout', None)}")
+                f"{self.comm_dtype} predivide {self.predivide} check_finite "
+                f"{self.check_finite!r} backend {self.backend.name} staging "
+                f"{getattr(self.backend, 'staging', None)} timeout "
+                f"{getattr(self.backend, 'timeout', None)}")
 
 
 def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
@@ -139,9 +150,17 @@ def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
         if not timeout > 0:
             raise ValueError(f"{fn}: timeout must be > 0 seconds, got {timeout}. "
                              "Fix: timeout=60.0, or None (off).")
-    backend = _make_backend(fn, comm, staging, timeout)
     if strategy == "single_node":
+        # No inter-process stage: a communicator would be silently ignored.
+        _check_comm_type(fn, comm)
+        if not (comm is None or (isinstance(comm, str) and comm == AUTO)):
+            raise ValueError(
+                f"{fn}: strategy 'single_node' reduces over the local axes only and "
+                f"ignores comm, got comm={comm!r}. Fix: drop comm (or pass comm=None), "
+                "or use strategy='hierarchical' to reduce across processes.")
         backend = _backends.LocalBackend()
+    else:
+        backend = _make_backend(fn, comm, staging, timeout)
     return SyncConfig(strategy, axes, backend, reduce, bucket_bytes, pack_threshold,
                       dt, None if predivide is None else float(predivide), check_finite)
 
@@ -149,12 +168,13 @@ def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
 def _sync(tree: PyTree, cfg: SyncConfig):
     """Reduce ``tree`` per ``cfg``; returns (tree, all_finite or None)."""
     _backends.check_axes(cfg.axes)
+    _check_unsynced_devices(cfg)
     plan = make_plan(tree, bucket_bytes=cfg.bucket_bytes,
                      pack_threshold=cfg.pack_threshold,
                      per_leaf=cfg.strategy == "naive")
     intra = _backends.AxisOps(cfg.axes)
-    cfg.backend.agree(f"{plan.describe()}\n{cfg.describe()}\nreplicas per process "
-                      f"{intra.size}", "gradient tree")
+    agreed = (f"{plan.describe()}\n{cfg.describe()}\nreplicas per process "
+              f"{intra.size}")
     n = intra.size * cfg.backend.size()
     tree = _backends.share_invariant(tree, cfg.axes + cfg.backend.mesh_axes)
     bufs = plan.pack(tree)
@@ -163,6 +183,9 @@ def _sync(tree: PyTree, cfg: SyncConfig):
         bufs = [b.astype(cfg.comm_dtype) for b in bufs]
     pres = [_predivide(cfg, b.dtype, n) for b in bufs]
     bufs = [b if p == 1.0 else b / jnp.asarray(p, b.dtype) for b, p in zip(bufs, pres)]
+    # Checked by every process the first time the compiled step runs, before
+    # any buffer travels (never while tracing: a process may trace alone).
+    bufs = cfg.backend.agree(agreed, "gradient tree", bufs)
     bufs = _strategies.run(cfg.strategy, bufs, intra, cfg.backend)
     out = []
     for b, dt, pre in zip(bufs, dtypes, pres):
@@ -179,6 +202,31 @@ def _sync(tree: PyTree, cfg: SyncConfig):
         if cfg.check_finite == "raise":
             _raise_if_nonfinite(plan, out)
     return result, finite
+
+
+def _check_unsynced_devices(cfg: SyncConfig) -> None:
+    """Devices of a mapped axis left out of ``axis_name`` would all talk MPI.
+
+    Inside ``shard_map``/``pmap`` every device runs the MPI stage for the axes it
+    is not synchronised over, concurrently on one communicator: the messages of
+    different devices would be matched with each other (wrong sums or a hang).
+    ``vmap`` axes are fine (every replica is a row of one message).
+    """
+    if not isinstance(cfg.backend, _backends.MPIBackend):
+        return
+    bad = [a for a, n in _backends.bound_axes().items() if n > 1 and a not in cfg.axes
+           and not _backends._is_batched(jax.lax.axis_index(a))]
+    if bad:
+        got = "None" if not cfg.axes else repr(cfg.axes)
+        want = tuple(dict.fromkeys(cfg.axes + tuple(bad)))
+        raise ValueError(
+            f"jaxsync: axis_name={got} but this runs inside shard_map/pmap over the "
+            f"device axes {bad} (sizes {[_backends.bound_axes()[a] for a in bad]}): "
+            "every device would run MPI on the same communicator and the processes' "
+            "messages would be mismatched. Fix: pass the mapped axes, "
+            f"axis_name={want[0] if len(want) == 1 else want!r}, or call the "
+            "transform outside the multi-device map (plain jit, one device per "
+            "process).")
 
 
 def _predivide(cfg: SyncConfig, travel_dtype, n: int) -> float:
@@ -221,8 +269,15 @@ def sync_gradients(tree: PyTree, *, axis_name, strategy: str = "hierarchical",
 
     Call it inside ``shard_map``, ``pmap`` or ``vmap(axis_name=...)``. Options are
     those of the transforms (``reduce``, ``bucket_bytes``, ``pack_threshold``,
-    ``comm_dtype``, ``predivide``, ``staging``). For use in a training loop,
-    prefer the optax factories, which validate options once.
+    ``comm_dtype``, ``predivide``, ``check_finite``, ``staging``, ``timeout``).
+    For use in a training loop, prefer the optax factories, which validate
+    options once.
+
+    Returns:
+      the reduced tree; with ``check_finite=True`` or ``"raise"``, a pair
+      ``(tree, all_finite)`` where ``all_finite`` is a boolean scalar, the same
+      on every replica. ``strategy="single_node"`` has no inter-process stage and
+      accepts only ``comm=None`` or ``"auto"``.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxsync
@@ -231,9 +286,14 @@ def sync_gradients(tree: PyTree, *, axis_name, strategy: str = "hierarchical",
       ...     t, axis_name="i", strategy="flat", comm=None), axis_name="i")(g)
       >>> out["w"][0]
       Array([3.5, 3.5], dtype=float32)
+      >>> out, ok = jax.vmap(lambda t: jaxsync.sync_gradients(
+      ...     t, axis_name="i", comm=None, check_finite=True), axis_name="i")(g)
+      >>> bool(ok.all())
+      True
     """
     cfg = make_config("sync_gradients", strategy, axis_name, comm, **options)
-    return _sync(tree, cfg)[0]
+    out, finite = _sync(tree, cfg)
+    return (out, finite) if cfg.check_finite else out
 
 
 class SyncState(NamedTuple):

@@ -21,6 +21,7 @@ import numpy as np
 
 import jax
 from jax import lax
+from jax.experimental import io_callback
 
 _QUERY, _REPLY = 7101, 7102
 
@@ -41,6 +42,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reported = -1
+        self._round = 0
         self._thread = threading.Thread(target=self._loop, name="jaxsync-watchdog",
                                         daemon=True)
         self._thread.start()
@@ -64,13 +66,15 @@ class Watchdog:
         status = MPI.Status()
         while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_QUERY, status=status):
             src = status.Get_source()
-            self.comm.recv(source=src, tag=_QUERY)
+            round_ = self.comm.recv(source=src, tag=_QUERY)
             with self._lock:
-                state = (self.entered, self.left)
+                state = (round_, self.entered, self.left)
             self.comm.send(state, dest=src, tag=_REPLY)
 
     def _loop(self):
         poll = min(0.05, self.timeout / 4)
+        # Wakes up as soon as stop() is called (never sleeps through it), so
+        # stop() returns before the communicator is freed or MPI finalized.
         while not self._stop.is_set():
             self._serve()
             with self._lock:
@@ -79,24 +83,31 @@ class Watchdog:
             if waiting and since > self.timeout and self._reported != seq:
                 self._reported = seq
                 self._report(seq, since)
-            time.sleep(poll)
+            self._stop.wait(poll)
         self._serve()
 
     def _report(self, seq: int, since: float):
         from mpi4py import MPI
+        self._round += 1
+        round_ = self._round  # replies to an earlier round arrive late: ignored
         others = [r for r in range(self.size) if r != self.rank]
         for r in others:
-            self.comm.send(None, dest=r, tag=_QUERY)
+            self.comm.send(round_, dest=r, tag=_QUERY)
         answers: dict[int, tuple] = {}
         deadline = time.monotonic() + max(1.0, self.timeout)
         status = MPI.Status()
-        while len(answers) < len(others) and time.monotonic() < deadline:
+        while (len(answers) < len(others) and time.monotonic() < deadline
+               and not self._stop.is_set()):
             self._serve()
             if self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_REPLY, status=status):
                 src = status.Get_source()
-                answers[src] = self.comm.recv(source=src, tag=_REPLY)
+                got, entered, left = self.comm.recv(source=src, tag=_REPLY)
+                if got == round_:
+                    answers[src] = (entered, left)
             else:
-                time.sleep(0.01)
+                self._stop.wait(0.01)
+        if self._stop.is_set():
+            return
         behind = [f"{r} (entered {answers[r][0]})" for r in others
                   if r in answers and answers[r][0] < seq]
         silent = [str(r) for r in others if r not in answers]
@@ -114,9 +125,12 @@ class Watchdog:
         print(msg, file=self.stream, flush=True)
 
     def stop(self):
+        """Stop the thread and wait for it (before the communicator is freed)."""
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=2.0)
+            # The loop notices within one poll; a send to a dead rank could block
+            # longer, so the wait is bounded.
+            self._thread.join(timeout=30.0)
 
     # -- in-graph hooks ---------------------------------------------------------
     def wrap(self, program):
@@ -133,10 +147,16 @@ class Watchdog:
 
 
 def _tie(fn, x):
-    """Call ``fn`` on the host; later uses of ``x`` depend on the call (1 element)."""
+    """Call ``fn`` on the host; later uses of ``x`` depend on the call (1 element).
+
+    An ``io_callback`` (a side effect: JAX may neither drop nor repeat it, as it
+    may a ``pure_callback``), unordered (ordered effects are refused in
+    multi-device computations); the data dependency orders it. Under ``vmap`` it
+    runs once per mapped replica, on every process alike.
+    """
     if x.size == 0:
         return x
     head = lax.slice(x, (0,), (1,))
-    head = jax.pure_callback(lambda h: np.asarray(fn(h)), jax.ShapeDtypeStruct((1,), x.dtype),
-                             head, vmap_method="expand_dims")
+    head = io_callback(lambda h: np.asarray(fn(h)), jax.ShapeDtypeStruct((1,), x.dtype),
+                       head, ordered=False)
     return lax.dynamic_update_slice(x, head, (0,))

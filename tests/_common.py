@@ -1,4 +1,39 @@
-"""Shared set-up of the single-process test modules (8 fake devices, see conftest)."""
+"""Shared set-up of the single-process test modules (8 fake devices, see conftest).
+
+Reliability rows. Test comments cite "row N" of this table (it replaces a
+design document that is not part of the repository):
+
+====  ==========================================================  =========================
+row   requirement                                                 tests
+====  ==========================================================  =========================
+1     processes with different tree structures: the same error    mpi/worker_agree.py
+2     ... different leaf shapes: the same error, naming the leaf  mpi/worker_agree.py
+3     ... different dtypes or options: the same error             mpi/worker_agree.py
+4     tracing on one process never blocks (agreement in-step)     mpi/worker_harden.py
+5     float0 leaves pass through a sync                           test_transforms.py
+6     unbound or missing mapped axes raise at trace time          test_transforms.py,
+                                                                  test_harden.py
+7     bad arguments raise at factory time, naming the argument,   test_transforms.py,
+      what was expected, what was given and a fix                 test_harden.py
+8     a wrong optimizer state raises a TypeError                  test_transforms.py
+9     a process that dies ends the job (no hang)                  mpi/worker_death.py
+10    a straggler is reported by the watchdog; result unchanged   mpi/worker_watchdog.py
+11    exit right after dispatching syncs is clean (device and     mpi/worker_death.py,
+      host staging; communicators freed, watchdogs stopped)       mpi/worker_harden.py
+12    many buckets and several syncs in one step: no deadlock,    test_strategies.py,
+      no recompilation                                            mpi/worker_buckets.py
+13    integer-valued gradients: exact closed form                 test_strategies.py,
+                                                                  mpi/worker_exact.py
+14    random data within a ULP bound of a float64 reference;      test_strategies.py,
+      MPI and mesh backends bitwise equal                         mpi/test_mpi.py
+15    determinism: replicas and reruns bit-identical              test_strategies.py
+16    float16 overflow avoided by the predivide                   test_transforms.py,
+                                                                  mpi/worker_harden.py
+17    NaN/Inf on one replica; check_finite                        test_transforms.py,
+                                                                  mpi/worker_harden.py
+18    eager == jit                                                test_transforms.py
+====  ==========================================================  =========================
+"""
 
 import numpy as np
 

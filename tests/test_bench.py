@@ -1,11 +1,13 @@
 """Smoke test of the benchmark (jaxsync/_bench.py): it runs and writes its files.
 
-The figures are not checked here (the targets are evaluated by the benchmark
-itself); the run is ``--quick``, in a subprocess so that its device count does
+The figures are not compared with targets here (the benchmark evaluates those);
+what is checked: every row's statistics are finite and ordered, and every method
+that averages gradients gave their mean (the JSON's ``correct`` column). The run is ``--quick``, in a subprocess so that its device count does
 not depend on this pytest process, which already has 8 devices.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -41,5 +43,20 @@ def test_quick_bench_writes_json_csv_and_png(tmp_path):
     assert any(row["kind"] == "sweep" for row in rows)
     for row in rows:
         assert len(row["samples_ms"]) == 2 and row["wire_bytes"] > 0
+        times = [row[k] for k in ("min_ms", "q25_ms", "median_ms", "q75_ms", "max_ms")]
+        assert all(math.isfinite(t) for t in times), row
+        assert times == sorted(times), row  # min <= q25 <= median <= q75 <= max
+        assert row["iters"] >= 1 and row["ops"] >= 0, row
+    # Every method that averages the tree gives its mean (a wrong divisor, a lost
+    # or mixed-up leaf fails), and every jaxsync strategy was checked and compiled.
+    checked = [row for row in rows if row["correct"] is not None]
+    assert {"naive", "flat", "hierarchical", "two_dimensional", "single_node"} <= {
+        row["method"] for row in checked}
+    bad = [(row["tree"], row["method"]) for row in checked if row["correct"] is not True]
+    assert not bad, bad
+    for row in rows:
+        if row["kind"] == "jaxsync":
+            assert row["correct"] is True and row["compile_s"] > 0, row
+            assert row["ops"] >= 1, row  # it really has collectives
     assert result["targets"]
     assert any(tag in proc.stdout for tag in ("PASS", "MISS", "N/A"))

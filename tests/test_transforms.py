@@ -1,6 +1,6 @@
 """Tests of the public optax factories and ``sync_gradients`` (jaxsync/_transforms.py).
 
-Reliability rows covered: 5 (float0 leaves), 6 (unbound axis, outside any mapped
+Reliability rows (the table in tests/_common.py) covered: 5 (float0 leaves), 6 (unbound axis, outside any mapped
 context), 7 (bad arguments), 8 (wrong state), 16 (f16 overflow and predivide),
 17 (NaN/Inf on one replica, check_finite), 18 (eager == jit), plus training
 parity with single-device optax.
@@ -319,7 +319,7 @@ def test_bad_argument_message_says_how_to_fix(case):
     with pytest.raises(exc) as info:
         jaxsync.flat_mean(**{"axis_name": "i", "comm": None, **kwargs})
     assert "Fix" in str(info.value) or "Make sure" in str(info.value), \
-        f"DESIGN row 7: the error for {kwargs} gives no fix: {info.value}"
+        f"row 7 (tests/_common.py): the error for {kwargs} gives no fix: {info.value}"
 
 
 def test_integer_axis_name_is_rejected_or_works():

@@ -35,7 +35,7 @@ def expected(np, ml_dtype, n, reduce):
     return out
 
 
-# Random f32 leaves for the mesh-vs-MPI comparison (DESIGN.md row 14).
+# Random f32 leaves for the mesh-vs-MPI comparison (row 14 of the table in tests/_common.py).
 RANDOM_LEAVES = (("a", (33,)), ("b", (4, 5)), ("c", ()), ("d", (130,)))
 
 

@@ -6,6 +6,10 @@ own process group, kills the whole group if it runs past ``timeout`` (a hang
 fails the test instead of blocking the suite), and returns an :class:`MPIRun`
 with the exit code, the combined output and each rank's recorded results.
 ``devices`` may be a comma list ("2,4"): one local device count per rank.
+
+Without mpirun (next to the interpreter, or ``JAXSYNC_MPIRUN``), mpi4py or
+mpi4jax the suite is skipped - except when the ``CI`` environment variable is
+set, where it fails.
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-MPIRUN = Path(sys.executable).parent / "mpirun"
+MPIRUN = Path(os.environ.get("JAXSYNC_MPIRUN") or Path(sys.executable).parent / "mpirun")
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
 def _have_mpi() -> bool:
@@ -35,8 +43,20 @@ def _have_mpi() -> bool:
         importlib.util.find_spec(m) is not None for m in ("mpi4py", "mpi4jax"))
 
 
-requires_mpi = pytest.mark.skipif(
-    not _have_mpi(), reason=f"needs mpirun next to {sys.executable}, mpi4py and mpi4jax")
+_MISSING = f"needs mpirun at {MPIRUN}, mpi4py and mpi4jax"
+
+if _have_mpi():
+    requires_mpi = pytest.mark.skipif(False, reason="")
+elif _in_ci():
+    # CI must run the multi-process suite: a missing MPI is a failure there.
+    requires_mpi = pytest.mark.usefixtures("_mpi_required_in_ci")
+else:
+    requires_mpi = pytest.mark.skipif(True, reason=_MISSING)
+
+
+@pytest.fixture
+def _mpi_required_in_ci():
+    pytest.fail(f"CI is set but the MPI suite cannot run: {_MISSING}", pytrace=False)
 
 
 class MPIRun:

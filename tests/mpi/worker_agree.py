@@ -1,4 +1,4 @@
-"""Agreement checks (DESIGN.md rows 1-3): mismatched trees give the same error.
+"""Agreement checks (rows 1-3, tests/_common.py): mismatched trees give the same error.
 
 Rank 1 builds a tree that differs from rank 0's; every rank must raise the same
 ValueError (recorded as ``(type, message)``) instead of hanging. The watchdog

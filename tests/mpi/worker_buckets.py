@@ -1,4 +1,4 @@
-"""Many buckets in one jitted step, several steps (DESIGN.md row 12).
+"""Many buckets in one jitted step, several steps (row 12, tests/_common.py).
 
 50 leaves (f32 and f16, 1-20 elements) with ``bucket_bytes=64,
 pack_threshold=None``: dozens of ordered MPI calls per step. Replica

@@ -1,4 +1,4 @@
-"""Process death and exit (DESIGN.md rows 9 and 11).
+"""Process death and exit (rows 9 and 11, tests/_common.py).
 
 Modes:
   die_before_sync   rank 1 exits with code 3 (os._exit: no MPI_Finalize) before

@@ -1,4 +1,4 @@
-"""Exact-by-construction reductions over MPI (DESIGN.md row 13).
+"""Exact-by-construction reductions over MPI (row 13, tests/_common.py).
 
 Replica ``r = D * rank + d`` (D local devices) holds leaf ``k`` filled with
 ``r + k``; with ``N = D * size`` replicas the mean is ``(N - 1) / 2 + k`` and the

@@ -1,4 +1,4 @@
-"""Rows 10 and 12: a straggler under the watchdog; several syncs in one step.
+"""Rows 10 and 12 (tests/_common.py): a straggler under the watchdog; several syncs in one step.
 
 * ``timeout=1.0``: rank 1 sleeps 3 s before its second step. Rank 0's watchdog
   must report rank 1 as not arrived; every step's result must still be exact.

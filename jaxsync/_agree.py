@@ -1,0 +1,106 @@
+"""Cross-process agreement, checked when a compiled step first runs (not traced).
+
+Before their first reduction the processes compare what they are about to do
+(tree structure, shapes, dtypes, options): a mismatch would otherwise issue
+different collectives on each process (a hang or wrong sums). Doing that
+exchange while *tracing* blocks whenever one process traces alone - a common
+``jax.eval_shape``, ``.lower()`` or ``jax.make_jaxpr`` on rank 0 - so it runs
+inside the compiled step instead: an unordered ``io_callback`` whose (zero)
+result is folded into every buffer before any MPI call can read it. The
+callback exchanges a 32-byte digest the first time each compiled executable
+runs (full texts only on a mismatch) and is a no-op afterwards.
+
+Every device of a process calls the callback; the first one exchanges, the
+others wait for its answer. Several agreements in one trace are chained, so
+every process runs them in the same order. A mismatch raises the same
+``ValueError`` text on every process, from inside the step (JAX reports it as a
+``JaxRuntimeError`` whose message holds the ``ValueError``).
+
+It uses a communicator of its own (``Comms.agreement``) and plain mpi4py, so it
+is independent of how the MPI calls of the step itself are bound.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import weakref
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import io_callback
+
+# One exchange at a time on a process (device threads, several executables).
+_LOCK = threading.Lock()
+
+_last: tuple = (None, None)  # (weakref to the trace, the last agreement's dep)
+
+
+def _trace():
+    from jax._src import core
+    return getattr(core.trace_ctx, "trace", None)
+
+
+class Agreement:
+    """One trace's check: exchanges once, remembers the verdict."""
+
+    def __init__(self, comm, text: str, what: str, disagreement):
+        self.comm = comm
+        self.text = text
+        self.what = what
+        self.disagreement = disagreement  # texts -> error message
+        self.digest = hashlib.sha256(text.encode()).digest()
+        self.verdict: str | None = None   # None: not yet; "" agreed; else the error
+        self.exchanges = 0
+
+    def check(self) -> None:
+        if self.verdict is None:
+            with _LOCK:
+                if self.verdict is None:
+                    self.exchanges += 1
+                    digests = self.comm.allgather(self.digest)
+                    if len(set(digests)) > 1:
+                        self.verdict = self.disagreement(self.comm.allgather(self.text),
+                                                         self.what)
+                    else:
+                        self.verdict = ""
+        if self.verdict:
+            raise ValueError(self.verdict)
+
+    def host(self, *deps):
+        del deps
+        self.check()
+        return np.zeros((), np.uint8)
+
+
+def agree_in_step(comm, text: str, what: str, bufs: list, disagreement) -> list:
+    """Return ``bufs`` tied to an in-step agreement on ``text`` over ``comm``."""
+    global _last
+    if not bufs:
+        return bufs
+    agreement = Agreement(comm, text, what, disagreement)
+    trace = _trace()
+    ref, prev = _last
+    deps = (prev,) if ref is not None and trace is not None and ref() is trace else ()
+    dep = io_callback(agreement.host, jax.ShapeDtypeStruct((), jnp.uint8), *deps,
+                      ordered=False)
+    _last = (weakref.ref(trace), dep) if trace is not None else (None, None)
+    return [fold(b, dep) for b in bufs]
+
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def fold(x, dep):
+    """``x`` unchanged bit for bit, but computed after ``dep`` (a uint8 zero)."""
+    from ._backends import _varying, _vma
+    if x.size == 0 or x.ndim != 1 or x.dtype.itemsize not in _UINT:
+        return x
+    width = _UINT[x.dtype.itemsize]
+    head = lax.bitcast_convert_type(lax.slice(x, (0,), (1,)), width)
+    d = _varying(lax.convert_element_type(dep, width), _vma(head))
+    head = lax.bitcast_convert_type(head ^ d, x.dtype)
+    return lax.dynamic_update_slice(x, head, (0,))
