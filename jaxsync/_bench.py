@@ -374,12 +374,13 @@ def check_results(cases: list[Case]) -> dict[str, bool]:
     ``bf16`` methods). Runs collectives: every process checks, in case order.
     """
     import jax
-    base = next(c for c in cases if c.method == "base tree")
-    want = jax.tree.map(np.asarray, jax.block_until_ready(base.run()))
+    bases = {c.method: jax.tree.map(np.asarray, jax.block_until_ready(c.run()))
+             for c in cases if c.method in ("base tree", "base tree (jit)")}
     out = {}
     for c in cases:
-        if c.base != "base tree" or c.kind == "base":
+        if c.base not in bases or c.kind == "base":
             continue
+        want = bases[c.base]
         got = jax.tree.map(np.asarray, jax.block_until_ready(c.run()))
         ok = jax.tree.structure(got) == jax.tree.structure(want)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)) if ok else ():
