@@ -51,6 +51,8 @@ def sum_buffers(ops, bufs: list) -> list:
     16-bit float type; the payload travels bit-cast to uint16.
     """
     out = list(bufs)
+    if not getattr(ops, "axes", True):  # no local axes: nothing to sum over
+        return out
     low = [i for i, b in enumerate(bufs) if str(b.dtype) in _LOW]
     if not getattr(ops, "wire16", True):
         wide = list(range(len(bufs)))
