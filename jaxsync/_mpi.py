@@ -303,7 +303,7 @@ mlir.register_lowering(native_p, _native_lowering, platform="cpu")
 def _native_batching(args, dims, *, kind, size, invariant):
     # Under vmap every mapped replica takes part as a slice of one larger message.
     token, comm, active, *xs = args
-    nm = batching.not_mapped
+    nm = None  # not mapped
     if any(d is not nm for d in dims[:3]):
         raise NotImplementedError(
             "jaxsync: the communicator and the active flag of an MPI call cannot "
@@ -415,7 +415,7 @@ mlir.register_lowering(mpi_p, _lowering, platform="cuda")
 def _batching(args, dims, **params):
     x, token = args
     xd, _ = dims
-    nm = batching.not_mapped
+    nm = None  # not mapped
     if xd is nm:
         return mpi_p.bind(x, token, **params), (nm, nm)
     kind = params["kind"]
