@@ -35,6 +35,8 @@ def collect(comm="auto") -> dict:
     except ImportError:
         info["mpi4jax"] = None
         info["mpi_backend"] = "unavailable: mpi4jax not installed"
+    from . import _mpi as _native_mpi
+    info["native_mpi"] = _native_mpi.native_status()
     if comm is not None or "mpi4py.MPI" in sys.modules:
         from mpi4py import MPI
         info["mpi_library"] = MPI.Get_library_version().splitlines()[0].strip()

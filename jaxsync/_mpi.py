@@ -227,12 +227,13 @@ def _table(trace) -> weakref.WeakKeyDictionary:
 def chain_value(key: str, first):
     """The latest value of chain ``key`` in the current traced computation.
 
-    ``first()`` makes the value the chain starts from. Eagerly (no trace) every
-    call is its own computation and gets ``first()``.
+    ``first()`` makes the value the chain starts from. Eagerly (no trace) the
+    chain is one concrete value per thread (a token or a byte, nothing traced).
     """
     trace = _owner()
     if isinstance(trace, _core.EvalTrace):
-        return first()
+        value = getattr(_chains, "eager", {}).get(key)
+        return first() if value is None else value
     value = _table(trace).get(trace, {}).get(key)
     return first() if value is None else value
 
@@ -240,7 +241,11 @@ def chain_value(key: str, first):
 def set_chain_value(key: str, value) -> None:
     """Record ``value`` as the latest of chain ``key`` in the current trace."""
     trace = _owner()
-    if not isinstance(trace, _core.EvalTrace):
+    if isinstance(trace, _core.EvalTrace):
+        if not hasattr(_chains, "eager"):
+            _chains.eager = {}
+        _chains.eager[key] = value
+    else:
         _table(trace).setdefault(trace, {})[key] = value
 
 
