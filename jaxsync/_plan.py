@@ -138,12 +138,19 @@ class Plan:
         """Bytes in the reduced buffers."""
         return sum(b.nbytes for b in self.buckets)
 
-    def pack(self, tree: PyTree) -> list[jax.Array]:
-        """Concatenate the reduced leaves of ``tree`` into 1-D buffers."""
+    def pack(self, tree: PyTree, prepare=None) -> list[jax.Array]:
+        """Concatenate the reduced leaves of ``tree`` into 1-D buffers.
+
+        ``prepare(k, leaf)``, if given, maps each flattened leaf of buffer ``k``
+        before the concatenation (an elementwise cast or scaling fuses into the
+        leaf's producer instead of costing a pass over the packed buffer).
+        """
         leaves = self._leaves_of(tree)
         out = []
-        for b in self.buckets:
+        for k, b in enumerate(self.buckets):
             parts = [jnp.ravel(leaves[i]) for i in b.leaves]
+            if prepare is not None:
+                parts = [prepare(k, x) for x in parts]
             out.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
         return out
 

@@ -169,12 +169,15 @@ def _sync(tree: PyTree, cfg: SyncConfig):
         # size-1 axes directly.
         intra = _backends.AxisOps((), unit_axes=cfg.axes)
     tree = _backends.share_invariant(tree, cfg.axes + cfg.backend.mesh_axes)
-    bufs = plan.pack(tree)
-    dtypes = [b.dtype for b in bufs]
-    if cfg.comm_dtype is not None:
-        bufs = [b.astype(cfg.comm_dtype) for b in bufs]
-    pres = [_predivide(cfg, b.dtype, n) for b in bufs]
-    bufs = [_scale_before(b, p) for b, p in zip(bufs, pres)]
+    dtypes = [jnp.dtype(b.dtype) for b in plan.buckets]
+    travel = [jnp.dtype(cfg.comm_dtype) if cfg.comm_dtype else dt for dt in dtypes]
+    pres = [_predivide(cfg, dt, n) for dt in travel]
+
+    def prepare(k, leaf):
+        # Cast and scale each leaf before it is packed: fuses into its producer.
+        return _scale_before(leaf.astype(travel[k]), pres[k])
+
+    bufs = plan.pack(tree, prepare)
     bufs = _strategies.run(cfg.strategy, bufs, intra, cfg.backend)
     posts = [(n / pre) if cfg.reduce == "mean" else (1.0 / pre) for pre in pres]
 
