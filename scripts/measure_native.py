@@ -3,8 +3,8 @@
 Run:  mpirun -n 2 python scripts/measure_native.py [--iters 20]
 
 One device per process; each step is jit(shard_map) over axis "local" of size 1
-and returns the synced tree. Marginal cost = median step time with the sync
-minus median step time without, max over ranks. The default host allocator is
+and returns the synced tree. Marginal cost = median over iterations of (step
+with the sync - step without, timed back to back), max over ranks. The default host allocator is
 used (no tune_host_allocator). Compared with a bare mpi4py ``Allreduce`` of one
 preallocated float32 buffer of the same bytes (out of place, and in place) and a
 per-leaf ``mpi4jax.allreduce`` loop under plain jit.
@@ -21,6 +21,8 @@ import numpy as np
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="repeat the whole measurement (a loaded machine is noisy)")
     p.add_argument("--trees", default="resnet18,small500")
     ns = p.parse_args()
 
@@ -38,17 +40,24 @@ def main():
     mesh = Mesh(np.array(jax.devices()[:1]), ("local",))
     trees = {"resnet18": resnet18_like, "small500": lambda: small_leaves(500, 256)}
 
-    def timed(fn, iters):
+    def once(fn):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def timed(fn, iters, base=None):
+        """Median over iterations (max over ranks); with ``base``, the median of
+        (fn - base) measured back to back, so load drifts cancel."""
         for _ in range(3):
             fn()
+            if base is not None:
+                base()
         ts = []
         for _ in range(iters):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        med = float(np.median(ts))
-        return comm.allreduce(med, op=MPI.MAX)
+            t = once(fn)
+            ts.append(t - once(base) if base is not None else t)
+        return comm.allreduce(float(np.median(ts)), op=MPI.MAX)
 
     def sharded(sync):
         def body(t):
@@ -68,7 +77,7 @@ def main():
         return jax.tree.map(
             lambda x: mpi4jax.allreduce(x, op=MPI.SUM, comm=peer) / comm.Get_size(), g)
 
-    for name in ns.trees.split(","):
+    for name in ns.trees.split(",") * ns.repeats:
         spec = trees[name]()
         leaves = jax.tree.leaves(spec)
         nbytes = sum(int(np.prod(l.shape)) * 4 for l in leaves)
@@ -78,14 +87,15 @@ def main():
         def run(f, arg):
             return lambda: jax.block_until_ready(f(arg))
 
-        base = timed(run(sharded(None), x), ns.iters)
+        base_fn = run(sharded(None), x)
+        base = timed(base_fn, ns.iters)
         rows = {}
         for m in ("hierarchical", "two_dimensional", "flat", "naive"):
             f = sharded(transform(getattr(jaxsync, f"{m}_mean")))
-            rows[f"{m}_mean"] = timed(run(f, x), ns.iters) - base
-        jbase = timed(run(jax.jit(fake_grads), x1), ns.iters)
+            rows[f"{m}_mean"] = timed(run(f, x), ns.iters, base_fn)
         loop = jax.jit(lambda t: mpi4jax_loop(fake_grads(t)))
-        rows["mpi4jax per-leaf loop"] = timed(run(loop, x1), ns.iters) - jbase
+        rows["mpi4jax per-leaf loop"] = timed(run(loop, x1), ns.iters,
+                                              run(jax.jit(fake_grads), x1))
         send = np.ones(nbytes // 4, np.float32)
         recv = np.empty_like(send)
         bare = timed(lambda: peer.Allreduce(send, recv, op=MPI.SUM), ns.iters)
