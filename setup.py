@@ -49,16 +49,15 @@ class BuildNative(build_ext):
         mpicc = _mpi_compiler()
         required = os.environ.get("JAXSYNC_REQUIRE_NATIVE", "") == "1"
         if mpicc is None:
-            msg = ("jaxsync: no MPI compiler wrapper found (tried "
-                   f"{', '.join(_TRIED)}); building jaxsync WITHOUT its native MPI "
-                   "extension, so MPI communication on CPU will raise an error. Fix: "
-                   "install MPI (pip install mpich mpi4py) and rerun with "
-                   "MPICC=$(which mpicc) pip install --no-build-isolation -e .")
+            tried = f"no MPI compiler wrapper found (tried {', '.join(_TRIED)})"
+            fix = ("Fix: install MPI (e.g. pip install mpich mpi4py, which provide "
+                   "mpicc) and rerun with MPICC=$(which mpicc) pip install "
+                   "--no-build-isolation -e .")
             if required:
-                raise SystemExit(msg.replace("building jaxsync WITHOUT",
-                                             "JAXSYNC_REQUIRE_NATIVE=1 forbids building "
-                                             "without"))
-            _warn(msg)
+                raise SystemExit(f"jaxsync: {tried}, and JAXSYNC_REQUIRE_NATIVE=1 "
+                                 f"requires the native MPI extension. {fix}")
+            _warn(f"jaxsync: {tried}; building jaxsync WITHOUT its native MPI "
+                  f"extension, so MPI communication on CPU will raise an error. {fix}")
             self.extensions = []
             return
         try:
