@@ -344,6 +344,25 @@ def share_invariant(tree, axes: Axes):
     return jax.tree.map(share, tree)
 
 
+def _after(x, prev):
+    """``x`` with a data dependency on ``prev`` that XLA cannot remove.
+
+    The first element of ``x`` is XOR-ed with (first element of ``prev`` AND a
+    zero that comes from a host callback): the value is unchanged bit for bit.
+    """
+    if x.size == 0 or prev.size == 0:
+        return x
+    uint = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+    width, pwidth = uint[x.dtype.itemsize], uint[prev.dtype.itemsize]
+    zero = jax.pure_callback(lambda: np.zeros((), width), jax.ShapeDtypeStruct((), width),
+                             vmap_method="broadcast_all")
+    head = lax.bitcast_convert_type(lax.slice(x, (0,), (1,)), width)
+    dep = lax.bitcast_convert_type(lax.slice(prev.reshape(-1), (0,), (1,)), pwidth)
+    dep = lax.convert_element_type(dep, width) & zero
+    head = lax.bitcast_convert_type(head ^ _varying(dep, _vma(head)), x.dtype)
+    return lax.dynamic_update_slice(x, head, (0,))
+
+
 def _vma(x) -> tuple:
     """The shard_map axes over which ``x`` is typed as varying."""
     aval = jax.typeof(x)
@@ -454,6 +473,19 @@ class MPIBackend:
         idx = lax.axis_index(intra.axes)
         if _is_batched(idx):
             return self._watched(program, True)(self._ops(comms.world), bufs)
+        # Tokens (and the chain inside a branch) cannot leave lax.cond: the
+        # previous synchronisation of this trace is tied to this one by data.
+        prev = _mpi.chain_value("cond", lambda: None)
+        if prev is not None:
+            bufs = [_after(bufs[0], prev), *bufs[1:]]
+        out = self._run_cond(program, bufs, intra, leader_only, idx)
+        head = next((y.reshape(-1)[:1] for y in out if y.size), None)
+        if head is not None:  # one element: all the next tie needs
+            _mpi.set_chain_value("cond", head)
+        return out
+
+    def _run_cond(self, program, bufs, intra, leader_only, idx):
+        comms = self.comms
 
         def on(comm, watch, bs):
             # Results keep the inputs' shard_map axis types, so branches agree

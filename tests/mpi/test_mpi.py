@@ -485,7 +485,7 @@ def order_run(request):
     return run_mpi("worker_order.py", n=n, devices=devices, timeout=240).check()
 
 
-@pytest.mark.parametrize("mode", ["jit", "vmap", "shard_map"])
+@pytest.mark.parametrize("mode", ["jit", "vmap", "shard_map", "shard_map-host"])
 def test_syncs_in_one_step_stay_ordered(order_run, mode):
     meta = order_run.results[0]["meta"]
     size, devices = meta["size"], meta["devices"]

@@ -10,7 +10,7 @@ filled with ``r + k + s`` and leaf ``k`` of tree B with ``r + 2 k + s``; with
 ``N`` replicas the means are ``(N - 1) / 2 + k + s`` and ``(N - 1) / 2 + 2 k + s``:
 integers or halves, exact in float32 and bfloat16 (all values stay below 256).
 Modes: ``jit`` (axis_name=None), ``vmap`` and ``shard_map`` over the D local
-devices. Records every step's outputs for bitwise comparison.
+devices, and ``shard_map-host`` (staging="host"). Records every step's outputs for bitwise comparison.
 """
 
 from _worker import Results, init, to_numpy
@@ -46,9 +46,8 @@ def main():
              for k in range(LEAVES_B)}
         return a, b
 
-    opts = dict(comm=comm, bucket_bytes=32, pack_threshold=None)
-
-    def make(axis):
+    def make(axis, staging="device"):
+        opts = dict(comm=comm, bucket_bytes=32, pack_threshold=None, staging=staging)
         ta = jaxsync.hierarchical_mean(axis_name=axis, **opts)
         tb = jaxsync.two_dimensional_mean(axis_name=axis, **opts)
         tc = jaxsync.flat_mean(axis_name=axis, **opts)
@@ -69,13 +68,19 @@ def main():
     modes["vmap"] = (jax.jit(jax.vmap(make("d"), axis_name="d")),
                      lambda s: jax.vmap(lambda r: trees(r, s))(jnp.arange(D) + D * rank))
 
-    def sharded(a, b):
-        one = lambda t: jax.tree_util.tree_map(lambda x: x[0], t)
-        outs = make("d")(one(a), one(b))
-        return jax.tree_util.tree_map(lambda x: x[None], outs)
-    modes["shard_map"] = (
-        jax.jit(jax.shard_map(sharded, mesh=mesh, in_specs=P("d"), out_specs=P("d"))),
-        lambda s: jax.vmap(lambda r: trees(r, s))(jnp.arange(D) + D * rank))
+    def sharded(staging):
+        step = make("d", staging)
+
+        def body(a, b):
+            one = lambda t: jax.tree_util.tree_map(lambda x: x[0], t)
+            outs = step(one(a), one(b))
+            return jax.tree_util.tree_map(lambda x: x[None], outs)
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+
+    rows = lambda s: jax.vmap(lambda r: trees(r, s))(jnp.arange(D) + D * rank)
+    modes["shard_map"] = (sharded("device"), rows)
+    # host staging: leader chosen by lax.cond, syncs tied by data
+    modes["shard_map-host"] = (sharded("host"), rows)
 
     for mode, (fn, data) in modes.items():
         try:
