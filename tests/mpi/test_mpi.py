@@ -494,6 +494,12 @@ def test_syncs_in_one_step_stay_ordered(order_run, mode):
     layout = order_run.results[0]["layout"]
     want = _order_expected(size * devices, layout["steps"], layout["leaves_a"],
                            layout["leaves_b"], rows=0 if mode == "jit" else devices)
+    if mode != "shard_map-host":
+        # Structure: one token for the step, every call takes the previous call's.
+        calls, tokens = order_run.results[0]["chain:" + mode]
+        assert tokens == 1 and len(calls) >= 6, (tokens, calls)
+        for (prev, _, _), (_, target, tok) in zip(calls, calls[1:]):
+            assert tok == f"{prev}#0", f"{target} takes {tok}, not {prev}#0: {calls}"
     for rank in range(size):
         got = result_of(order_run, rank, mode)
         assert len(got) == layout["steps"]

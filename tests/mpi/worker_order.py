@@ -82,7 +82,17 @@ def main():
     # host staging: leader chosen by lax.cond, syncs tied by data
     modes["shard_map-host"] = (sharded("host"), rows)
 
+    import re
+
+    def token_chain(text):
+        """(result, target, token operand) of each jaxsync call, and create_tokens."""
+        calls = re.findall(r"(%[\w]+)(?::\d+)? = stablehlo\.custom_call "
+                           r"@(jaxsync_\w+)\((%[\w#]+)", text)
+        return calls, len(re.findall(r"stablehlo\.create_token", text))
+
     for mode, (fn, data) in modes.items():
+        if not mode.endswith("-host"):
+            res.add("chain:" + mode, token_chain(fn.lower(*data(0)).as_text()))
         try:
             outs = []
             for s in range(STEPS):
