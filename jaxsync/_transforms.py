@@ -156,14 +156,20 @@ def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
 def _sync(tree: PyTree, cfg: SyncConfig):
     """Reduce ``tree`` per ``cfg``; returns (tree, all_finite or None)."""
     _backends.check_axes(cfg.axes)
-    plan = make_plan(tree, bucket_bytes=cfg.bucket_bytes,
-                     pack_threshold=cfg.pack_threshold,
-                     per_leaf=cfg.strategy == "naive")
     intra = _backends.AxisOps(cfg.axes)
+    alone = intra.size == 1 and getattr(cfg.backend, "native", False)
+    # One device per process and jaxsync's native allreduce: hierarchical and
+    # two_dimensional hand it the leaves as they are, and it sums the small ones
+    # together itself (a memcpy into one MPI message): nothing is packed or
+    # unpacked in XLA. flat still packs (that is what it is for).
+    per_leaf = cfg.strategy == "naive" or (
+        alone and cfg.strategy in ("hierarchical", "two_dimensional"))
+    plan = make_plan(tree, bucket_bytes=cfg.bucket_bytes,
+                     pack_threshold=cfg.pack_threshold, per_leaf=per_leaf)
     cfg.backend.agree(f"{plan.describe()}\n{cfg.describe()}\nreplicas per process "
                       f"{intra.size}", "gradient tree")
     n = intra.size * cfg.backend.size()
-    if cfg.axes and intra.size == 1 and getattr(cfg.backend, "native", False):
+    if cfg.axes and alone:
         # One device per process: no local stage at all (no psum, no leader
         # choice, no broadcast); the MPI results are typed invariant over the
         # size-1 axes directly.
