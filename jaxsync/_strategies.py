@@ -16,7 +16,9 @@ single_node        sum                                     none
 =================  ======================================  ============================
 
 "leader" means local device 0 talks to the other processes and the result is
-broadcast over the local axes. ``flat`` packs every leaf into one buffer per dtype
+broadcast over the local axes. With jaxsync's native MPI targets (CPU) all
+32/64-bit buffers of one inter stage go to MPI in one call, and with a single
+local device there is no intra stage at all. ``flat`` packs every leaf into one buffer per dtype
 (ChainerMN's flat communicator); ``hierarchical`` sends large leaves as they are,
 without a copy, and packs only the small ones.
 """
