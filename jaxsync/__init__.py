@@ -1,8 +1,8 @@
 """jaxsync: gradient synchronisation for data-parallel JAX training.
 
 Pack a gradient pytree into a few contiguous buffers, reduce them over the mesh
-axes of a process with XLA collectives and across processes with MPI (through
-mpi4jax) or a mesh axis, and unpack. Each strategy is an optax
+axes of a process with XLA collectives and across processes with MPI (jaxsync's
+own XLA FFI targets on CPU, mpi4jax's on GPU) or a mesh axis, and unpack. Each strategy is an optax
 ``GradientTransformation``::
 
     tx = optax.chain(jaxsync.hierarchical_mean(axis_name="local"), optax.adam(1e-3))

@@ -88,16 +88,30 @@ def agree_in_step(comm, text: str, what: str, bufs: list, disagreement) -> list:
     dep = io_callback(agreement.host, jax.ShapeDtypeStruct((), jnp.uint8), *deps,
                       ordered=False)
     _last = (weakref.ref(trace), dep) if trace is not None else (None, None)
-    return [fold(b, dep) for b in bufs]
+    # Every MPI call of the step reads, directly or through the token chain that
+    # orders them, the first buffer of some dtype: tying those is enough (one
+    # tiny update per dtype, not per buffer: hundreds of small leaves may travel
+    # unpacked).
+    out, tied = [], set()
+    for b in bufs:
+        if str(b.dtype) not in tied and _foldable(b):
+            tied.add(str(b.dtype))
+            b = fold(b, dep)
+        out.append(b)
+    return out
 
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
+def _foldable(x) -> bool:
+    return x.size > 0 and x.ndim == 1 and x.dtype.itemsize in _UINT
+
+
 def fold(x, dep):
     """``x`` unchanged bit for bit, but computed after ``dep`` (a uint8 zero)."""
     from ._backends import _varying, _vma
-    if x.size == 0 or x.ndim != 1 or x.dtype.itemsize not in _UINT:
+    if not _foldable(x):
         return x
     width = _UINT[x.dtype.itemsize]
     head = lax.bitcast_convert_type(lax.slice(x, (0,), (1,)), width)

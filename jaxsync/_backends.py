@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -68,8 +67,11 @@ def axes_size(axes: Axes) -> int:
 class AxisOps:
     """Collectives over XLA axes (the intra-process stage, or a mesh backend)."""
 
-    def __init__(self, axes: Axes, wire16: bool = False):
+    def __init__(self, axes: Axes, wire16: bool = False, unit_axes: Axes = ()):
         self.axes = tuple(axes)
+        # Axes of size 1 left out of ``axes`` (nothing to reduce over them); the
+        # inter-process stage types its results invariant over them.
+        self.unit_axes = tuple(unit_axes)
         # False: 16-bit data is summed as float32 by one all-reduce (in-process
         # traffic). True: it travels as 16-bit payloads (see sum_buffers).
         self.wire16 = wire16
@@ -197,16 +199,46 @@ class AxisBackend:
         return f"AxisBackend({self.axis!r})"
 
 
+class _NativeOps:
+    """MPI collectives through jaxsync's native FFI targets, in one token chain.
+
+    ``comm`` and ``active`` are traced int32 scalars: the communicator's
+    Fortran handle and whether this device talks to the other processes (0: the
+    calls return at once, buffers untouched).
+    """
+
+    def __init__(self, comm, active, size, invariant=()):
+        self.comm = comm
+        self.active = active
+        self.size = size
+        self.invariant = tuple(invariant)
+
+    def _call(self, kind, xs):
+        token, ys = _mpi.native_call(kind, xs, _mpi.chain_token(), self.comm,
+                                     self.active, self.size, self.invariant)
+        _mpi.set_chain_token(token)
+        return ys
+
+    def allreduce(self, bufs):
+        return self._call("allreduce", list(bufs)) if bufs else []
+
+    def alltoall(self, x):
+        return self._call("alltoall", [x])[0]
+
+    def allgather(self, x):
+        return self._call("allgather", [x])[0]
+
+
 class _MPIOps:
-    """Token-threaded MPI collectives on one communicator, in program order."""
+    """mpi4jax's collectives (non-CPU platforms), one call per buffer, chained."""
 
     def __init__(self, comm):
         self.comm = comm
         self.size = comm.Get_size()
-        self.token = lax.create_token()
 
     def _call(self, kind, x):
-        y, self.token = _mpi.call(kind, x, self.token, self.comm)
+        y, token = _mpi.call(kind, x, _mpi.chain_token(), self.comm)
+        _mpi.set_chain_token(token)
         return y
 
     def allreduce(self, bufs):
@@ -234,7 +266,6 @@ class _HostOps:
     def __init__(self, comm):
         self.comm = comm
         self.size = comm.Get_size()
-        self.dep = jnp.zeros((), jnp.uint8)
 
     def _call(self, fn, xs, out_structs):
         def host(dep, *xs):
@@ -242,8 +273,11 @@ class _HostOps:
             outs = fn(*[np.ascontiguousarray(x) for x in xs])
             return (*outs, np.zeros((), np.uint8))
 
+        # One dependency chain per traced step, across synchronisations too.
+        dep = _mpi.chain_value("host", lambda: jnp.zeros((), jnp.uint8))
         structs = (*out_structs, jax.ShapeDtypeStruct((), jnp.uint8))
-        *ys, self.dep = io_callback(host, structs, self.dep, *xs, ordered=False)
+        *ys, dep = io_callback(host, structs, dep, *xs, ordered=False)
+        _mpi.set_chain_value("host", dep)
         return ys
 
     def allreduce(self, bufs):
@@ -336,41 +370,24 @@ def share_invariant(tree, axes: Axes):
         inv = tuple(a for a in axes if a in typed and a not in have)
         if not inv:
             return x
+        if axes_size(inv) == 1:  # one member: it is counted once as it is
+            return _varying(x, inv)
         first = lax.axis_index(inv) == 0
         return jnp.where(first, _varying(x, inv), jnp.zeros_like(x))
 
     return jax.tree.map(share, tree)
 
 
-# Several MPI synchronisations in one compiled step: each one's MPI calls are
-# ordered by its own token, but two of them could run in either order (XLA's CPU
-# runtime runs independent work concurrently), differently on each process. The
-# second one's input is therefore tied to the first one's result by a real data
-# dependency: its first element is XOR-ed with (previous result AND a zero that
-# XLA cannot see through). The value is unchanged bit for bit.
-_last_sync: tuple = (None, None)  # (weakref to the trace, last result)
+def _after(x, prev):
+    """``x`` with a data dependency on ``prev`` that XLA cannot remove.
 
-
-def _current_trace():
-    try:
-        return _core.trace_ctx.trace
-    except AttributeError:  # pragma: no cover - other jax versions
-        return None
-
-
-def _record_sync(result) -> None:
-    global _last_sync
-    trace = _current_trace()
-    _last_sync = (weakref.ref(trace), result) if trace is not None else (None, None)
-
-
-def _after_previous_sync(x):
-    ref, prev = _last_sync
-    trace = _current_trace()
-    if ref is None or trace is None or ref() is not trace or x.size == 0 or prev.size == 0:
+    The first element of ``x`` is XOR-ed with (first element of ``prev`` AND a
+    zero that comes from a host callback): the value is unchanged bit for bit.
+    """
+    if x.size == 0 or prev.size == 0:
         return x
-    width = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
-    pwidth = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[prev.dtype.itemsize]
+    uint = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+    width, pwidth = uint[x.dtype.itemsize], uint[prev.dtype.itemsize]
     zero = jax.pure_callback(lambda: np.zeros((), width), jax.ShapeDtypeStruct((), width),
                              vmap_method="broadcast_all")
     head = lax.bitcast_convert_type(lax.slice(x, (0,), (1,)), width)
@@ -396,24 +413,29 @@ def _varying(x, axes):
 
 
 class MPIBackend:
-    """Inter-process stage over MPI (mpi4jax's compiled collectives).
+    """Inter-process stage over MPI.
 
     Args:
       comm: an mpi4py intra-communicator; jaxsync duplicates it once and never
         sends on the user's handle.
-      staging: ``"device"`` (default) calls mpi4jax's FFI targets on the
-        device buffers (zero-copy on CPU; on GPU mpi4jax stages through host
-        unless ``MPI4JAX_USE_CUDA_MPI=1``); ``"host"`` copies each buffer to host
-        memory and calls mpi4py (ChainerMN's ``non_cuda_aware``): works with any
-        MPI, costs a device-to-host copy each way.
+      staging: ``"device"`` (default) calls MPI on the device buffers: on CPU
+        through jaxsync's native FFI targets (zero-copy, in place, one call for
+        all 32/64-bit buffers of a synchronisation); on GPU through mpi4jax's
+        targets (staged through host unless ``MPI4JAX_USE_CUDA_MPI=1``).
+        ``"host"`` copies each buffer to host memory and calls mpi4py
+        (ChainerMN's ``non_cuda_aware``): works with any MPI, costs a
+        device-to-host copy each way.
     """
 
     name = "mpi"
     mesh_axes: tuple = ()
 
     def __init__(self, comm, staging: str = "device", timeout: float | None = None):
-        if staging == "device":
-            _mpi._load()
+        self.native = staging == "device" and jax.default_backend() == "cpu"
+        if self.native:
+            _mpi.require_native()  # a clear error now, never a slow fallback
+        elif staging == "device":
+            _mpi._load_mpi4jax()
         else:
             _check_host_mpi()
         self.comm = comm
@@ -426,10 +448,10 @@ class MPIBackend:
         if timeout is not None:
             self.comms.watchdog(timeout)
 
-    def _watched(self, program, watch: bool):
+    def _watched(self, program, watch, when=None):
         if self.timeout is None or not watch:
             return program
-        return self.comms.watchdog(self.timeout).wrap(program)
+        return self.comms.watchdog(self.timeout).wrap(program, when)
 
     @functools.cached_property
     def comms(self) -> Comms:
@@ -442,23 +464,70 @@ class MPIBackend:
         return _HostOps(comm) if self.staging == "host" else _MPIOps(comm)
 
     def run(self, program, bufs, intra: AxisOps, leader_only: bool):
+        """Run ``program(ops, bufs)`` with ``ops`` reducing across processes.
+
+        Every inter-process call of a traced step takes the token (or host
+        dependency) of the previous one, across synchronisations too, so every
+        process issues them in the same order.
+        """
         if not bufs:
             return []
-        bufs = list(bufs)
-        bufs[0] = _after_previous_sync(bufs[0])
-        out = self._run(program, bufs, intra, leader_only)
-        _record_sync(out[0])
-        return out
+        if self.native:
+            return self._run_native(program, list(bufs), intra, leader_only)
+        return self._run(program, list(bufs), intra, leader_only)
+
+    def _run_native(self, program, bufs, intra: AxisOps, leader_only: bool):
+        comms = self.comms
+        size = comms.size
+        one = jnp.int32(1)
+        world = jnp.int32(comms.world.py2f())
+        if not intra.axes:
+            # One device per process: no leader choice, no broadcast; results
+            # typed invariant over the local axes of size 1 (if any).
+            ops = _NativeOps(world, one, size, intra.unit_axes)
+            return self._watched(program, True)(ops, bufs)
+        idx = lax.axis_index(intra.axes)
+        if _is_batched(idx):
+            # Under vmap all replicas live in one program: one ordered chain on
+            # the world communicator, every replica a row of the same message.
+            return self._watched(program, True)(_NativeOps(world, one, size), bufs)
+        leader = idx == 0
+        if leader_only:
+            # Every device makes the call; only local device 0 talks MPI, the
+            # others return their (aliased) input untouched. Typed varying over
+            # the local axes, as it is; the broadcast makes it invariant again.
+            active = leader.astype(jnp.int32)
+            bufs = [_varying(b, _vma(active)) for b in bufs]
+            out = self._watched(program, True, leader)(
+                _NativeOps(world, active, size), bufs)
+            return intra.broadcast(list(out), root=0)
+        # Every device its own communicator (the world split by local index),
+        # picked at run time: no lax.switch.
+        handles = np.array([c.py2f() for c in comms.per_device(intra.size)], np.int32)
+        comm = jnp.asarray(handles)[idx]
+        return self._watched(program, True, leader)(_NativeOps(comm, one, size), bufs)
 
     def _run(self, program, bufs, intra: AxisOps, leader_only: bool):
+        """Host staging, and mpi4jax's targets off CPU: leader chosen by lax.cond."""
         comms = self.comms
         if not intra.axes:
             return self._watched(program, True)(self._ops(comms.world), bufs)
         idx = lax.axis_index(intra.axes)
         if _is_batched(idx):
-            # Under vmap all replicas live in one program: one ordered chain on
-            # the world communicator, every replica a row of the same message.
             return self._watched(program, True)(self._ops(comms.world), bufs)
+        # Tokens (and the chain inside a branch) cannot leave lax.cond: the
+        # previous synchronisation of this trace is tied to this one by data.
+        prev = _mpi.chain_value("cond", lambda: None)
+        if prev is not None:
+            bufs = [_after(bufs[0], prev), *bufs[1:]]
+        out = self._run_cond(program, bufs, intra, leader_only, idx)
+        head = next((y.reshape(-1)[:1] for y in out if y.size), None)
+        if head is not None:  # one element: all the next tie needs
+            _mpi.set_chain_value("cond", head)
+        return out
+
+    def _run_cond(self, program, bufs, intra, leader_only, idx):
+        comms = self.comms
 
         def on(comm, watch, bs):
             # Results keep the inputs' shard_map axis types, so branches agree

@@ -213,6 +213,8 @@ def _eqn_collective(eqn, axis_size: int, procs: int):
         return _MPI_KIND[name], procs
     if name == "jaxsync_mpi":
         return eqn.params["kind"], eqn.params["comm"].comm.Get_size()
+    if name == "jaxsync_native":  # operands: token, comm, active, buffers...
+        return eqn.params["kind"], eqn.params["size"]
     if name == "pure_callback":
         fn = getattr(eqn.params["callback"], "callback_func", None)
         kind = _HOST_KIND.get(getattr(fn, "__name__", ""))
@@ -229,7 +231,8 @@ def collective_stats(jaxpr, axis_size: int, procs: int) -> tuple[int, float]:
         got = _eqn_collective(eqn, axis_size, procs)
         if got is not None:
             kind, p = got
-            avals = [v.aval for v in eqn.invars if hasattr(v.aval, "dtype")]  # not tokens
+            operands = eqn.invars[3:] if eqn.primitive.name == "jaxsync_native" else eqn.invars
+            avals = [v.aval for v in operands if hasattr(v.aval, "dtype")]  # not tokens
             arrays += len(avals)
             wire += _wire(kind, sum(a.size * a.dtype.itemsize for a in avals), p)
         subs = [collective_stats(j, axis_size, procs) for j in core.jaxprs_in_params(eqn.params)]
@@ -243,8 +246,8 @@ def collective_stats(jaxpr, axis_size: int, procs: int) -> tuple[int, float]:
 
 _HLO_COLLECTIVE = re.compile(
     r"\s(all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)(-start)?\(|"
-    r'custom_call_target="(mpi_\w+_ffi|xla_ffi_python_cpu_callback)"|'
-    r"custom_call @(mpi_\w+_ffi|xla_ffi_python_cpu_callback)\(")
+    r'custom_call_target="(mpi_\w+_ffi|jaxsync_\w+|xla_ffi_python_cpu_callback)"|'
+    r"custom_call @(mpi_\w+_ffi|jaxsync_\w+|xla_ffi_python_cpu_callback)\(")
 
 
 def hlo_collectives(hlo_text: str) -> int:

@@ -26,18 +26,25 @@ def collect(comm="auto") -> dict:
     except ImportError:
         info["mpi4py"] = None
     try:
-        from . import _mpi
-        import mpi4jax
-        info["mpi4jax"] = mpi4jax.__version__
+        from importlib.metadata import PackageNotFoundError, version
+        info["mpi4jax"] = version("mpi4jax")  # not imported: it would start MPI
+    except PackageNotFoundError:
+        info["mpi4jax"] = None
+    info["mpi4jax_bridges"] = mpi4jax_bridges()
+    from . import _mpi
+    native = _mpi.native_status()
+    if native["built"]:
+        native["links"] = linked_mpi(native["path"])
+    info["native_mpi"] = native
+    if jax.default_backend() == "cpu":
+        info["mpi_backend"] = ("ok: jaxsync's native target" if native["loaded"]
+                               else f"unavailable: {native['error']}")
+    else:
         try:
-            _mpi._load()
-            info["mpi_backend"] = "ok"
+            _mpi._load_mpi4jax()
+            info["mpi_backend"] = "ok: mpi4jax's targets"
         except Exception as e:  # report, do not fail: info is a diagnostic
             info["mpi_backend"] = f"unavailable: {e}"
-    except ImportError:
-        info["mpi4jax"] = None
-        info["mpi_backend"] = "unavailable: mpi4jax not installed"
-    info["mpi4jax_bridges"] = mpi4jax_bridges()
     if comm is not None or "mpi4py.MPI" in sys.modules:
         from mpi4py import MPI
         info["mpi_library"] = MPI.Get_library_version().splitlines()[0].strip()
@@ -118,6 +125,15 @@ def main(argv: list[str]) -> int:
                 "mpi_library", "mpi_thread_level"):
         if key in first:
             con.print(f"{key:>19}: {first[key]}", soft_wrap=True)
+    native = first.get("native_mpi") or {}
+    if native.get("loaded"):
+        text = (f"built, links {native.get('links')}; built against "
+                f"{native.get('built_against')}")
+    elif native.get("built"):
+        text = f"built but NOT loadable: {native.get('error')}"
+    else:
+        text = f"NOT BUILT: {native.get('error')}"
+    con.print(f"{'native MPI target':>19}: {text}", soft_wrap=True)
     bridges = first.get("mpi4jax_bridges") or {}
     for kind in ("cpu", "cuda"):
         con.print(f"{'mpi4jax ' + kind.upper() + ' bridge':>19}: "

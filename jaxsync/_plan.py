@@ -153,28 +153,42 @@ class Plan:
         """Bytes in the reduced buffers."""
         return sum(b.nbytes for b in self.buckets)
 
-    def pack(self, tree: PyTree) -> list[jax.Array]:
-        """Concatenate the reduced leaves of ``tree`` into 1-D buffers."""
+    def pack(self, tree: PyTree, prepare=None) -> list[jax.Array]:
+        """Concatenate the reduced leaves of ``tree`` into 1-D buffers.
+
+        ``prepare(k, leaf)``, if given, maps each flattened leaf of buffer ``k``
+        before the concatenation (an elementwise cast or scaling fuses into the
+        leaf's producer instead of costing a pass over the packed buffer).
+        """
         leaves = self._leaves_of(tree)
         out = []
-        for b in self.buckets:
+        for k, b in enumerate(self.buckets):
             parts = [jnp.ravel(leaves[i]) for i in b.leaves]
+            if prepare is not None:
+                parts = [prepare(k, x) for x in parts]
             out.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
         return out
 
-    def unpack(self, buffers: Sequence[jax.Array], tree: PyTree) -> PyTree:
-        """Inverse of :meth:`pack`; pass-through leaves are taken from ``tree``."""
+    def unpack(self, buffers: Sequence[jax.Array], tree: PyTree,
+               finish=None) -> PyTree:
+        """Inverse of :meth:`pack`; pass-through leaves are taken from ``tree``.
+
+        ``finish(k, piece)``, if given, maps each leaf's piece of buffer ``k``
+        (an elementwise fix-up such as a division fuses into the slice).
+        """
         if len(buffers) != len(self.buckets):
             raise ValueError(
                 f"unpack expected {len(self.buckets)} buffers, got {len(buffers)}")
         leaves = list(self._leaves_of(tree))
-        for b, buf in zip(self.buckets, buffers):
+        for k, (b, buf) in enumerate(zip(self.buckets, buffers)):
             for i, off in zip(b.leaves, b.offsets):
                 spec = self.leaves[i]
                 if len(b.leaves) == 1:
                     piece = buf
                 else:
                     piece = jax.lax.slice(buf, (off,), (off + spec.size,))
+                if finish is not None:
+                    piece = finish(k, piece)
                 leaves[i] = piece.reshape(spec.shape)
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 

@@ -15,6 +15,11 @@ import optax
 from . import _backends, _strategies
 from ._plan import (DEFAULT_BUCKET_BYTES, DEFAULT_PACK_THRESHOLD, REDUCED_DTYPES,
                     _check_bytes, make_plan)
+
+# flat packs every leaf: its default buckets stay below glibc's largest mmap
+# threshold (32 MiB on 64-bit), so a packed temporary is never an mmap/munmap
+# pair with fresh page faults on every step.
+FLAT_BUCKET_BYTES = 16 * 2**20
 from ._topology import default_comm
 
 PyTree = Any
@@ -113,7 +118,7 @@ class SyncConfig:
 
 
 def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
-                bucket_bytes=DEFAULT_BUCKET_BYTES, pack_threshold=AUTO,
+                bucket_bytes=AUTO, pack_threshold=AUTO,
                 comm_dtype=None, predivide=None, check_finite=False,
                 staging="device", timeout=None) -> SyncConfig:
     """Validate every static option; raise TypeError/ValueError naming it."""
@@ -124,6 +129,8 @@ def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
     if not isinstance(reduce, str) or reduce not in _REDUCES:
         raise ValueError(f"{fn}: reduce must be one of {_REDUCES}, got {reduce!r}. "
                          "Fix: reduce='mean' (default) or reduce='sum'.")
+    if isinstance(bucket_bytes, str) and bucket_bytes == AUTO:
+        bucket_bytes = FLAT_BUCKET_BYTES if strategy == "flat" else DEFAULT_BUCKET_BYTES
     _check_bytes("bucket_bytes", bucket_bytes, allow_none=True)
     if isinstance(pack_threshold, str) and pack_threshold == AUTO:
         pack_threshold = None if strategy == "flat" else DEFAULT_PACK_THRESHOLD
@@ -169,38 +176,56 @@ def _sync(tree: PyTree, cfg: SyncConfig):
     """Reduce ``tree`` per ``cfg``; returns (tree, all_finite or None)."""
     _backends.check_axes(cfg.axes)
     _check_unsynced_devices(cfg)
-    plan = make_plan(tree, bucket_bytes=cfg.bucket_bytes,
-                     pack_threshold=cfg.pack_threshold,
-                     per_leaf=cfg.strategy == "naive")
     intra = _backends.AxisOps(cfg.axes)
+    alone = intra.size == 1 and getattr(cfg.backend, "native", False)
+    # One device per process and jaxsync's native allreduce: hierarchical and
+    # two_dimensional hand it the leaves as they are, and it sums the small ones
+    # together itself (a memcpy into one MPI message): nothing is packed or
+    # unpacked in XLA. flat still packs (that is what it is for).
+    per_leaf = cfg.strategy == "naive" or (
+        alone and cfg.strategy in ("hierarchical", "two_dimensional"))
+    plan = make_plan(tree, bucket_bytes=cfg.bucket_bytes,
+                     pack_threshold=cfg.pack_threshold, per_leaf=per_leaf)
     agreed = (f"{plan.describe()}\n{cfg.describe()}\nreplicas per process "
               f"{intra.size}")
     n = intra.size * cfg.backend.size()
+    if cfg.axes and alone:
+        # One device per process: no local stage at all (no psum, no leader
+        # choice, no broadcast); the MPI results are typed invariant over the
+        # size-1 axes directly.
+        intra = _backends.AxisOps((), unit_axes=cfg.axes)
     tree = _backends.share_invariant(tree, cfg.axes + cfg.backend.mesh_axes)
-    bufs = plan.pack(tree)
-    dtypes = [b.dtype for b in bufs]
-    if cfg.comm_dtype is not None:
-        bufs = [b.astype(cfg.comm_dtype) for b in bufs]
-    pres = [_predivide(cfg, b.dtype, n) for b in bufs]
-    bufs = [b if p == 1.0 else b / jnp.asarray(p, b.dtype) for b, p in zip(bufs, pres)]
+    dtypes = [jnp.dtype(b.dtype) for b in plan.buckets]
+    travel = [jnp.dtype(cfg.comm_dtype) if cfg.comm_dtype else dt for dt in dtypes]
+    pres = [_predivide(cfg, dt, n) for dt in travel]
+
+    def prepare(k, leaf):
+        # Cast and scale each leaf before it is packed: fuses into its producer.
+        return _scale_before(leaf.astype(travel[k]), pres[k])
+
+    bufs = plan.pack(tree, prepare)
     # Checked by every process the first time the compiled step runs, before
     # any buffer travels (never while tracing: a process may trace alone).
     bufs = cfg.backend.agree(agreed, "gradient tree", bufs)
     bufs = _strategies.run(cfg.strategy, bufs, intra, cfg.backend)
-    out = []
-    for b, dt, pre in zip(bufs, dtypes, pres):
-        post = (n / pre) if cfg.reduce == "mean" else (1.0 / pre)
-        if post != 1.0:
-            wide = jnp.float32 if str(b.dtype) in ("float16", "bfloat16") else b.dtype
-            b = b.astype(wide) / jnp.asarray(post, wide)
-        out.append(b.astype(dt))
-    result = plan.unpack(out, tree)
+    posts = [(n / pre) if cfg.reduce == "mean" else (1.0 / pre) for pre in pres]
+
+    def finish(k, piece):
+        # The division after the sum (if any) is applied per leaf at unpack, so
+        # it fuses into the slice that unpacks it: no pass over the buffer.
+        if posts[k] != 1.0:
+            wide = jnp.float32 if str(piece.dtype) in ("float16", "bfloat16") else piece.dtype
+            piece = piece.astype(wide) / jnp.asarray(posts[k], wide)
+        return piece.astype(dtypes[k])
+
+    result = plan.unpack(bufs, tree, finish)
     finite = None
     if cfg.check_finite:
-        flags = [jnp.all(jnp.isfinite(b)) for b in out]
+        named = _reduced_leaves(plan, result)
+        flags = [jnp.all(jnp.isfinite(x)) for _, x in named]
         finite = jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
         if cfg.check_finite == "raise":
-            _raise_if_nonfinite(plan, out)
+            _raise_if_nonfinite(named)
     return result, finite
 
 
@@ -229,26 +254,41 @@ def _check_unsynced_devices(cfg: SyncConfig) -> None:
             "process).")
 
 
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
 def _predivide(cfg: SyncConfig, travel_dtype, n: int) -> float:
+    """The factor divided out before the sum (1.0: none)."""
     if cfg.predivide is not None:
         return cfg.predivide
-    if cfg.reduce == "mean" and str(travel_dtype) == "float16":
+    if cfg.reduce == "mean" and (_is_pow2(n) or str(travel_dtype) == "float16"):
+        # A power of two is exact to divide by first (the scaled sum is the
+        # scaled sum, bit for bit, away from subnormals) and fuses into the
+        # pack; float16 is always divided first so the sum cannot overflow.
         return float(n)
     return 1.0
 
 
-def _raise_if_nonfinite(plan, out):
-    per_leaf = []
-    names = []
-    for bucket, buf in zip(plan.buckets, out):
-        for i, off in zip(bucket.leaves, bucket.offsets):
-            spec = plan.leaves[i]
-            piece = jax.lax.slice(buf, (off,), (off + spec.size,))
-            per_leaf.append(jnp.all(jnp.isfinite(piece)))
-            names.append(spec.path)
-    if not per_leaf:
+def _scale_before(b, pre: float):
+    if pre == 1.0:
+        return b
+    if _is_pow2(int(pre)) and float(int(pre)) == pre:
+        return b * jnp.asarray(1.0 / pre, b.dtype)  # exact; a multiply fuses best
+    return b / jnp.asarray(pre, b.dtype)
+
+
+def _reduced_leaves(plan, result):
+    leaves = jax.tree_util.tree_leaves(result)
+    return [(spec.path, leaves[i]) for i, spec in enumerate(plan.leaves)
+            if spec.reduced and spec.size]
+
+
+def _raise_if_nonfinite(named):
+    if not named:
         return
-    flags = jnp.stack(per_leaf)
+    names = [n for n, _ in named]
+    flags = jnp.stack([jnp.all(jnp.isfinite(x)) for _, x in named])
 
     def check(flags):
         bad = [n for n, ok in zip(names, np.asarray(flags)) if not ok]
@@ -342,16 +382,21 @@ _OPTIONS_DOC = """
         ``"auto"`` (``MPI.COMM_WORLD`` when launched by MPI with several
         processes, else ``None``).
       reduce: ``"mean"`` (divide by devices x processes) or ``"sum"``.
-      bucket_bytes: cap on one packed buffer (``None``: no cap).
+      bucket_bytes: cap on one packed buffer (``None``: no cap). Default: 16 MiB
+        for ``flat_mean`` (below glibc's 32 MiB mmap threshold, so a packed
+        temporary is reused from the heap, not mapped afresh each step), 64 MiB
+        otherwise.
       pack_threshold: leaves of at least this many bytes travel in their own
         buffer without a copy (``None``: pack everything). Default: ``None``
         for ``flat_mean``, 256 KiB otherwise.
       comm_dtype: dtype on the wire (``None``: each buffer's own dtype). 16-bit
         data is always summed in float32.
       predivide: divide by this before the sum and by ``n / predivide`` after
-        (Horovod's ``gradient_predivide_factor``). Default ``None``: the replica
-        count for float16 data averaged with ``reduce="mean"`` (so the sum cannot
-        overflow), else 1 (off).
+        (Horovod's ``gradient_predivide_factor``). Default ``None``: with
+        ``reduce="mean"``, the replica count ``n`` when it is a power of two
+        (exact, and it fuses into packing: no pass after the sum) or the data is
+        float16 (so the sum cannot overflow), else 1 (the division by ``n``
+        fuses into unpacking).
       check_finite: ``True`` keeps ``all_finite`` in the state; ``"raise"`` also
         raises ``FloatingPointError`` naming the non-finite leaves.
       staging: ``"device"`` or ``"host"`` (MPI through host memory).

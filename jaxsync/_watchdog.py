@@ -133,30 +133,39 @@ class Watchdog:
             self._thread.join(timeout=30.0)
 
     # -- in-graph hooks ---------------------------------------------------------
-    def wrap(self, program):
-        """``program(ops, bufs)`` with enter/leave callbacks data-tied to its calls."""
+    def wrap(self, program, when=None):
+        """``program(ops, bufs)`` with enter/leave callbacks data-tied to its calls.
+
+        ``when``: a traced boolean scalar; the callbacks count only where it is
+        true (local device 0), ``None``: always.
+        """
 
         def wrapped(ops, bufs):
             bufs = list(bufs)
-            bufs[0] = _tie(self.enter, bufs[0])
+            bufs[0] = _tie(self.enter, bufs[0], when)
             out = list(program(ops, bufs))
-            out[0] = _tie(self.leave, out[0])
+            out[0] = _tie(self.leave, out[0], when)
             return out
 
         return wrapped
 
 
-def _tie(fn, x):
+def _tie(fn, x, when=None):
     """Call ``fn`` on the host; later uses of ``x`` depend on the call (1 element).
 
     An ``io_callback`` (a side effect: JAX may neither drop nor repeat it, as it
     may a ``pure_callback``), unordered (ordered effects are refused in
     multi-device computations); the data dependency orders it. Under ``vmap`` it
-    runs once per mapped replica, on every process alike.
+    runs once per mapped replica, on every process alike. With ``when`` (a
+    boolean scalar), ``fn`` runs only where it is true (the leader device).
     """
     if x.size == 0:
         return x
     head = lax.slice(x, (0,), (1,))
-    head = io_callback(lambda h: np.asarray(fn(h)), jax.ShapeDtypeStruct((1,), x.dtype),
-                       head, ordered=False)
+    if when is None:
+        head = io_callback(lambda h: np.asarray(fn(h)), jax.ShapeDtypeStruct((1,), x.dtype),
+                           head, ordered=False)
+    else:
+        head = io_callback(lambda h, w: np.asarray(fn(h) if w else h),
+                           jax.ShapeDtypeStruct((1,), x.dtype), head, when, ordered=False)
     return lax.dynamic_update_slice(x, head, (0,))

@@ -118,7 +118,11 @@ if [[ " $have " != *" cpu "* ]] || { [ -n "$cuda" ] && [[ " $have " != *" cuda "
   step "build mpi4jax from source ($what, about 30 s)" build_mpi4jax
 fi
 
-step "install jaxsync (editable) with the mpi, test, bench and demo extras" \
+# jaxsync's own native MPI target (jaxsync/_native) is compiled here, with the
+# environment's MPI compiler wrapper (the MPI that mpi4py loads); a missing wrapper
+# or a failed compile stops set-up.
+MPICC="$venv/bin/mpicc" JAXSYNC_REQUIRE_NATIVE=1 \
+  step "install jaxsync (editable, with its native MPI target) and the mpi, test, bench and demo extras" \
   pip install --no-build-isolation -e ".[mpi,test,bench,demo]"
 
 # The stamp means "verified": every extra imports, versions match their pins, and

@@ -4,7 +4,8 @@ Usage: python scripts/verify_install.py CHECKOUT
 
 Every extra must import, pinned versions must match, ``import jaxsync`` must resolve
 to CHECKOUT through the install (not the current folder), mpirun must sit next to
-the interpreter, and the MPI bridges asked for must be built. Exits 1 naming each
+the interpreter, and the MPI bridges asked for must be built, and jaxsync's native MPI target must
+load. Exits 1 naming each
 problem and its fix.
 """
 
@@ -40,6 +41,11 @@ def main(checkout: str) -> int:
         if where != pathlib.Path(checkout).resolve():
             problems.append(f"import jaxsync gives {js.__file__}, not the checkout "
                             f"{checkout}: reinstall with pip install -e {checkout}")
+    if js is not None:
+        from jaxsync import _mpi
+        status = _mpi.native_status()
+        if not status["loaded"]:
+            problems.append(f"jaxsync's native MPI target: {status['error']}")
     mpirun = pathlib.Path(sys.executable).parent / "mpirun"
     if not mpirun.exists():
         problems.append(f"{mpirun} is missing: pip install 'mpich>=4'")
@@ -60,7 +66,8 @@ def main(checkout: str) -> int:
         return 1
     print(f"[setup] ok: jax {jax.__version__}, optax {mods['optax'].__version__}, "
           f"mpi4py {mods['mpi4py'].__version__}, mpi4jax {m4j.__version__} "
-          f"(bridges: {', '.join(built)}), jaxsync from {checkout}")
+          f"(bridges: {', '.join(built)}), jaxsync from {checkout} with its native MPI "
+          f"target ({status['mpi_library']})")
     return 0
 
 

@@ -388,8 +388,5 @@ def _sum_low_eqns(size):
     return len(jaxpr.eqns)
 
 
-@pytest.mark.xfail(strict=True, reason="_strategies._rows_sum_f32 still unrolls P-1 adds; "
-                   "passes once _strategies uses jaxsync._reduce16.rows_sum_f32 (then "
-                   "remove this marker)")
 def test_16bit_sum_graph_does_not_grow_with_the_process_count():
     assert _sum_low_eqns(1024) == _sum_low_eqns(16)

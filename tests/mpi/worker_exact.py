@@ -84,10 +84,10 @@ def main():
         inputs[key] = rand
 
     def custom_calls(fn, x):
-        """(target, first operand type) of each custom call in the lowered step."""
+        """(target, operand types) of each custom call in the lowered step."""
         text = fn.lower(x).as_text()
         return [(m.group(1), m.group(2)) for m in re.finditer(
-            r"custom_call @(\w+)\(.*?\)\s.*?:\s*\((tensor<[^>]*>)", text)]
+            r"custom_call @(\w+)\(.*?\)\s.*?:\s*\(([^)]*)\)\s*->", text)]
 
     wanted = list(cases) if ns.cases == "all" else ns.cases.split(",")
     for key in wanted:

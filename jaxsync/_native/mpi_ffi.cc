@@ -1,0 +1,347 @@
+// jaxsync's XLA FFI targets for MPI collectives on the CPU platform.
+//
+// Every handler takes (token, comm, active, buffers...) and returns
+// (token, results...):
+//   token   orders the calls: each call consumes the token of the previous one.
+//   comm    int32 scalar: a Fortran handle of an MPI communicator
+//           (mpi4py's comm.py2f()), turned into MPI_Comm by MPI_Comm_f2c. An
+//           operand, not an attribute, so each local device of a multi-device
+//           process can pick its own communicator at run time.
+//   active  int32 scalar: 0 makes the call return at once without touching
+//           MPI (in a multi-device process only local device 0 talks to the
+//           other processes; the others leave their buffers as they are).
+//
+// jaxsync_allreduce sums any number of buffers in one call. The lowering
+// aliases each result to its input, so result and input share memory and the
+// sum is done with MPI_IN_PLACE (out of place when XLA did not alias them).
+// Buffers under 64 KiB of one dtype are summed together through a per-thread
+// scratch buffer (at most 4 MiB): one MPI call instead of one each.
+// jaxsync_allgather / jaxsync_alltoall move one buffer each.
+//
+// MPI failures come back as ffi::Error carrying MPI's error string (the
+// communicators need MPI_ERRORS_RETURN, mpi4py's default).
+
+#include <mpi.h>
+
+#include <climits>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+// Scalar operands (aliases: a comma inside a macro argument would split it).
+using CommArg = ffi::BufferR0<ffi::S32>;
+using ActiveArg = ffi::BufferR0<ffi::S32>;
+
+namespace {
+
+const char* DtypeName(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::PRED: return "bool";
+    case ffi::DataType::S8: return "int8";
+    case ffi::DataType::S16: return "int16";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::U16: return "uint16";
+    case ffi::DataType::U32: return "uint32";
+    case ffi::DataType::U64: return "uint64";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::C64: return "complex64";
+    case ffi::DataType::C128: return "complex128";
+    default: return "an unsupported element type";
+  }
+}
+
+// MPI datatype for summing `t`; false if summing it is not supported.
+bool SumType(ffi::DataType t, MPI_Datatype* out) {
+  switch (t) {
+    case ffi::DataType::F32: *out = MPI_FLOAT; return true;
+    case ffi::DataType::F64: *out = MPI_DOUBLE; return true;
+    case ffi::DataType::S8: *out = MPI_INT8_T; return true;
+    case ffi::DataType::S16: *out = MPI_INT16_T; return true;
+    case ffi::DataType::S32: *out = MPI_INT32_T; return true;
+    case ffi::DataType::S64: *out = MPI_INT64_T; return true;
+    case ffi::DataType::U8: *out = MPI_UINT8_T; return true;
+    case ffi::DataType::U16: *out = MPI_UINT16_T; return true;
+    case ffi::DataType::U32: *out = MPI_UINT32_T; return true;
+    case ffi::DataType::U64: *out = MPI_UINT64_T; return true;
+    default: return false;  // f16/bf16: MPI has no 16-bit float sum
+  }
+}
+
+// MPI datatype for moving `t` unchanged; 16-bit floats travel as uint16 bits.
+bool MoveType(ffi::DataType t, MPI_Datatype* out) {
+  switch (t) {
+    case ffi::DataType::F16:
+    case ffi::DataType::BF16:
+    case ffi::DataType::U16: *out = MPI_UINT16_T; return true;
+    case ffi::DataType::PRED:
+    case ffi::DataType::U8: *out = MPI_UINT8_T; return true;
+    default: return SumType(t, out);
+  }
+}
+
+ffi::Error MpiError(int code, const char* what) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) {
+    len = 0;
+  }
+  return ffi::Error::Internal(std::string("jaxsync: ") + what + " failed: " +
+                              std::string(text, len) + " (MPI error code " +
+                              std::to_string(code) + ")");
+}
+
+ffi::Error Unsupported(const char* what, ffi::DataType t) {
+  return ffi::Error::InvalidArgument(
+      std::string("jaxsync: ") + what + " does not support dtype " +
+      DtypeName(t) + "; expected float32, float64 or an integer type" +
+      (std::string(what) == "MPI_Allreduce"
+           ? std::string(" (16-bit floats are summed by jaxsync in float32)")
+           : std::string(", float16 or bfloat16")));
+}
+
+ffi::Error CountOf(size_t n, const char* what, int* out) {
+  if (n > static_cast<size_t>(INT_MAX)) {
+    return ffi::Error::InvalidArgument(
+        std::string("jaxsync: ") + what + " of " + std::to_string(n) +
+        " elements exceeds MPI's int count; use smaller buckets (bucket_bytes)");
+  }
+  *out = static_cast<int>(n);
+  return ffi::Error::Success();
+}
+
+MPI_Comm CommOf(const CommArg& comm) {
+  return MPI_Comm_f2c(static_cast<MPI_Fint>(comm.typed_data()[0]));
+}
+
+// Buffers below this size are summed in groups through a scratch buffer of at
+// most kScratchBytes (per thread, reused across calls).
+constexpr size_t kSmallBytes = 64 << 10;
+constexpr size_t kScratchBytes = 4 << 20;
+
+class Group {
+ public:
+  bool Fits(MPI_Datatype dtype, size_t bytes) const {
+    return parts_.empty() || (dtype == dtype_ && used_ + bytes <= kScratchBytes);
+  }
+
+  void Add(MPI_Datatype dtype, size_t width, void* src, void* dst, size_t bytes) {
+    dtype_ = dtype;
+    width_ = width;
+    parts_.push_back({src, dst, bytes});
+    used_ += bytes;
+  }
+
+  ffi::Error Flush(MPI_Comm c) {
+    if (parts_.empty()) return ffi::Error::Success();
+    ffi::Error result = ffi::Error::Success();
+    if (parts_.size() == 1) {
+      Part& p = parts_[0];
+      int rc = MPI_Allreduce(p.src == p.dst ? MPI_IN_PLACE : p.src, p.dst,
+                             static_cast<int>(p.bytes / width_), dtype_, MPI_SUM, c);
+      if (rc != MPI_SUCCESS) result = MpiError(rc, "MPI_Allreduce");
+    } else {
+      static thread_local std::vector<char> scratch;
+      if (scratch.size() < used_) scratch.resize(used_);
+      size_t off = 0;
+      for (const Part& p : parts_) {
+        std::memcpy(scratch.data() + off, p.src, p.bytes);
+        off += p.bytes;
+      }
+      int rc = MPI_Allreduce(MPI_IN_PLACE, scratch.data(),
+                             static_cast<int>(used_ / width_), dtype_, MPI_SUM, c);
+      if (rc != MPI_SUCCESS) {
+        result = MpiError(rc, "MPI_Allreduce");
+      } else {
+        off = 0;
+        for (const Part& p : parts_) {
+          std::memcpy(p.dst, scratch.data() + off, p.bytes);
+          off += p.bytes;
+        }
+      }
+    }
+    parts_.clear();
+    used_ = 0;
+    return result;
+  }
+
+ private:
+  struct Part {
+    void* src;
+    void* dst;
+    size_t bytes;
+  };
+  std::vector<Part> parts_;
+  MPI_Datatype dtype_ = MPI_DATATYPE_NULL;
+  size_t width_ = 1;
+  size_t used_ = 0;
+};
+
+ffi::Error AllreduceImpl(ffi::Token, CommArg comm,
+                         ActiveArg active, ffi::RemainingArgs args,
+                         ffi::Result<ffi::Token>, ffi::RemainingRets rets) {
+  if (args.size() != rets.size()) {
+    return ffi::Error::InvalidArgument(
+        "jaxsync_allreduce: as many results as buffers expected");
+  }
+  if (active.typed_data()[0] == 0) {  // results alias the inputs: untouched
+    for (size_t i = 0; i < args.size(); ++i) {
+      auto in = args.get<ffi::AnyBuffer>(i);
+      auto out = rets.get<ffi::AnyBuffer>(i);
+      if (!in.has_value()) return in.error();
+      if (!out.has_value()) return out.error();
+      if (in->untyped_data() != (*out)->untyped_data()) {  // not aliased after all
+        std::memcpy((*out)->untyped_data(), in->untyped_data(), in->size_bytes());
+      }
+    }
+    return ffi::Error::Success();
+  }
+  MPI_Comm c = CommOf(comm);
+  // Small buffers of one dtype are summed together: copied into a scratch
+  // buffer, one MPI_Allreduce in place, copied back (memcpy of a few KiB costs
+  // far less than an MPI call each, or than packing them in XLA).
+  Group group;
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto in = args.get<ffi::AnyBuffer>(i);
+    auto out = rets.get<ffi::AnyBuffer>(i);
+    if (!in.has_value()) return in.error();
+    if (!out.has_value()) return out.error();
+    ffi::DataType t = in->element_type();
+    MPI_Datatype dtype;
+    if (!SumType(t, &dtype)) return Unsupported("MPI_Allreduce", t);
+    size_t bytes = in->size_bytes();
+    if (bytes == 0) continue;
+    void* src = in->untyped_data();
+    void* dst = (*out)->untyped_data();
+    if (bytes < kSmallBytes) {
+      if (!group.Fits(dtype, bytes)) {
+        if (auto e = group.Flush(c); e.failure()) return e;
+      }
+      group.Add(dtype, ffi::ByteWidth(t), src, dst, bytes);
+      continue;
+    }
+    int count = 0;
+    if (auto e = CountOf(in->element_count(), "MPI_Allreduce", &count);
+        e.failure()) {
+      return e;
+    }
+    int rc = MPI_Allreduce(src == dst ? MPI_IN_PLACE : src, dst, count, dtype,
+                           MPI_SUM, c);
+    if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Allreduce");
+  }
+  return group.Flush(c);
+}
+
+// allgather: x of n elements -> (size, n). alltoall: x of shape (size, m) ->
+// (size, m), row j to peer j.
+template <bool kAlltoall>
+ffi::Error MoveImpl(ffi::Token, CommArg comm,
+                    ActiveArg active, ffi::AnyBuffer x,
+                    ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> y) {
+  const char* what = kAlltoall ? "MPI_Alltoall" : "MPI_Allgather";
+  if (active.typed_data()[0] == 0) {
+    std::memset(y->untyped_data(), 0, y->size_bytes());  // discarded by the caller
+    return ffi::Error::Success();
+  }
+  MPI_Comm c = CommOf(comm);
+  MPI_Datatype dtype;
+  if (!MoveType(x.element_type(), &dtype)) return Unsupported(what, x.element_type());
+  int size = 0;
+  int rc = MPI_Comm_size(c, &size);
+  if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Comm_size");
+  size_t n = x.element_count();
+  if (kAlltoall) {
+    if (size == 0 || n % size != 0) {
+      return ffi::Error::InvalidArgument(
+          "jaxsync_alltoall: the leading axis must have the communicator's size");
+    }
+    n /= size;
+  }
+  int count = 0;  // the received total must fit MPI's int count too
+  if (auto e = CountOf(n * static_cast<size_t>(size), what, &count); e.failure()) {
+    return e;
+  }
+  count = static_cast<int>(n);
+  if (n == 0) return ffi::Error::Success();
+  if (kAlltoall) {
+    rc = MPI_Alltoall(x.untyped_data(), count, dtype, y->untyped_data(), count, dtype, c);
+  } else {
+    rc = MPI_Allgather(x.untyped_data(), count, dtype, y->untyped_data(), count, dtype, c);
+  }
+  if (rc != MPI_SUCCESS) return MpiError(rc, what);
+  return ffi::Error::Success();
+}
+
+ffi::Error AllgatherImpl(ffi::Token t, CommArg comm,
+                         ActiveArg active, ffi::AnyBuffer x,
+                         ffi::Result<ffi::Token> t_out, ffi::Result<ffi::AnyBuffer> y) {
+  return MoveImpl<false>(t, comm, active, x, t_out, y);
+}
+
+ffi::Error AlltoallImpl(ffi::Token t, CommArg comm,
+                        ActiveArg active, ffi::AnyBuffer x,
+                        ffi::Result<ffi::Token> t_out, ffi::Result<ffi::AnyBuffer> y) {
+  return MoveImpl<true>(t, comm, active, x, t_out, y);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_allreduce, AllreduceImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Arg<CommArg>()
+                                  .Arg<ActiveArg>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Token>()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_allgather, AllgatherImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Arg<CommArg>()
+                                  .Arg<ActiveArg>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Token>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_alltoall, AlltoallImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Arg<CommArg>()
+                                  .Arg<ActiveArg>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Token>()
+                                  .Ret<ffi::AnyBuffer>());
+
+// What the library was built against (header) and what it runs on (library).
+extern "C" const char* jaxsync_mpi_header_version() {
+#if defined(MPICH_VERSION)
+  return "MPICH " MPICH_VERSION;
+#elif defined(OMPI_MAJOR_VERSION)
+#define JAXSYNC_STR2(x) #x
+#define JAXSYNC_STR(x) JAXSYNC_STR2(x)
+  return "Open MPI " JAXSYNC_STR(OMPI_MAJOR_VERSION) "." JAXSYNC_STR(
+      OMPI_MINOR_VERSION) "." JAXSYNC_STR(OMPI_RELEASE_VERSION);
+#else
+  return "MPI (unknown implementation)";
+#endif
+}
+
+extern "C" int jaxsync_mpi_library_version(char* out, int cap) {
+  char text[MPI_MAX_LIBRARY_VERSION_STRING];
+  int len = 0;
+  if (MPI_Get_library_version(text, &len) != MPI_SUCCESS) return -1;
+  int n = len < cap - 1 ? len : cap - 1;
+  std::memcpy(out, text, n);
+  out[n] = '\0';
+  return n;
+}
