@@ -5,8 +5,9 @@ Before their first reduction the processes compare what they are about to do
 different collectives on each process (a hang or wrong sums). Doing that
 exchange while *tracing* blocks whenever one process traces alone - a common
 ``jax.eval_shape``, ``.lower()`` or ``jax.make_jaxpr`` on rank 0 - so it runs
-inside the compiled step instead: an unordered ``io_callback`` whose (zero)
-result is folded into every buffer before any MPI call can read it. The
+inside the compiled step instead: a host callback (``pure_callback``, so the
+step has no effect and keeps jit's fast dispatch) whose (zero) result is folded
+into the buffers before any MPI call can read them. The
 callback exchanges a 32-byte digest the first time each compiled executable
 runs (full texts only on a mismatch) and is a no-op afterwards.
 
@@ -31,7 +32,6 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import io_callback
 
 # One exchange at a time on a process (device threads, several executables).
 _LOCK = threading.Lock()
@@ -85,8 +85,13 @@ def agree_in_step(comm, text: str, what: str, bufs: list, disagreement) -> list:
     trace = _trace()
     ref, prev = _last
     deps = (prev,) if ref is not None and trace is not None and ref() is trace else ()
-    dep = io_callback(agreement.host, jax.ShapeDtypeStruct((), jnp.uint8), *deps,
-                      ordered=False)
+    # A pure_callback, not an io_callback: any effect in a step puts jit's
+    # dispatch on its slow path (tens of microseconds per output: +12 ms on a
+    # step returning 500 leaves). Its result is folded into the buffers, so JAX
+    # cannot drop it, and running it again is harmless: only the first call of
+    # each compiled step exchanges anything, later ones read the verdict.
+    dep = jax.pure_callback(agreement.host, jax.ShapeDtypeStruct((), jnp.uint8), *deps,
+                            vmap_method="broadcast_all")
     _last = (weakref.ref(trace), dep) if trace is not None else (None, None)
     # Every MPI call of the step reads, directly or through the token chain that
     # orders them, the first buffer of some dtype: tying those is enough (one

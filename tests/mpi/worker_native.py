@@ -107,6 +107,10 @@ def main():
         copy=len(re.findall(r"\bcopy\(", entry)),
         all_reduce=len(re.findall(r"\ball-reduce\(", text)),
         aliasing="output_to_operand_aliasing" in text,
+        # Any effect (an io_callback, an ordered MPI primitive) puts jit's dispatch
+        # on its slow path: tens of microseconds per output of the step.
+        effects=[str(e) for e in h.trace(wide).jaxpr.effects]
+        + [str(e) for e in f.trace(x).jaxpr.effects],
         text=text))
     attempt("hlo-run", lambda: to_numpy(jax.block_until_ready(h(wide))))
     res.write()
