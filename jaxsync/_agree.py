@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import weakref
 
 import numpy as np
 
@@ -36,13 +35,9 @@ from jax import lax
 # One exchange at a time on a process (device threads, several executables).
 _LOCK = threading.Lock()
 
-_last: tuple = (None, None)  # (weakref to the trace, the last agreement's dep)
-
-
-def _trace():
-    from jax._src import core
-    return getattr(core.trace_ctx, "trace", None)
-
+# Agreement callbacks entered and left (every synchronised step runs one per
+# device): the drain at exit watches them (see _mpi.wait_until_quiet).
+ACTIVITY = [0, 0]
 
 class Agreement:
     """One trace's check: exchanges once, remembers the verdict."""
@@ -72,31 +67,44 @@ class Agreement:
 
     def host(self, *deps):
         del deps
-        self.check()
+        ACTIVITY[0] += 1
+        try:
+            self.check()
+        finally:
+            ACTIVITY[1] += 1
         return np.zeros((), np.uint8)
 
 
-def agree_in_step(comm, text: str, what: str, bufs: list, disagreement) -> list:
-    """Return ``bufs`` tied to an in-step agreement on ``text`` over ``comm``."""
-    global _last
-    if not bufs:
-        return bufs
+def agreement_dep(comm, text: str, what: str, disagreement):
+    """A uint8 zero computed by the in-step agreement on ``text`` over ``comm``.
+
+    Whatever depends on it runs after the check. Several agreements of one traced
+    step form one chain (kept per trace, like the MPI token chain), so every
+    process runs them in the same order.
+    """
+    from . import _mpi
     agreement = Agreement(comm, text, what, disagreement)
-    trace = _trace()
-    ref, prev = _last
-    deps = (prev,) if ref is not None and trace is not None and ref() is trace else ()
+    prev = _mpi.chain_value("agreement", lambda: None)
     # A pure_callback, not an io_callback: any effect in a step puts jit's
     # dispatch on its slow path (tens of microseconds per output: +12 ms on a
-    # step returning 500 leaves). Its result is folded into the buffers, so JAX
-    # cannot drop it, and running it again is harmless: only the first call of
-    # each compiled step exchanges anything, later ones read the verdict.
-    dep = jax.pure_callback(agreement.host, jax.ShapeDtypeStruct((), jnp.uint8), *deps,
+    # step returning 500 leaves). Its result feeds the MPI calls, so JAX cannot
+    # drop it, and running it again is harmless: only the first call of each
+    # compiled step exchanges anything, later ones read the verdict.
+    dep = jax.pure_callback(agreement.host, jax.ShapeDtypeStruct((), jnp.uint8),
+                            *(() if prev is None else (prev,)),
                             vmap_method="broadcast_all")
-    _last = (weakref.ref(trace), dep) if trace is not None else (None, None)
-    # Every MPI call of the step reads, directly or through the token chain that
-    # orders them, the first buffer of some dtype: tying those is enough (one
-    # tiny update per dtype, not per buffer: hundreds of small leaves may travel
-    # unpacked).
+    _mpi.set_chain_value("agreement", dep)
+    return dep
+
+
+def tie_buffers(bufs: list, dep) -> list:
+    """``bufs`` unchanged bit for bit, but read by MPI only after ``dep``.
+
+    Every MPI call of the step reads, directly or through the token chain that
+    orders them, the first buffer of some dtype: tying those is enough (one tiny
+    update per dtype, not per buffer). jaxsync's native calls take the dependency
+    through their ``active`` operand instead, which copies nothing.
+    """
     out, tied = [], set()
     for b in bufs:
         if str(b.dtype) not in tied and _foldable(b):

@@ -214,8 +214,14 @@ class _NativeOps:
         self.invariant = tuple(invariant)
 
     def _call(self, kind, xs):
+        active = self.active
+        dep = _mpi.chain_value("agreement", lambda: None)
+        if dep is not None:
+            # + 0 that XLA cannot see through: the call runs after the step's
+            # agreement check without touching (or copying) any buffer.
+            active = active + _varying(dep.astype(jnp.int32), _vma(active))
         token, ys = _mpi.native_call(kind, xs, _mpi.chain_token(), self.comm,
-                                     self.active, self.size, self.invariant)
+                                     active, self.size, self.invariant)
         _mpi.set_chain_token(token)
         return ys
 
@@ -551,8 +557,13 @@ class MPIBackend:
         every process when they differ. Tracing alone never blocks (see
         ``_agree``).
         """
-        from ._agree import agree_in_step
-        return agree_in_step(self.comms.agreement, text, what, bufs, _disagreement)
+        from ._agree import agreement_dep, tie_buffers
+        if not bufs:
+            return bufs
+        dep = agreement_dep(self.comms.agreement, text, what, _disagreement)
+        if self.native:
+            return bufs  # _NativeOps feeds the dependency to every call's `active`
+        return tie_buffers(bufs, dep)
 
     def __repr__(self):
         return (f"MPIBackend(size={self.size()}, staging={self.staging!r}, "

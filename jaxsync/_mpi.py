@@ -97,6 +97,8 @@ def _native():
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)),
                                     platform="cpu")
     lib.jaxsync_mpi_header_version.restype = ctypes.c_char_p
+    lib.jaxsync_calls_started.restype = ctypes.c_int64
+    lib.jaxsync_calls_finished.restype = ctypes.c_int64
     return lib
 
 
@@ -176,11 +178,45 @@ def _load_mpi4jax():
 
 
 def _drain():
+    wait_until_quiet()
     try:
         for a in jax.live_arrays():
             a.block_until_ready()
     except Exception:  # pragma: no cover - interpreter shutdown
         pass
+
+
+def wait_until_quiet(quiet_s: float = 0.25, limit_s: float = 10.0) -> bool:
+    """Wait until no synchronised step is running (before MPI and Python shut down).
+
+    A step dispatched and dropped (its results gone, so no live array to block
+    on) still runs its MPI calls and its agreement callback. A default step has
+    no effect that ``jax.effects_barrier`` could wait for (an effect would slow
+    every dispatch), so this watches jaxsync's own activity instead: no native
+    MPI call running, and none, nor any agreement callback, begun or ended for
+    ``quiet_s`` seconds (chained steps start as their inputs become ready).
+    Gives up after ``limit_s`` (a peer that never arrives). True when quiet.
+    """
+    import time
+    from . import _agree
+    lib = _native() if _native.cache_info().currsize else None
+
+    def state():
+        calls = ((lib.jaxsync_calls_started(), lib.jaxsync_calls_finished())
+                 if lib is not None else (0, 0))
+        return (*calls, *_agree.ACTIVITY)
+
+    start = now = time.monotonic()
+    last, since = state(), start
+    while now - start < limit_s:
+        time.sleep(0.01)
+        now = time.monotonic()
+        cur = state()
+        if cur != last or cur[0] != cur[1] or cur[2] != cur[3]:
+            last, since = cur, now
+        elif now - since >= quiet_s:
+            return True
+    return False
 
 
 # --------------------------------------------------------------------------

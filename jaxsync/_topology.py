@@ -280,10 +280,13 @@ def free_communicators(comm: Any = None) -> int:
 def _drain() -> None:
     """Let computations in flight finish their MPI calls.
 
-    Their results may be gone already (a step dispatched in a function that
-    returned): every synchronising step holds a host callback (the agreement,
-    see ``_agree``), so ``jax.effects_barrier`` waits for it.
+    Waits until jaxsync's MPI calls and agreement callbacks have been quiet for a
+    moment (``_mpi.wait_until_quiet``: a default synchronised step has no effect,
+    which keeps jit's fast dispatch, so ``jax.effects_barrier`` does not see it),
+    for steps with effects (a watchdog, host staging), and for every live array.
     """
+    from . import _mpi
+    _mpi.wait_until_quiet()
     try:
         jax.effects_barrier()
     except Exception:  # noqa: BLE001 - a failed step: its error was reported

@@ -25,6 +25,7 @@
 
 #include <climits>
 #include <cstdint>
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -186,9 +187,21 @@ class Group {
   size_t used_ = 0;
 };
 
+// Calls begun and finished, for the drain at exit: Python waits until no call
+// is running and none has started or finished for a while, so no step is still
+// running (and calling back into Python) while the interpreter shuts down.
+std::atomic<int64_t> g_started{0};
+std::atomic<int64_t> g_finished{0};
+
+struct Counted {
+  Counted() { g_started.fetch_add(1, std::memory_order_relaxed); }
+  ~Counted() { g_finished.fetch_add(1, std::memory_order_release); }
+};
+
 ffi::Error AllreduceImpl(ffi::Token, CommArg comm,
                          ActiveArg active, ffi::RemainingArgs args,
                          ffi::Result<ffi::Token>, ffi::RemainingRets rets) {
+  Counted counted;
   if (args.size() != rets.size()) {
     return ffi::Error::InvalidArgument(
         "jaxsync_allreduce: as many results as buffers expected");
@@ -247,6 +260,7 @@ template <bool kAlltoall>
 ffi::Error MoveImpl(ffi::Token, CommArg comm,
                     ActiveArg active, ffi::AnyBuffer x,
                     ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> y) {
+  Counted counted;
   const char* what = kAlltoall ? "MPI_Alltoall" : "MPI_Allgather";
   if (active.typed_data()[0] == 0) {
     std::memset(y->untyped_data(), 0, y->size_bytes());  // discarded by the caller
@@ -323,6 +337,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_alltoall, AlltoallImpl,
                                   .Ret<ffi::AnyBuffer>());
 
 // What the library was built against (header) and what it runs on (library).
+extern "C" int64_t jaxsync_calls_started() { return g_started.load(); }
+extern "C" int64_t jaxsync_calls_finished() { return g_finished.load(); }
+
 extern "C" const char* jaxsync_mpi_header_version() {
 #if defined(MPICH_VERSION)
   return "MPICH " MPICH_VERSION;
