@@ -214,14 +214,8 @@ class _NativeOps:
         self.invariant = tuple(invariant)
 
     def _call(self, kind, xs):
-        active = self.active
-        dep = _mpi.chain_value("agreement", lambda: None)
-        if dep is not None:
-            # + 0 that XLA cannot see through: the call runs after the step's
-            # agreement check without touching (or copying) any buffer.
-            active = active + _varying(dep.astype(jnp.int32), _vma(active))
         token, ys = _mpi.native_call(kind, xs, _mpi.chain_token(), self.comm,
-                                     active, self.size, self.invariant)
+                                     self.active, self.size, self.invariant)
         _mpi.set_chain_token(token)
         return ys
 
@@ -551,19 +545,33 @@ class MPIBackend:
     def agree(self, text: str, what: str, bufs: list) -> list:
         """Compare ``text`` across processes before ``bufs`` travel.
 
-        Returns ``bufs`` tied to a host callback that, the first time the
-        compiled step runs, exchanges a 32-byte digest of ``text`` (the full
-        texts only on a mismatch) and raises the same ``ValueError`` text on
-        every process when they differ. Tracing alone never blocks (see
-        ``_agree``).
+        Returns ``bufs`` tied to a check that, the first time the compiled step
+        runs, exchanges a digest of ``text`` (the full texts only on a
+        mismatch) and fails the step with the same message on every process
+        when they differ: a native call on CPU (``_mpi.register_agreement``),
+        a host callback elsewhere (``_agree``). Tracing alone never blocks.
         """
-        from ._agree import agreement_dep, tie_buffers
         if not bufs:
             return bufs
-        dep = agreement_dep(self.comms.agreement, text, what, _disagreement)
         if self.native:
-            return bufs  # _NativeOps feeds the dependency to every call's `active`
-        return tie_buffers(bufs, dep)
+            # A native call checks it (the first time a process runs it; then a
+            # table look-up): no host callback in the step, which would put jit's
+            # dispatch on its slow path. It comes first in the token chain, and
+            # an optimization barrier makes every buffer (so every local and MPI
+            # collective of this synchronisation) wait for it, without a copy.
+            key = _mpi.register_agreement(self.comms.agreement, text, what, _disagreement)
+            # How many devices of this process run the check (vmap: one program).
+            devices = int(np.prod([n for a, n in bound_axes().items()
+                                   if not _is_batched(lax.axis_index(a))], dtype=np.int64))
+            token, (dep,) = _mpi.native_call(
+                "agree", [jnp.zeros((1,), jnp.uint8)], _mpi.chain_token(),
+                jnp.int32(self.comms.world.py2f()), jnp.int32(1), self.comms.size,
+                agree=(*key, devices))  # (comm, id, instance, devices)
+            _mpi.set_chain_token(token)
+            return list(lax.optimization_barrier((dep, *bufs))[1:])
+        from ._agree import agreement_dep, tie_buffers
+        return tie_buffers(bufs, agreement_dep(self.comms.agreement, text, what,
+                                               _disagreement))
 
     def __repr__(self):
         return (f"MPIBackend(size={self.size()}, staging={self.staging!r}, "

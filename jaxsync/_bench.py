@@ -214,6 +214,8 @@ def _eqn_collective(eqn, axis_size: int, procs: int):
     if name == "jaxsync_mpi":
         return eqn.params["kind"], eqn.params["comm"].comm.Get_size()
     if name == "jaxsync_native":  # operands: token, comm, active, buffers...
+        if eqn.params["kind"] == "agree":  # the agreement check: no data moves
+            return None
         return eqn.params["kind"], eqn.params["size"]
     if name == "pure_callback":
         fn = getattr(eqn.params["callback"], "callback_func", None)
@@ -576,10 +578,46 @@ def mpi4py_host_per_leaf(g, comm):
 # Benches: the cases of one tree
 # --------------------------------------------------------------------------
 
-class IntraBench:
+class _MeshBench:
+    """Steps under ``jit(shard_map)`` over a 1-D mesh ``self.mesh`` of axis ``self.axis``."""
+
+    axis: str
+    mesh: Any
+    n: int
+
+    def _stacked(self, tree):
+        """Per device, ones of the tree's shapes, stacked on a leading axis."""
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        sharding = NamedSharding(self.mesh, P(self.axis))
+        make = jax.jit(lambda: jax.tree.map(
+            lambda s: jnp.ones((self.n, *s.shape), s.dtype), tree), out_shardings=sharding)
+        return jax.block_until_ready(make())
+
+    def _mapped(self, body):
+        import jax
+        from jax.sharding import PartitionSpec as P
+        return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=P(self.axis),
+                                     out_specs=P(self.axis)))
+
+    def _step(self, sync):
+        """The README's step: per device, fake gradients, then the sync."""
+        import jax
+
+        def body(stacked):
+            g = fake_grads(jax.tree.map(lambda x: x[0], stacked))
+            if sync is not None:
+                g = sync(g)
+            return jax.tree.map(lambda x: x[None], g)
+        return self._mapped(body)
+
+
+class IntraBench(_MeshBench):
     """One process, ``n`` devices, ``jit(shard_map)`` over the mesh axis ``"d"``."""
 
     mode = "intra"
+    axis = AXIS
 
     def __init__(self, sweeps: bool):
         import jax
@@ -589,28 +627,6 @@ class IntraBench:
         self.methods = jaxsync_methods(AXIS, None, mpi=False)
         self.sweeps = sweeps
         self.rank, self.barrier, self.comm = 0, None, None
-
-    def _stacked(self, tree):
-        """Device inputs: every leaf with a leading axis of size n, sharded on it."""
-        import jax
-        import jax.numpy as jnp
-        from jax.sharding import NamedSharding, PartitionSpec as P
-        sharding = NamedSharding(self.mesh, P(AXIS))
-        make = jax.jit(lambda: jax.tree.map(
-            lambda s: jnp.ones((self.n, *s.shape), s.dtype), tree), out_shardings=sharding)
-        return jax.block_until_ready(make())
-
-    def _step(self, sync):
-        import jax
-        from jax.sharding import PartitionSpec as P
-
-        def body(stacked):
-            g = fake_grads(jax.tree.map(lambda x: x[0], stacked))
-            if sync is not None:
-                g = sync(g)
-            return jax.tree.map(lambda x: x[None], g)
-        return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=P(AXIS),
-                                     out_specs=P(AXIS)))
 
     def cases(self, tree, sweep: bool) -> tuple[list[Case], dict]:
         import jax
@@ -633,7 +649,7 @@ class IntraBench:
         return cases, skipped
 
 
-class MPIBench:
+class MPIBench(_MeshBench):
     """Several processes under mpirun, ``devices`` devices each.
 
     The jaxsync rows run the way the README tells users to write their step:
@@ -645,6 +661,7 @@ class MPIBench:
     """
 
     mode = "mpi"
+    axis = LOCAL
 
     def __init__(self, comm, sweeps: bool, devices: int = 1):
         import jax
@@ -664,33 +681,6 @@ class MPIBench:
         self.jit_peers = ({"mpi4jax/leaf": lambda g: mpi4jax_per_leaf(g, c),
                            "ravel+mpi4jax": lambda g: ravel_mpi4jax(g, c)}
                           if devices == 1 else {})
-
-    def _stacked(self, tree):
-        """Per local device, ones of the tree's shapes, stacked on a leading axis."""
-        import jax
-        import jax.numpy as jnp
-        from jax.sharding import NamedSharding, PartitionSpec as P
-        sharding = NamedSharding(self.mesh, P(LOCAL))
-        make = jax.jit(lambda: jax.tree.map(
-            lambda s: jnp.ones((self.n, *s.shape), s.dtype), tree), out_shardings=sharding)
-        return jax.block_until_ready(make())
-
-    def _mapped(self, body):
-        import jax
-        from jax.sharding import PartitionSpec as P
-        return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=P(LOCAL),
-                                     out_specs=P(LOCAL)))
-
-    def _step(self, sync):
-        """The README's step: per device, fake gradients, then the sync."""
-        import jax
-
-        def body(stacked):
-            g = fake_grads(jax.tree.map(lambda x: x[0], stacked))
-            if sync is not None:
-                g = sync(g)
-            return jax.tree.map(lambda x: x[None], g)
-        return self._mapped(body)
 
     def _train_step(self, tree, sync_factory):
         """A whole step: gradients of a loss, the sync, Adam, the new parameters."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import os
 import threading
 import weakref
@@ -46,7 +47,7 @@ SUPPORTED_MPI4JAX = ("0.9",)
 SUPPORTED_JAX = ("0.10",)
 
 _KINDS = ("allreduce", "allgather", "alltoall", "bcast")
-_NATIVE_KINDS = ("allreduce", "allgather", "alltoall")
+_NATIVE_KINDS = ("allreduce", "allgather", "alltoall", "agree")
 
 NATIVE_DIR = Path(__file__).resolve().parent / "_native"
 NATIVE_ENV = "JAXSYNC_NATIVE_LIB"  # a path that replaces the built library
@@ -74,6 +75,48 @@ def native_path() -> Path:
     return found[0] if found else NATIVE_DIR / "_jaxsync_mpi.<python ext suffix>.so"
 
 
+# --------------------------------------------------------------------------
+# Agreement inside the native calls.
+#
+# Each traced synchronisation registers the text it must agree on under a 63-bit id
+# (from its SHA-256). Its native calls carry (agreement communicator, id) as
+# attributes; the first call of a process with a given pair exchanges the ids
+# over that communicator (8 bytes) and remembers the verdict, so later steps pay
+# a table look-up, no host callback (which would put jit's dispatch on its slow
+# path). On a mismatch every process calls back into Python (below), which
+# exchanges the full texts and returns the message naming the first difference.
+
+_AGREEMENTS: dict = {}   # instance -> (mpi4py communicator, text, what, message builder)
+_INSTANCES = itertools.count(1)
+
+
+def register_agreement(comm, text: str, what: str, disagreement) -> tuple:
+    """Register ``text`` for the in-call agreement: ``(comm handle, id, instance)``."""
+    import hashlib
+    ident = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+    instance = next(_INSTANCES)  # one per traced synchronisation, on this process
+    _AGREEMENTS[instance] = (comm, text, what, disagreement)
+    return comm.py2f(), ident, instance
+
+
+def _on_mismatch(instance, ident, out, cap):
+    """Called by the native library on every process when the ids differ."""
+    del ident
+    try:
+        comm, text, what, disagreement = _AGREEMENTS[instance]
+        msg = disagreement(comm.allgather(text), what)
+    except Exception as e:  # noqa: BLE001 - report instead of crashing the step
+        msg = f"jaxsync: the processes disagree ({type(e).__name__}: {e})"
+    data = msg.encode()[: cap - 1]
+    ctypes.memmove(out, data, len(data))
+    ctypes.memset(out + len(data), 0, 1)
+    return len(data)
+
+
+_MISMATCH_CB = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                                ctypes.c_void_p, ctypes.c_int)(_on_mismatch)
+
+
 @functools.lru_cache(maxsize=None)
 def _native():
     """Load the native library once and register its FFI targets for CPU."""
@@ -97,6 +140,7 @@ def _native():
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)),
                                     platform="cpu")
     lib.jaxsync_mpi_header_version.restype = ctypes.c_char_p
+    lib.jaxsync_set_mismatch_callback(_MISMATCH_CB)
     lib.jaxsync_calls_started.restype = ctypes.c_int64
     lib.jaxsync_calls_finished.restype = ctypes.c_int64
     return lib
@@ -310,7 +354,8 @@ def _drop_varying(aval, axes):
         varying=mat.varying - set(axes), unreduced=mat.unreduced, reduced=mat.reduced))
 
 
-def _native_abstract_eval(token, comm, active, *xs, kind, size, invariant):
+def _native_abstract_eval(token, comm, active, *xs, kind, size, invariant, agree):
+    del agree
     del token, comm, active
     outs = []
     for x in xs:
@@ -328,20 +373,24 @@ native_p.def_abstract_eval(_native_abstract_eval)
 native_p.def_impl(functools.partial(_dispatch.apply_primitive, native_p))
 
 
-def _native_lowering(ctx, token, comm, active, *xs, kind, size, invariant):
+def _native_lowering(ctx, token, comm, active, *xs, kind, size, invariant, agree):
     del size, invariant
     if kind == "allreduce":  # in place: result i is operand 3 + i
         aliases = {3 + i: 1 + i for i in range(len(xs))}
     else:
         aliases = None
     rule = jax.ffi.ffi_lowering(f"jaxsync_{kind}", operand_output_aliases=aliases)
-    return rule(ctx, token, comm, active, *xs)
+    if kind != "agree":
+        return rule(ctx, token, comm, active, *xs)
+    return rule(ctx, token, comm, active, *xs, agree_comm=np.int64(agree[0]),
+                agree_id=np.int64(agree[1]), agree_instance=np.int64(agree[2]),
+                agree_devices=np.int64(agree[3]))
 
 
 mlir.register_lowering(native_p, _native_lowering, platform="cpu")
 
 
-def _native_batching(args, dims, *, kind, size, invariant):
+def _native_batching(args, dims, *, kind, size, invariant, agree):
     # Under vmap every mapped replica takes part as a slice of one larger message.
     token, comm, active, *xs = args
     nm = None  # not mapped
@@ -354,7 +403,7 @@ def _native_batching(args, dims, *, kind, size, invariant):
         xs = [x if d is nm else jax.numpy.moveaxis(x, d, 1) for x, d in zip(xs, xdims)]
         xdims = [d if d is nm else 1 for d in xdims]
     outs = native_p.bind(token, comm, active, *xs, kind=kind, size=size,
-                         invariant=invariant)
+                         invariant=invariant, agree=agree)
     if kind == "allgather":
         xdims = [d if d is nm else d + 1 for d in xdims]
     return outs, (nm, *xdims)
@@ -363,7 +412,7 @@ def _native_batching(args, dims, *, kind, size, invariant):
 batching.primitive_batchers[native_p] = _native_batching
 
 
-def native_call(kind, xs, token, comm, active, size, invariant=()):
+def native_call(kind, xs, token, comm, active, size, invariant=(), agree=(0, 0, 1)):
     """Bind one native collective: returns ``(token, [results])``.
 
     Args:
@@ -379,11 +428,15 @@ def native_call(kind, xs, token, comm, active, size, invariant=()):
       invariant: shard_map axes of size 1 over which the results are typed
         invariant (allreduce, allgather): the sum over one member is that
         member's value, so no collective over them is needed for the type.
+      agree: for ``kind="agree"``, ``(communicator handle, digest id, instance,
+        devices of this process that run the check)`` (see
+        :func:`register_agreement`).
     """
     assert kind in _NATIVE_KINDS, kind
     require_native()
     token, *ys = native_p.bind(token, comm, active, *xs, kind=kind, size=int(size),
-                               invariant=tuple(invariant))
+                               invariant=tuple(invariant),
+                               agree=tuple(int(a) for a in agree))
     return token, ys
 
 

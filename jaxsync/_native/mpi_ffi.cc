@@ -26,6 +26,8 @@
 #include <climits>
 #include <cstdint>
 #include <atomic>
+#include <map>
+#include <mutex>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -198,6 +200,78 @@ struct Counted {
   ~Counted() { g_finished.fetch_add(1, std::memory_order_release); }
 };
 
+// Agreement: the processes compare what they are about to do before their
+// first message. A synchronisation's calls carry (agreement communicator,
+// 63-bit id of its plan); the first call of this process with a pair
+// exchanges the ids (one MPI_Allgather of 8 bytes, on a communicator used for
+// nothing else) and remembers the verdict, so later calls pay a look-up. On a
+// mismatch every process calls back into Python for the full message (it
+// exchanges the texts and names the first differing leaf).
+using MismatchFn = int (*)(int64_t instance, int64_t id, char* out, int cap);
+MismatchFn g_mismatch = nullptr;
+std::mutex g_agree_mu;
+std::map<std::pair<int64_t, int64_t>, std::string> g_verdicts;  // agreed
+
+struct Pending {
+  std::string verdict;
+  int64_t left;  // local devices of this run still to report it
+};
+std::map<std::pair<int64_t, int64_t>, Pending> g_pending;
+
+// Only agreement is remembered: every process remembers it alike. A process
+// whose plan failed before exchanges again on its next run (the others may
+// run a new plan and wait for it); within one run, the local devices after
+// the first take the verdict it got (`devices` of them run the check).
+ffi::Error Agree(int64_t agree_comm, int64_t id, int64_t instance, int64_t devices) {
+  if (agree_comm == 0) return ffi::Error::Success();
+  std::lock_guard<std::mutex> lock(g_agree_mu);
+  // Remembered per traced synchronisation (instance), not per plan: a process
+  // that compiles a step again exchanges again, as the others do.
+  auto key = std::make_pair(agree_comm, instance);
+  if (g_verdicts.count(key)) return ffi::Error::Success();
+  auto pending = g_pending.find(key);
+  if (pending != g_pending.end()) {
+    std::string verdict = pending->second.verdict;
+    if (--pending->second.left <= 0) g_pending.erase(pending);
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, verdict);
+  }
+  MPI_Comm c = MPI_Comm_f2c(static_cast<MPI_Fint>(agree_comm));
+  int size = 0;
+  int rc = MPI_Comm_size(c, &size);
+  if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Comm_size (agreement)");
+  std::vector<int64_t> ids(static_cast<size_t>(size));
+  rc = MPI_Allgather(&id, 1, MPI_INT64_T, ids.data(), 1, MPI_INT64_T, c);
+  if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Allgather (agreement)");
+  bool same = true;
+  for (int64_t other : ids) same = same && other == id;
+  if (same) {
+    g_verdicts.emplace(key, "");
+    return ffi::Error::Success();
+  }
+  std::string verdict =
+      "jaxsync: the processes would issue different collectives (their "
+      "synchronised trees or options differ)";
+  if (g_mismatch != nullptr) {
+    std::vector<char> buf(16384, 0);
+    if (g_mismatch(instance, id, buf.data(), static_cast<int>(buf.size())) > 0) {
+      verdict = buf.data();
+    }
+  }
+  if (devices > 1) g_pending[key] = Pending{verdict, devices - 1};
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, verdict);
+}
+
+// The agreement alone, first thing in a synchronisation: it returns one zero
+// byte, and everything the synchronisation does is tied to it.
+ffi::Error AgreeImpl(ffi::Token, CommArg, ActiveArg, ffi::AnyBuffer,
+                     ffi::Result<ffi::Token>, ffi::Result<ffi::AnyBuffer> out,
+                     int64_t agree_comm, int64_t agree_id, int64_t agree_instance,
+                     int64_t agree_devices) {
+  Counted counted;
+  std::memset(out->untyped_data(), 0, out->size_bytes());
+  return Agree(agree_comm, agree_id, agree_instance, agree_devices);
+}
+
 ffi::Error AllreduceImpl(ffi::Token, CommArg comm,
                          ActiveArg active, ffi::RemainingArgs args,
                          ffi::Result<ffi::Token>, ffi::RemainingRets rets) {
@@ -318,6 +392,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_allreduce, AllreduceImpl,
                                   .Ret<ffi::Token>()
                                   .RemainingRets());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_agree, AgreeImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Arg<CommArg>()
+                                  .Arg<ActiveArg>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Token>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("agree_comm")
+                                  .Attr<int64_t>("agree_id")
+                                  .Attr<int64_t>("agree_instance")
+                                  .Attr<int64_t>("agree_devices"));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_allgather, AllgatherImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Token>()
@@ -337,6 +424,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_alltoall, AlltoallImpl,
                                   .Ret<ffi::AnyBuffer>());
 
 // What the library was built against (header) and what it runs on (library).
+extern "C" void jaxsync_set_mismatch_callback(MismatchFn fn) { g_mismatch = fn; }
+
 extern "C" int64_t jaxsync_calls_started() { return g_started.load(); }
 extern "C" int64_t jaxsync_calls_finished() { return g_finished.load(); }
 
