@@ -252,6 +252,8 @@ def wait_until_quiet(quiet_s: float = 0.25, limit_s: float = 10.0) -> bool:
 
     start = now = time.monotonic()
     last, since = state(), start
+    if last == _QUIET[0]:  # nothing ran since the last quiet wait (several exit hooks)
+        return True
     while now - start < limit_s:
         time.sleep(0.01)
         now = time.monotonic()
@@ -259,8 +261,12 @@ def wait_until_quiet(quiet_s: float = 0.25, limit_s: float = 10.0) -> bool:
         if cur != last or cur[0] != cur[1] or cur[2] != cur[3]:
             last, since = cur, now
         elif now - since >= quiet_s:
+            _QUIET[0] = cur
             return True
     return False
+
+
+_QUIET: list = [None]  # jaxsync's activity counters at the last quiet wait
 
 
 # --------------------------------------------------------------------------
