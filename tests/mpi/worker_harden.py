@@ -73,7 +73,7 @@ def main():
             Box,
             lambda b: (((jax.tree_util.GetAttrKey("w"), b.w),), (b.fn, b.tag)),
             lambda aux, kids: Box(kids[0], *aux))
-        _ = [object() for _ in range(1000 * (rank + 1))]  # addresses differ
+        junk = [object() for _ in range(1000 * (rank + 1))]  # addresses differ
         fn = lambda v: v  # noqa: E731 - a distinct address on each process
         tag = object()
         del junk
