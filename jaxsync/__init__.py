@@ -10,6 +10,8 @@ own XLA FFI targets on CPU, mpi4jax's on GPU) or a mesh axis, and unpack. Each s
 
 from ._backends import AxisComm
 from ._broadcast import broadcast_params
+from ._compress import (PowerSGDState, SignState, powersgd_mean, sign_mean,
+                        state_specs)
 from ._host import tune_host_allocator
 from ._plan import Bucket, LeafSpec, Plan, make_plan
 from ._topology import Topology, free_communicators, topology
@@ -23,6 +25,8 @@ __all__ = [
     "Bucket",
     "LeafSpec",
     "Plan",
+    "PowerSGDState",
+    "SignState",
     "SyncState",
     "Topology",
     "broadcast_params",
@@ -31,7 +35,10 @@ __all__ = [
     "hierarchical_mean",
     "make_plan",
     "naive_mean",
+    "powersgd_mean",
+    "sign_mean",
     "single_node_mean",
+    "state_specs",
     "sync_gradients",
     "topology",
     "tune_host_allocator",
