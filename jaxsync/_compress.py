@@ -191,16 +191,31 @@ def _select_phase(pred, early, late, operand, cfg):
     threaded = isinstance(cfg.backend, _backends.MPIBackend) and cfg.backend.native
     if not threaded:
         return lax.cond(pred, early, late, operand)
+    # A token cannot cross lax.cond under shard_map, so the chain crosses it as
+    # data: a native call with active=0 (it returns at once, no MPI) turns the
+    # chain's token into a one-element buffer that depends on it, and back.
+    world = jnp.int32(cfg.backend.comms.world.py2f())
+    size = cfg.backend.comms.size
+
+    def tie(token, value):
+        token, (value,) = _mpi.native_call("allreduce", [value], token, world,
+                                           jnp.int32(0), size)
+        return token, value
+
+    _, dep = tie(_mpi.chain_token(), jnp.zeros((1,), jnp.float32))
 
     def wrap(f):
         def branch(args):
-            token, x = args
+            dep, x = args
+            token, dep = tie(lax.create_token(), dep)
             _mpi.set_chain_token(token)
             y = f(x)
-            return _mpi.chain_token(), y
+            _, dep = tie(_mpi.chain_token(), dep)
+            return dep, y
         return branch
 
-    token, out = lax.cond(pred, wrap(early), wrap(late), (_mpi.chain_token(), operand))
+    dep, out = lax.cond(pred, wrap(early), wrap(late), (dep, operand))
+    token, _ = tie(_mpi.chain_token(), dep)
     _mpi.set_chain_token(token)
     return out
 
