@@ -341,3 +341,56 @@ def test_convergence_on_digits_within_one_point():
     assert base > 0.95, exact
     for name, curve in (("powersgd rank 4", psgd), ("sign", sign)):
         assert abs(curve[-1][2] - base) <= 0.01, (name, curve[-1], exact[-1])
+
+
+# --------------------------------------------------------------------------
+# Per-leaf policy with optax.partition (the README's example)
+
+def test_partition_policy_and_state_specs():
+    def label(params):
+        def one(path, x):
+            name = jax.tree_util.keystr(path)
+            if "embed" in name:
+                return "sign"
+            return "powersgd" if x.ndim >= 2 else "exact"
+        return jax.tree_util.tree_map_with_path(one, params)
+
+    sync = optax.partition(
+        {"powersgd": jaxsync.powersgd_mean(axis_name="i", comm=None, rank=2),
+         "sign": jaxsync.sign_mean(axis_name="i", comm=None),
+         "exact": jaxsync.hierarchical_mean(axis_name="i", comm=None)}, label)
+    rng = np.random.default_rng(7)
+    g = {"embed": rng.standard_normal((R, 100, 8)), "dense": rng.standard_normal((R, 32, 16)),
+         "norm": rng.standard_normal((R, 16))}
+    g = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), g)
+    init, update = vmapped(sync)
+    state = init(g)
+    out, state = update(g, state)
+    ref = jaxsync.hierarchical_mean(axis_name="i", comm=None)
+    want = jax.vmap(lambda t: ref.update(t, ref.init(t))[0], axis_name="i")(g)
+    assert (bits(out["norm"]) == bits(want["norm"])).all()          # exact
+    for name in ("embed", "dense"):                                    # compressed
+        assert not np.allclose(np.asarray(out[name]), np.asarray(want[name]), atol=1e-3)
+        assert (bits(out[name]) == bits(out[name][:1])).all()
+    specs = jaxsync.state_specs(jax.eval_shape(sync.init, jax.tree.map(lambda a: a[0], g)),
+                                "local")
+    flat = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    assert flat.count(P("local")) == 2 and all(s in (P(), P("local")) for s in flat)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: jaxsync.powersgd_mean(axis_name="i", comm=None, rank=2),
+    lambda: jaxsync.sign_mean(axis_name="i", comm=None, min_size=1)],
+    ids=["powersgd", "sign"])
+def test_bfloat16_leaves_keep_their_dtype_with_float32_residuals(make):
+    tx = make()
+    init, update = vmapped(tx)
+    rng = np.random.default_rng(8)
+    g = {"w": jnp.asarray(rng.standard_normal((R, 32, 16)), jnp.bfloat16)}
+    state = init(g)
+    out, state = update(g, state)
+    assert out["w"].dtype == jnp.bfloat16 and state.residual[0].dtype == jnp.float32
+    assert (bits(out["w"]) == bits(out["w"][:1])).all()
+    # the update points along the mean gradient
+    mean = np.asarray(g["w"], np.float64).mean(0)
+    assert np.sum(np.asarray(out["w"][0], np.float64) * mean) > 0
