@@ -1,0 +1,38 @@
+"""``python -m jaxsync bench --suite compress --quick`` under ``mpirun -n 2``: it
+runs the README's step with every compressor over MPI, times the bare mpi4py
+collectives of the same payloads, and writes compress-mpi.json. Figures are not
+checked (speed is never asserted)."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+
+from mpi_harness import MPIRUN, ROOT, requires_mpi
+
+pytestmark = requires_mpi
+
+
+def test_compress_suite_under_mpirun(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(ROOT)
+    cmd = [str(MPIRUN), "-n", "2", sys.executable, "-m", "jaxsync", "bench", "--suite",
+           "compress", "--quick", "--out", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=ROOT, env=env, start_new_session=True)
+    try:
+        text, _ = proc.communicate(timeout=400)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        text, _ = proc.communicate()
+        raise AssertionError("compress bench under mpirun timed out:\n" + text[-3000:])
+    assert proc.returncode == 0, text[-3000:]
+    result = json.loads((tmp_path / "compress-mpi.json").read_text())
+    assert result["meta"]["processes"] == 2
+    rows = {r["sync"]: r for r in result["rows"]}
+    assert set(rows) == {"hierarchical", "powersgd r4", "powersgd r1", "sign"}
+    for r in rows.values():
+        assert math.isfinite(r["marginal_ms"]) and math.isfinite(r["bare_ms"]), r
+        assert r["bare_ms"] > 0, r
