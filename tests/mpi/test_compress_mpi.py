@@ -72,3 +72,8 @@ def test_residuals_are_per_replica(compress_run):
 
 def test_sign_bits_travel_as_uint8_through_the_native_allgather(compress_run):
     assert _get(compress_run, 0, "sign:native_allgather_u8") is True
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_default_step_has_no_host_callback(compress_run, name):
+    assert _get(compress_run, 0, f"{name}:callbacks") == 0

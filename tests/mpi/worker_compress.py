@@ -14,7 +14,8 @@ rank), read back into fresh arrays, and continued: the final parameters and
 state must equal the uninterrupted run's bit for bit.
 
 Also records whether the lowered step calls jaxsync's native all-gather on
-uint8 data (the packed sign bits).
+uint8 data (the packed sign bits), and how many host callbacks it has (none:
+they would put jit's dispatch on its slow path).
 """
 
 import os
@@ -77,6 +78,7 @@ def main():
                                       in_specs=(P(), specs, P("d"), P("d")),
                                       out_specs=(P(), specs, P("d"), P())))
             text = f.lower(params0, init_state(params0), x, y).as_text()
+            res.add(f"{name}:callbacks", text.count("callback"))
             res.add(f"{name}:native_allgather_u8",
                     "jaxsync_allgather" in text and "xui8>" in text.split(
                         "jaxsync_allgather", 1)[-1].split("\n", 1)[0])
