@@ -178,12 +178,17 @@ def _sync(tree: PyTree, cfg: SyncConfig):
     _check_unsynced_devices(cfg)
     intra = _backends.AxisOps(cfg.axes)
     alone = intra.size == 1 and getattr(cfg.backend, "native", False)
-    # One device per process and jaxsync's native allreduce: hierarchical and
-    # two_dimensional hand it the leaves as they are, and it sums the small ones
-    # together itself (a memcpy into one MPI message): nothing is packed or
-    # unpacked in XLA. flat still packs (that is what it is for).
+    # One device per process and jaxsync's native allreduce: hierarchical,
+    # two_dimensional and flat hand it the leaves as they are, and it sums the
+    # small ones together itself (a memcpy into one MPI message): nothing is
+    # packed or unpacked in XLA.
     per_leaf = cfg.strategy == "naive" or (
-        alone and cfg.strategy in ("hierarchical", "two_dimensional"))
+        alone and cfg.strategy in ("hierarchical", "two_dimensional", "flat"))
+    # flat's packing is then the native target's: every leaf of one dtype into
+    # messages of up to bucket_bytes, through a scratch buffer it reuses.
+    group = None
+    if alone and cfg.strategy == "flat":
+        group = cfg.bucket_bytes if cfg.bucket_bytes is not None else 2**62
     plan = make_plan(tree, bucket_bytes=cfg.bucket_bytes,
                      pack_threshold=cfg.pack_threshold, per_leaf=per_leaf)
     agreed = (f"{plan.describe()}\n{cfg.describe()}\nreplicas per process "
@@ -207,7 +212,7 @@ def _sync(tree: PyTree, cfg: SyncConfig):
     # Checked by every process the first time the compiled step runs, before
     # any buffer travels (never while tracing: a process may trace alone).
     bufs = cfg.backend.agree(agreed, "gradient tree", bufs)
-    bufs = _strategies.run(cfg.strategy, bufs, intra, cfg.backend)
+    bufs = _strategies.run(cfg.strategy, bufs, intra, cfg.backend, group_bytes=group)
     posts = [(n / pre) if cfg.reduce == "mean" else (1.0 / pre) for pre in pres]
 
     def finish(k, piece):
