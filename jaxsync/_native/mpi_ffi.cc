@@ -19,7 +19,9 @@
 // of at most max(group_bytes, 4 MiB), reused): one MPI call instead of one
 // each. All 32/64-bit sums of a call are started (MPI_Iallreduce) before any
 // is waited for.
-// float16/bfloat16 buffers are never summed in 16 bits (MPI has no such sum):
+// float16/bfloat16 buffers are never summed in 16 bits (MPI has no such sum).
+// Between two processes they join the other sums with a user-defined MPI
+// operation (one float32 add, one rounding per element). With more processes
 // all of them of one dtype go, in chunks, through ChainerMN's inter-node step:
 // one MPI_Alltoall of the 16-bit payload, each process sums its slice of every
 // process's data in float32 in rank order (((r0 + r1) + r2) + ...) and rounds
@@ -39,6 +41,7 @@
 #include <atomic>
 #include <map>
 #include <mutex>
+#include <utility>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -170,14 +173,17 @@ class Sums {
 
   size_t small() const { return small_; }
 
-  ffi::Error Add(MPI_Datatype dtype, size_t width, void* src, void* dst, size_t bytes) {
+  ffi::Error Add(MPI_Datatype dtype, size_t width, void* src, void* dst, size_t bytes,
+                 MPI_Op op = MPI_SUM) {
     if (bytes >= small_) {
-      return Start(src == dst ? MPI_IN_PLACE : src, dst, bytes / width, dtype);
+      return Start(src == dst ? MPI_IN_PLACE : src, dst, bytes / width, dtype, op);
     }
-    if (!open_.empty() && (dtype != dtype_ || open_bytes_ + bytes > group_cap_)) {
+    if (!open_.empty() &&
+        (dtype != dtype_ || op != op_ || open_bytes_ + bytes > group_cap_)) {
       if (auto e = Close(); e.failure()) return e;
     }
     dtype_ = dtype;
+    op_ = op;
     width_ = width;
     open_.push_back({src, dst, bytes});
     open_bytes_ += bytes;
@@ -200,11 +206,12 @@ class Sums {
     std::vector<Part> parts;
   };
 
-  ffi::Error Start(const void* src, void* dst, size_t count, MPI_Datatype dtype) {
+  ffi::Error Start(const void* src, void* dst, size_t count, MPI_Datatype dtype,
+                   MPI_Op op) {
     int n = 0;
     if (auto e = CountOf(count, "MPI_Allreduce", &n); e.failure()) return e;
     MPI_Request req;
-    int rc = MPI_Iallreduce(src, dst, n, dtype, MPI_SUM, c_, &req);
+    int rc = MPI_Iallreduce(src, dst, n, dtype, op, c_, &req);
     if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Iallreduce");
     reqs_.push_back(req);
     return ffi::Error::Success();
@@ -218,7 +225,8 @@ class Sums {
     open_bytes_ = 0;
     if (parts.size() == 1) {  // alone: summed where it is
       const Part& p = parts[0];
-      return Start(p.src == p.dst ? MPI_IN_PLACE : p.src, p.dst, p.bytes / width_, dtype_);
+      return Start(p.src == p.dst ? MPI_IN_PLACE : p.src, p.dst, p.bytes / width_, dtype_,
+                   op_);
     }
     if (used_ + bytes > arena_size_) {  // reuse the arena: finish what is in flight
       if (auto e = Drain(); e.failure()) return e;
@@ -231,7 +239,7 @@ class Sums {
       off += p.bytes;
     }
     sent_.push_back({at, std::move(parts)});
-    return Start(MPI_IN_PLACE, at, bytes / width_, dtype_);
+    return Start(MPI_IN_PLACE, at, bytes / width_, dtype_, op_);
   }
 
   ffi::Error Drain() {
@@ -270,6 +278,7 @@ class Sums {
   std::vector<Part> open_;
   size_t open_bytes_ = 0;
   MPI_Datatype dtype_ = MPI_DATATYPE_NULL;
+  MPI_Op op_ = MPI_SUM;
   size_t width_ = 1;
 };
 
@@ -464,6 +473,32 @@ class Low16 {
   size_t total_ = 0;
 };
 
+// Two processes: a 16-bit sum with one float32 add and one rounding per
+// element is what MPI computes with this commutative user operation, whatever
+// its algorithm (each element is combined once: round(a + b) == round(b + a)),
+// so the 16-bit buffers join the other sums (in place, no all-to-all, no
+// copies). With more processes MPI would round after every partial sum, so
+// they take Low16's all-to-all instead.
+template <float (*Up)(uint16_t), uint16_t (*Down)(float)>
+void Sum16(void* in, void* inout, int* len, MPI_Datatype*) {
+  const uint16_t* a = static_cast<const uint16_t*>(in);
+  uint16_t* b = static_cast<uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = Down(Up(a[i]) + Up(b[i]));
+}
+
+ffi::Error Sum16Op(bool bf16, MPI_Op* out) {
+  static std::once_flag once;
+  static MPI_Op ops[2] = {MPI_OP_NULL, MPI_OP_NULL};
+  static int rc = MPI_SUCCESS;
+  std::call_once(once, [] {
+    rc = MPI_Op_create(&Sum16<Bf16ToF32, F32ToBf16>, 1, &ops[0]);
+    if (rc == MPI_SUCCESS) rc = MPI_Op_create(&Sum16<F16ToF32, F32ToF16>, 1, &ops[1]);
+  });
+  if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Op_create");
+  *out = ops[bf16 ? 0 : 1];
+  return ffi::Error::Success();
+}
+
 // Calls begun and finished, for the drain at exit: Python waits until no call
 // is running and none has started or finished for a while, so no step is still
 // running (and calling back into Python) while the interpreter shuts down.
@@ -573,11 +608,17 @@ ffi::Error AllreduceImpl(ffi::Token, CommArg comm,
   // arena, one MPI call in place, copied back (memcpy of a few KiB costs far
   // less than an MPI call each, or than packing them in XLA).
   const size_t small = group_bytes > 0 ? static_cast<size_t>(group_bytes) : kSmallBytes;
+  int procs = 0;
+  if (int rc = MPI_Comm_size(c, &procs); rc != MPI_SUCCESS) {
+    return MpiError(rc, "MPI_Comm_size");
+  }
   size_t grouped = 0;
   for (size_t i = 0; i < args.size(); ++i) {
     auto in = args.get<ffi::AnyBuffer>(i);
     if (!in.has_value()) return in.error();
-    if (!IsLow(in->element_type()) && in->size_bytes() < small) grouped += in->size_bytes();
+    if ((procs == 2 || !IsLow(in->element_type())) && in->size_bytes() < small) {
+      grouped += in->size_bytes();
+    }
   }
   Sums sums(c, small, grouped);
   Low16 bf16, f16;
@@ -590,6 +631,13 @@ ffi::Error AllreduceImpl(ffi::Token, CommArg comm,
     size_t bytes = in->size_bytes();
     void* src = in->untyped_data();
     void* dst = (*out)->untyped_data();
+    if (IsLow(t) && procs == 2) {
+      if (bytes == 0) continue;
+      MPI_Op op;
+      if (auto e = Sum16Op(t == ffi::DataType::BF16, &op); e.failure()) return e;
+      if (auto e = sums.Add(MPI_UINT16_T, 2, src, dst, bytes, op); e.failure()) return e;
+      continue;
+    }
     if (IsLow(t)) {
       (t == ffi::DataType::BF16 ? bf16 : f16)
           .Add(static_cast<uint16_t*>(src), static_cast<uint16_t*>(dst),
