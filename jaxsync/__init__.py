@@ -12,6 +12,8 @@ from ._backends import AxisComm
 from ._broadcast import broadcast_params
 from ._host import tune_host_allocator
 from ._plan import Bucket, LeafSpec, Plan, make_plan
+from ._sparse import (RowSparse, SparseOptions, apply_sparse_updates, densify,
+                      row_sparse_grad, sparse_adagrad, sparse_sgd)
 from ._topology import Topology, free_communicators, topology
 from ._transforms import (SyncState, flat_mean, hierarchical_mean, naive_mean,
                           single_node_mean, sync_gradients, two_dimensional_mean)
@@ -23,15 +25,22 @@ __all__ = [
     "Bucket",
     "LeafSpec",
     "Plan",
+    "RowSparse",
+    "SparseOptions",
     "SyncState",
     "Topology",
+    "apply_sparse_updates",
     "broadcast_params",
+    "densify",
     "flat_mean",
     "free_communicators",
     "hierarchical_mean",
     "make_plan",
     "naive_mean",
+    "row_sparse_grad",
     "single_node_mean",
+    "sparse_adagrad",
+    "sparse_sgd",
     "sync_gradients",
     "topology",
     "tune_host_allocator",

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from . import _backends, _strategies
+from . import _backends, _sparse, _strategies
 from ._plan import (DEFAULT_BUCKET_BYTES, DEFAULT_PACK_THRESHOLD, REDUCED_DTYPES,
                     _check_bytes, make_plan)
 
@@ -108,6 +108,7 @@ class SyncConfig:
     comm_dtype: str | None = None
     predivide: float | None = None
     check_finite: Any = False
+    sparse: Any = None  # _sparse.SparseOptions: how RowSparse leaves travel
 
     def describe(self) -> str:
         return (f"strategy {self.strategy} reduce {self.reduce} comm_dtype "
@@ -120,7 +121,7 @@ class SyncConfig:
 def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
                 bucket_bytes=AUTO, pack_threshold=AUTO,
                 comm_dtype=None, predivide=None, check_finite=False,
-                staging="device", timeout=None) -> SyncConfig:
+                staging="device", timeout=None, sparse=None) -> SyncConfig:
     """Validate every static option; raise TypeError/ValueError naming it."""
     if strategy not in _strategies.STRATEGIES:
         raise ValueError(f"{fn}: strategy must be one of {_strategies.STRATEGIES}, "
@@ -157,6 +158,7 @@ def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
         if not timeout > 0:
             raise ValueError(f"{fn}: timeout must be > 0 seconds, got {timeout}. "
                              "Fix: timeout=60.0, or None (off).")
+    sparse = _sparse.check_options(fn, sparse)
     if strategy == "single_node":
         # No inter-process stage: a communicator would be silently ignored.
         _check_comm_type(fn, comm)
@@ -169,11 +171,14 @@ def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
     else:
         backend = _make_backend(fn, comm, staging, timeout)
     return SyncConfig(strategy, axes, backend, reduce, bucket_bytes, pack_threshold,
-                      dt, None if predivide is None else float(predivide), check_finite)
+                      dt, None if predivide is None else float(predivide), check_finite,
+                      sparse=sparse)
 
 
 def _sync(tree: PyTree, cfg: SyncConfig):
     """Reduce ``tree`` per ``cfg``; returns (tree, all_finite or None)."""
+    if _sparse.has_row_sparse(tree):  # RowSparse leaves are all-gathered
+        return _sparse.sync_mixed(tree, cfg, _sync)
     _backends.check_axes(cfg.axes)
     _check_unsynced_devices(cfg)
     intra = _backends.AxisOps(cfg.axes)
@@ -408,6 +413,9 @@ _OPTIONS_DOC = """
       timeout: seconds (MPI only; default ``None``, off): when this process has
         waited longer than this in one inter-process stage, a watchdog prints
         which ranks have not arrived. The synchronisation keeps waiting.
+      sparse: a :class:`jaxsync.SparseOptions` (default ``None``: automatic):
+        how :class:`jaxsync.RowSparse` leaves are synchronised (all-gathered
+        indices and values, or scattered and reduced dense).
 """
 
 
