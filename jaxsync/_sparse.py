@@ -346,8 +346,19 @@ def _sync_sparse(gs: list, cfg, intra, replicas: int, opts: SparseOptions):
     for dt, js in groups.items():
         bufs.append(_concat([_prescale(gs[j].values, replicas if scale else 1)
                              .reshape(-1) for j in js]))
-    got = [intra.allgather(b) for b in bufs]                      # (L, m)
-    got = cfg.backend.run(_gather_program, got, intra, leader_only=True)  # (P, L, m)
+    # (L*m,): the inter stage takes 1-D buffers (host staging ties them by
+    # their first element); a reshape of a contiguous array is free.
+    got = [intra.allgather(b).reshape(-1) for b in bufs]
+    if isinstance(cfg.backend, _backends.MPIBackend) and not cfg.backend.native:
+        # Host staging and mpi4jax choose the leader with lax.cond, whose branches
+        # must keep shapes: the input is padded to the gathered size.
+        procs, sizes = cfg.backend.size(), [b.shape[0] for b in got]
+        got = [jnp.pad(b, (0, (procs - 1) * b.shape[0])) for b in got]
+        got = cfg.backend.run(
+            lambda ops, bs: [ops.allgather(b[:m]).reshape(-1) for b, m in zip(bs, sizes)],
+            got, intra, leader_only=True)
+    else:
+        got = cfg.backend.run(_gather_program, got, intra, leader_only=True)  # (P, L*m)
     got = [x.reshape(replicas, -1) for x in got]                  # (R, m) rank-major
     out: list = [None] * len(gs)
     idx_all, off = got[0], 0
