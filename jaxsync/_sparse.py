@@ -316,7 +316,15 @@ def sync_mixed(tree, cfg, dense_sync: Callable):
         leaves[i] = RowSparse.tree_unflatten(leaves[i].num_rows, flat[2 * j: 2 * j + 2])
     dense_leaves = list(leaves)
     for i in sparse_at:
-        dense_leaves[i] = leaves[i].todense() if modes[i] == "dense" else _Hole()
+        dense_leaves[i] = _Hole()
+        if modes[i] == "dense":
+            dense_leaves[i] = leaves[i].todense()
+            if cfg.check_finite and jnp.issubdtype(leaves[i].dtype, jnp.floating):
+                # An index out of range on any replica makes one element NaN, so
+                # the reduced leaf (the same on every replica) fails the check.
+                bad = jnp.where(jnp.all(leaves[i].valid()), 0.0, jnp.nan)
+                d = dense_leaves[i]
+                dense_leaves[i] = d.at[(0,) * d.ndim].add(bad.astype(d.dtype))
     dense_out, finite = dense_sync(treedef.unflatten(dense_leaves), cfg)
     out = treedef.flatten_up_to(dense_out)
     sparse = [i for i in sparse_at if modes[i] == "sparse"]

@@ -234,6 +234,15 @@ def test_out_of_range_dropped_and_flagged():
     ok_tree = {"e": _sparse.RowSparse.tree_unflatten(V, (idx % V, vals))}
     _, state = jax.vmap(lambda t: tx.update(t, tx.init(t)), axis_name="i")(ok_tree)
     assert bool(state.all_finite.all())
+    # Synced dense (mode="dense"): the flag is raised too, on every replica.
+    txd = jaxsync.hierarchical_mean(axis_name="i", comm=None, check_finite=True,
+                                    sparse=jaxsync.SparseOptions(mode="dense"))
+    one_bad = idx.at[1:].set(idx[1:] % V)      # only replica 0 has bad indices
+    _, state = jax.vmap(lambda t: txd.update(t, txd.init(t)), axis_name="i")(
+        {"e": _sparse.RowSparse.tree_unflatten(V, (one_bad, vals))})
+    assert not bool(state.all_finite.any())
+    _, state = jax.vmap(lambda t: txd.update(t, txd.init(t)), axis_name="i")(ok_tree)
+    assert bool(state.all_finite.all())
     # coalesce turns invalid indices into padding (index V, zero values).
     c = jaxsync.RowSparse(jnp.array([3, -2, 3, V + 5]), jnp.ones((4, 1)), V).coalesce()
     bitwise(c.indices, np.array([3, V, V, V], np.int32), "coalesced indices")
