@@ -379,3 +379,23 @@ def test_validation_errors():
     with pytest.raises(KeyError, match="no leaf 'nope'"):
         jaxsync.row_sparse_grad(lambda p, b: 0.0, {"e": jnp.zeros((2, 1))},
                                 {"ids": jnp.zeros(1, jnp.int32)}, tables={"nope": "ids"})
+
+
+def test_check_finite_raise_names_sparse_leaf():
+    tx = jaxsync.hierarchical_mean(axis_name="i", comm=None, check_finite="raise")
+    f = jax.jit(jax.vmap(lambda t: tx.update(t, tx.init(t))[0], axis_name="i"))
+    idx = jnp.tile(jnp.array([0, 1, 2], jnp.int32), (R, 1))
+    good = {"e": _sparse.RowSparse.tree_unflatten(V, (idx, jnp.ones((R, 3, D)))),
+            "w": jnp.ones((R, 2))}
+    jax.block_until_ready(f(good))  # no error
+    bad = {"e": _sparse.RowSparse.tree_unflatten(V, (idx.at[5, 1].set(V + 3),
+                                                     jnp.ones((R, 3, D)))),
+           "w": jnp.ones((R, 2))}
+    try:
+        with pytest.raises((FloatingPointError, jax.errors.JaxRuntimeError)) as info:
+            jax.block_until_ready(f(bad))
+    finally:
+        jax.block_until_ready(f(good))
+        jax.effects_barrier()
+    assert "indices outside [0, num_rows)" in str(info.value)
+    assert "row-sparse leaves e" in str(info.value)
