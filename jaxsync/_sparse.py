@@ -679,8 +679,9 @@ def sparse_adagrad(learning_rate, initial_accumulator_value: float = 0.1,
     The accumulator of a ``RowSparse`` leaf is dense like its table, but each
     step sums duplicate indices first, then updates only those rows of the
     accumulator and returns a ``RowSparse`` update (apply it with
-    :func:`jaxsync.apply_sparse_updates`). Dense leaves follow
-    ``optax.adagrad``'s rule.
+    :func:`jaxsync.apply_sparse_updates`). Every leaf, dense or sparse, is
+    updated by Caffe2's rule ``-learning_rate * g / (sqrt(acc) + eps)``
+    (``optax.adagrad`` puts ``eps`` inside the root instead).
 
     Args:
       learning_rate: a float > 0 or an optax schedule.

@@ -334,6 +334,11 @@ def test_row_sparse_grad_plain_and_array_ids():
     v, g = jaxsync.row_sparse_grad(loss_fn, params, batch, tables={"emb": "ids"},
                                    return_value=True)
     np.testing.assert_allclose(v, loss_fn(params, batch), rtol=1e-6)
+    # has_aux: the aux comes back beside the gradient (the ids seen are positions
+    # in the compact table, 0..5).
+    g, aux = jaxsync.row_sparse_grad(lambda p, b: (loss_fn(p, b), b["ids"].max()),
+                                     params, batch, tables={"emb": "ids"}, has_aux=True)
+    assert int(aux) <= 5 and isinstance(g["emb"], jaxsync.RowSparse)
 
 
 def test_row_sparse_grad_flax():
