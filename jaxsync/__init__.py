@@ -14,6 +14,8 @@ from ._compress import (PowerSGDState, SignState, powersgd_mean, sign_mean,
                         state_specs)
 from ._host import tune_host_allocator
 from ._plan import Bucket, LeafSpec, Plan, make_plan
+from ._sparse import (RowSparse, SparseOptions, apply_sparse_updates, densify,
+                      row_sparse_grad, sparse_adagrad, sparse_sgd)
 from ._topology import Topology, free_communicators, topology
 from ._transforms import (SyncState, flat_mean, hierarchical_mean, naive_mean,
                           single_node_mean, sync_gradients, two_dimensional_mean)
@@ -26,18 +28,25 @@ __all__ = [
     "LeafSpec",
     "Plan",
     "PowerSGDState",
+    "RowSparse",
     "SignState",
+    "SparseOptions",
     "SyncState",
     "Topology",
+    "apply_sparse_updates",
     "broadcast_params",
+    "densify",
     "flat_mean",
     "free_communicators",
     "hierarchical_mean",
     "make_plan",
     "naive_mean",
     "powersgd_mean",
+    "row_sparse_grad",
     "sign_mean",
     "single_node_mean",
+    "sparse_adagrad",
+    "sparse_sgd",
     "state_specs",
     "sync_gradients",
     "topology",

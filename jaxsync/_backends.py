@@ -129,8 +129,8 @@ class LocalBackend:
     def size(self) -> int:
         return 1
 
-    def run(self, program, bufs, intra: AxisOps, leader_only: bool):
-        del intra, leader_only
+    def run(self, program, bufs, intra: AxisOps, leader_only: bool, group_bytes=None):
+        del intra, leader_only, group_bytes
         return program(AxisOps(()), bufs)
 
     def agree(self, text: str, what: str, bufs: list) -> list:
@@ -187,7 +187,7 @@ class AxisBackend:
         check_axes((self.axis,), "comm axis")
         return lax.axis_size(self.axis)
 
-    def run(self, program, bufs, intra: AxisOps, leader_only: bool):
+    def run(self, program, bufs, intra: AxisOps, leader_only: bool, group_bytes=None):
         del intra, leader_only  # XLA runs the collective on every device
         return program(AxisOps((self.axis,), wire16=True), bufs)
 
@@ -207,15 +207,21 @@ class _NativeOps:
     calls return at once, buffers untouched).
     """
 
-    def __init__(self, comm, active, size, invariant=()):
+    # The allreduce sums float16/bfloat16 buffers itself: all-to-all of the
+    # 16-bit payload, float32 sums in rank order, one rounding, all-gather.
+    sum16 = True
+
+    def __init__(self, comm, active, size, invariant=(), group=_mpi.GROUP_BYTES):
         self.comm = comm
         self.active = active
         self.size = size
         self.invariant = tuple(invariant)
+        self.group = group
 
     def _call(self, kind, xs):
         token, ys = _mpi.native_call(kind, xs, _mpi.chain_token(), self.comm,
-                                     self.active, self.size, self.invariant)
+                                     self.active, self.size, self.invariant,
+                                     group=self.group)
         _mpi.set_chain_token(token)
         return ys
 
@@ -463,7 +469,7 @@ class MPIBackend:
     def _ops(self, comm):
         return _HostOps(comm) if self.staging == "host" else _MPIOps(comm)
 
-    def run(self, program, bufs, intra: AxisOps, leader_only: bool):
+    def run(self, program, bufs, intra: AxisOps, leader_only: bool, group_bytes=None):
         """Run ``program(ops, bufs)`` with ``ops`` reducing across processes.
 
         Every inter-process call of a traced step takes the token (or host
@@ -473,24 +479,25 @@ class MPIBackend:
         if not bufs:
             return []
         if self.native:
-            return self._run_native(program, list(bufs), intra, leader_only)
+            return self._run_native(program, list(bufs), intra, leader_only, group_bytes)
         return self._run(program, list(bufs), intra, leader_only)
 
-    def _run_native(self, program, bufs, intra: AxisOps, leader_only: bool):
+    def _run_native(self, program, bufs, intra: AxisOps, leader_only: bool, group_bytes):
         comms = self.comms
+        group = _mpi.GROUP_BYTES if group_bytes is None else group_bytes
         size = comms.size
         one = jnp.int32(1)
         world = jnp.int32(comms.world.py2f())
         if not intra.axes:
             # One device per process: no leader choice, no broadcast; results
             # typed invariant over the local axes of size 1 (if any).
-            ops = _NativeOps(world, one, size, intra.unit_axes)
+            ops = _NativeOps(world, one, size, intra.unit_axes, group)
             return self._watched(program, True)(ops, bufs)
         idx = lax.axis_index(intra.axes)
         if _is_batched(idx):
             # Under vmap all replicas live in one program: one ordered chain on
             # the world communicator, every replica a row of the same message.
-            return self._watched(program, True)(_NativeOps(world, one, size), bufs)
+            return self._watched(program, True)(_NativeOps(world, one, size, group=group), bufs)
         leader = idx == 0
         if leader_only:
             # Every device makes the call; only local device 0 talks MPI, the
@@ -499,13 +506,13 @@ class MPIBackend:
             active = leader.astype(jnp.int32)
             bufs = [_varying(b, _vma(active)) for b in bufs]
             out = self._watched(program, True, leader)(
-                _NativeOps(world, active, size), bufs)
+                _NativeOps(world, active, size, group=group), bufs)
             return intra.broadcast(list(out), root=0)
         # Every device its own communicator (the world split by local index),
         # picked at run time: no lax.switch.
         handles = np.array([c.py2f() for c in comms.per_device(intra.size)], np.int32)
         comm = jnp.asarray(handles)[idx]
-        return self._watched(program, True, leader)(_NativeOps(comm, one, size), bufs)
+        return self._watched(program, True, leader)(_NativeOps(comm, one, size, group=group), bufs)
 
     def _run(self, program, bufs, intra: AxisOps, leader_only: bool):
         """Host staging, and mpi4jax's targets off CPU: leader chosen by lax.cond."""

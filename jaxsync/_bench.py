@@ -1103,7 +1103,7 @@ def _parse(argv) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """``python -m jaxsync bench [options]``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--suite"] and len(argv) > 1:  # another suite: jaxsync/_bench_<X>.py
+    if len(argv) >= 2 and argv[0] == "--suite":  # e.g. --suite sparse: _bench_sparse
         import importlib
         return importlib.import_module(f"jaxsync._bench_{argv[1]}").main(argv[2:])
     args = _parse(argv)

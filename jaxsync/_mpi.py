@@ -360,8 +360,8 @@ def _drop_varying(aval, axes):
         varying=mat.varying - set(axes), unreduced=mat.unreduced, reduced=mat.reduced))
 
 
-def _native_abstract_eval(token, comm, active, *xs, kind, size, invariant, agree):
-    del agree
+def _native_abstract_eval(token, comm, active, *xs, kind, size, invariant, agree, group):
+    del agree, group
     del token, comm, active
     outs = []
     for x in xs:
@@ -379,13 +379,15 @@ native_p.def_abstract_eval(_native_abstract_eval)
 native_p.def_impl(functools.partial(_dispatch.apply_primitive, native_p))
 
 
-def _native_lowering(ctx, token, comm, active, *xs, kind, size, invariant, agree):
+def _native_lowering(ctx, token, comm, active, *xs, kind, size, invariant, agree, group):
     del size, invariant
     if kind == "allreduce":  # in place: result i is operand 3 + i
         aliases = {3 + i: 1 + i for i in range(len(xs))}
     else:
         aliases = None
     rule = jax.ffi.ffi_lowering(f"jaxsync_{kind}", operand_output_aliases=aliases)
+    if kind == "allreduce":
+        return rule(ctx, token, comm, active, *xs, group_bytes=np.int64(group))
     if kind != "agree":
         return rule(ctx, token, comm, active, *xs)
     return rule(ctx, token, comm, active, *xs, agree_comm=np.int64(agree[0]),
@@ -396,7 +398,7 @@ def _native_lowering(ctx, token, comm, active, *xs, kind, size, invariant, agree
 mlir.register_lowering(native_p, _native_lowering, platform="cpu")
 
 
-def _native_batching(args, dims, *, kind, size, invariant, agree):
+def _native_batching(args, dims, *, kind, size, invariant, agree, group):
     # Under vmap every mapped replica takes part as a slice of one larger message.
     token, comm, active, *xs = args
     nm = None  # not mapped
@@ -409,7 +411,7 @@ def _native_batching(args, dims, *, kind, size, invariant, agree):
         xs = [x if d is nm else jax.numpy.moveaxis(x, d, 1) for x, d in zip(xs, xdims)]
         xdims = [d if d is nm else 1 for d in xdims]
     outs = native_p.bind(token, comm, active, *xs, kind=kind, size=size,
-                         invariant=invariant, agree=agree)
+                         invariant=invariant, agree=agree, group=group)
     if kind == "allgather":
         xdims = [d if d is nm else d + 1 for d in xdims]
     return outs, (nm, *xdims)
@@ -418,7 +420,12 @@ def _native_batching(args, dims, *, kind, size, invariant, agree):
 batching.primitive_batchers[native_p] = _native_batching
 
 
-def native_call(kind, xs, token, comm, active, size, invariant=(), agree=(0, 0, 1)):
+GROUP_BYTES = 64 * 2**10
+"""Default of ``native_call``'s ``group``: buffers under it are summed together."""
+
+
+def native_call(kind, xs, token, comm, active, size, invariant=(), agree=(0, 0, 1),
+                group=GROUP_BYTES):
     """Bind one native collective: returns ``(token, [results])``.
 
     Args:
@@ -437,12 +444,16 @@ def native_call(kind, xs, token, comm, active, size, invariant=(), agree=(0, 0, 
       agree: for ``kind="agree"``, ``(communicator handle, digest id, instance,
         devices of this process that run the check)`` (see
         :func:`register_agreement`).
+      group: for ``kind="allreduce"``, buffers (of one dtype, in order) under
+        this many bytes are copied into one scratch buffer of at most
+        ``max(group, 4 MiB)`` bytes and summed by one MPI call (``flat`` passes
+        its ``bucket_bytes``: one message per bucket, packed by the target).
     """
     assert kind in _NATIVE_KINDS, kind
     require_native()
     token, *ys = native_p.bind(token, comm, active, *xs, kind=kind, size=int(size),
                                invariant=tuple(invariant),
-                               agree=tuple(int(a) for a in agree))
+                               agree=tuple(int(a) for a in agree), group=int(group))
     return token, ys
 
 

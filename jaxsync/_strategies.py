@@ -17,10 +17,12 @@ single_node        sum                                     none
 
 "leader" means local device 0 talks to the other processes and the result is
 broadcast over the local axes. With jaxsync's native MPI targets (CPU) all
-32/64-bit buffers of one inter stage go to MPI in one call, and with a single
-local device there is no intra stage at all. ``flat`` packs every leaf into one buffer per dtype
-(ChainerMN's flat communicator); ``hierarchical`` sends large leaves as they are,
-without a copy, and packs only the small ones.
+buffers of one inter stage go to MPI in one call, and with a single local
+device there is no intra stage at all. ``flat`` packs every leaf into one buffer
+per dtype (ChainerMN's flat communicator; with the native target and one device
+per process the target packs them, into a reused scratch buffer, so XLA
+neither concatenates nor slices); ``hierarchical`` sends large leaves as they
+are, without a copy, and packs only the small ones.
 """
 
 from __future__ import annotations
@@ -52,11 +54,17 @@ def sum_buffers(ops, bufs: list) -> list:
     travel as they are: all 16-bit buffers of a dtype are concatenated, go through
     one all-to-all, every member sums its slice in float32 and rounds once, and
     one all-gather returns the slices (ChainerMN's inter-node step). MPI has no
-    16-bit float type; the payload travels bit-cast to uint16.
+    16-bit float type; the payload travels bit-cast to uint16. jaxsync's native
+    MPI target (``ops.sum16``) does the same step inside its one allreduce call,
+    with the same bits.
     """
     out = list(bufs)
     if not getattr(ops, "axes", True):  # no local axes: nothing to sum over
         return out
+    if getattr(ops, "sum16", False):
+        # jaxsync's native allreduce does ChainerMN's step below itself, in one
+        # call for every buffer (16-bit ones included), without XLA copies.
+        return ops.allreduce(out)
     low = [i for i, b in enumerate(bufs) if str(b.dtype) in _LOW]
     if not getattr(ops, "wire16", True):
         wide = list(range(len(bufs)))
@@ -100,8 +108,13 @@ def _pad_to(x, k):
     return jnp.pad(x, (0, m - n)), n
 
 
-def run(strategy: str, bufs: list, intra, backend) -> list:
-    """Sum ``bufs`` over every replica: intra axes x processes."""
+def run(strategy: str, bufs: list, intra, backend, group_bytes=None) -> list:
+    """Sum ``bufs`` over every replica: intra axes x processes.
+
+    ``group_bytes``: for jaxsync's native MPI target, buffers under this size
+    are packed by the target into messages of up to that size (``flat`` with
+    one device per process hands it the leaves unpacked; see ``_sync``).
+    """
     if strategy == "single_node":
         return sum_buffers(intra, bufs)
     if strategy == "naive":
@@ -114,7 +127,8 @@ def run(strategy: str, bufs: list, intra, backend) -> list:
     if strategy in ("flat", "hierarchical"):
         # Same stages; they differ in packing (flat: everything packed).
         bufs = sum_buffers(intra, bufs)
-        return backend.run(sum_buffers, bufs, intra, leader_only=True)
+        return backend.run(sum_buffers, bufs, intra, leader_only=True,
+                           group_bytes=group_bytes)
     if strategy == "two_dimensional":
         d = intra.size
         padded = [_pad_to(b, d) for b in bufs]

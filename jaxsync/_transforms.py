@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from . import _backends, _strategies
+from . import _backends, _sparse, _strategies
 from ._plan import (DEFAULT_BUCKET_BYTES, DEFAULT_PACK_THRESHOLD, REDUCED_DTYPES,
                     _check_bytes, make_plan)
 
@@ -108,6 +108,7 @@ class SyncConfig:
     comm_dtype: str | None = None
     predivide: float | None = None
     check_finite: Any = False
+    sparse: Any = None  # _sparse.SparseOptions: how RowSparse leaves travel
 
     def describe(self) -> str:
         return (f"strategy {self.strategy} reduce {self.reduce} comm_dtype "
@@ -120,7 +121,7 @@ class SyncConfig:
 def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
                 bucket_bytes=AUTO, pack_threshold=AUTO,
                 comm_dtype=None, predivide=None, check_finite=False,
-                staging="device", timeout=None) -> SyncConfig:
+                staging="device", timeout=None, sparse=None) -> SyncConfig:
     """Validate every static option; raise TypeError/ValueError naming it."""
     if strategy not in _strategies.STRATEGIES:
         raise ValueError(f"{fn}: strategy must be one of {_strategies.STRATEGIES}, "
@@ -157,6 +158,7 @@ def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
         if not timeout > 0:
             raise ValueError(f"{fn}: timeout must be > 0 seconds, got {timeout}. "
                              "Fix: timeout=60.0, or None (off).")
+    sparse = _sparse.check_options(fn, sparse)
     if strategy == "single_node":
         # No inter-process stage: a communicator would be silently ignored.
         _check_comm_type(fn, comm)
@@ -169,21 +171,29 @@ def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
     else:
         backend = _make_backend(fn, comm, staging, timeout)
     return SyncConfig(strategy, axes, backend, reduce, bucket_bytes, pack_threshold,
-                      dt, None if predivide is None else float(predivide), check_finite)
+                      dt, None if predivide is None else float(predivide), check_finite,
+                      sparse=sparse)
 
 
 def _sync(tree: PyTree, cfg: SyncConfig):
     """Reduce ``tree`` per ``cfg``; returns (tree, all_finite or None)."""
+    if _sparse.has_row_sparse(tree):  # RowSparse leaves are all-gathered
+        return _sparse.sync_mixed(tree, cfg, _sync)
     _backends.check_axes(cfg.axes)
     _check_unsynced_devices(cfg)
     intra = _backends.AxisOps(cfg.axes)
     alone = intra.size == 1 and getattr(cfg.backend, "native", False)
-    # One device per process and jaxsync's native allreduce: hierarchical and
-    # two_dimensional hand it the leaves as they are, and it sums the small ones
-    # together itself (a memcpy into one MPI message): nothing is packed or
-    # unpacked in XLA. flat still packs (that is what it is for).
+    # One device per process and jaxsync's native allreduce: hierarchical,
+    # two_dimensional and flat hand it the leaves as they are, and it sums the
+    # small ones together itself (a memcpy into one MPI message): nothing is
+    # packed or unpacked in XLA.
     per_leaf = cfg.strategy == "naive" or (
-        alone and cfg.strategy in ("hierarchical", "two_dimensional"))
+        alone and cfg.strategy in ("hierarchical", "two_dimensional", "flat"))
+    # flat's packing is then the native target's: every leaf of one dtype into
+    # messages of up to bucket_bytes, through a scratch buffer it reuses.
+    group = None
+    if alone and cfg.strategy == "flat":
+        group = cfg.bucket_bytes if cfg.bucket_bytes is not None else 2**62
     plan = make_plan(tree, bucket_bytes=cfg.bucket_bytes,
                      pack_threshold=cfg.pack_threshold, per_leaf=per_leaf)
     agreed = (f"{plan.describe()}\n{cfg.describe()}\nreplicas per process "
@@ -207,7 +217,7 @@ def _sync(tree: PyTree, cfg: SyncConfig):
     # Checked by every process the first time the compiled step runs, before
     # any buffer travels (never while tracing: a process may trace alone).
     bufs = cfg.backend.agree(agreed, "gradient tree", bufs)
-    bufs = _strategies.run(cfg.strategy, bufs, intra, cfg.backend)
+    bufs = _strategies.run(cfg.strategy, bufs, intra, cfg.backend, group_bytes=group)
     posts = [(n / pre) if cfg.reduce == "mean" else (1.0 / pre) for pre in pres]
 
     def finish(k, piece):
@@ -403,6 +413,9 @@ _OPTIONS_DOC = """
       timeout: seconds (MPI only; default ``None``, off): when this process has
         waited longer than this in one inter-process stage, a watchdog prints
         which ranks have not arrived. The synchronisation keeps waiting.
+      sparse: a :class:`jaxsync.SparseOptions` (default ``None``: automatic):
+        how :class:`jaxsync.RowSparse` leaves are synchronised (all-gathered
+        indices and values, or scattered and reduced dense).
 """
 
 

@@ -14,8 +14,19 @@
 // jaxsync_allreduce sums any number of buffers in one call. The lowering
 // aliases each result to its input, so result and input share memory and the
 // sum is done with MPI_IN_PLACE (out of place when XLA did not alias them).
-// Buffers under 64 KiB of one dtype are summed together through a per-thread
-// scratch buffer (at most 4 MiB): one MPI call instead of one each.
+// Buffers under `group_bytes` (64 KiB by default; flat passes its bucket size)
+// of one dtype are summed together through a per-thread scratch arena (groups
+// of at most max(group_bytes, 4 MiB), reused): one MPI call instead of one
+// each. All 32/64-bit sums of a call are started (MPI_Iallreduce) before any
+// is waited for.
+// float16/bfloat16 buffers are never summed in 16 bits (MPI has no such sum).
+// Between two processes they join the other sums with a user-defined MPI
+// operation (one float32 add, one rounding per element). With more processes
+// all of them of one dtype go, in chunks, through ChainerMN's inter-node step:
+// one MPI_Alltoall of the 16-bit payload, each process sums its slice of every
+// process's data in float32 in rank order (((r0 + r1) + r2) + ...) and rounds
+// once to nearest even, one MPI_Allgather of the rounded slices. The bits are
+// those of jaxsync's XLA path for 16-bit data (_strategies._sum_low).
 // jaxsync_allgather / jaxsync_alltoall move one buffer each.
 //
 // MPI failures come back as ffi::Error carrying MPI's error string (the
@@ -23,11 +34,14 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <atomic>
 #include <map>
 #include <mutex>
+#include <utility>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -106,10 +120,8 @@ ffi::Error MpiError(int code, const char* what) {
 ffi::Error Unsupported(const char* what, ffi::DataType t) {
   return ffi::Error::InvalidArgument(
       std::string("jaxsync: ") + what + " does not support dtype " +
-      DtypeName(t) + "; expected float32, float64 or an integer type" +
-      (std::string(what) == "MPI_Allreduce"
-           ? std::string(" (16-bit floats are summed by jaxsync in float32)")
-           : std::string(", float16 or bfloat16")));
+      DtypeName(t) + "; expected float16, bfloat16, float32, float64 or an "
+      "integer type");
 }
 
 ffi::Error CountOf(size_t n, const char* what, int* out) {
@@ -126,55 +138,61 @@ MPI_Comm CommOf(const CommArg& comm) {
   return MPI_Comm_f2c(static_cast<MPI_Fint>(comm.typed_data()[0]));
 }
 
-// Buffers below this size are summed in groups through a scratch buffer of at
-// most kScratchBytes (per thread, reused across calls).
+// Buffers below `small` bytes are summed in groups through a scratch arena;
+// a group holds at most max(small, kGroupBytes) bytes of one dtype.
 constexpr size_t kSmallBytes = 64 << 10;
-constexpr size_t kScratchBytes = 4 << 20;
+constexpr size_t kGroupBytes = 4 << 20;
+// The arena holds every group of a call at once up to this size; beyond it,
+// the sums in flight are finished before the arena is reused.
+constexpr size_t kArenaBytes = 64 << 20;
 
-class Group {
+// The 32/64-bit sums of one call. Every MPI_Iallreduce is started before any
+// is waited for, so MPI overlaps their latencies (one blocking call per
+// buffer waits for the slowest process once per buffer); grouped buffers are
+// copied into the arena, summed in place there and copied back.
+class Sums {
  public:
-  bool Fits(MPI_Datatype dtype, size_t bytes) const {
-    return parts_.empty() || (dtype == dtype_ && used_ + bytes <= kScratchBytes);
-  }
-
-  void Add(MPI_Datatype dtype, size_t width, void* src, void* dst, size_t bytes) {
-    dtype_ = dtype;
-    width_ = width;
-    parts_.push_back({src, dst, bytes});
-    used_ += bytes;
-  }
-
-  ffi::Error Flush(MPI_Comm c) {
-    if (parts_.empty()) return ffi::Error::Success();
-    ffi::Error result = ffi::Error::Success();
-    if (parts_.size() == 1) {
-      Part& p = parts_[0];
-      int rc = MPI_Allreduce(p.src == p.dst ? MPI_IN_PLACE : p.src, p.dst,
-                             static_cast<int>(p.bytes / width_), dtype_, MPI_SUM, c);
-      if (rc != MPI_SUCCESS) result = MpiError(rc, "MPI_Allreduce");
-    } else {
-      static thread_local std::vector<char> scratch;
-      if (scratch.size() < used_) scratch.resize(used_);
-      size_t off = 0;
-      for (const Part& p : parts_) {
-        std::memcpy(scratch.data() + off, p.src, p.bytes);
-        off += p.bytes;
-      }
-      int rc = MPI_Allreduce(MPI_IN_PLACE, scratch.data(),
-                             static_cast<int>(used_ / width_), dtype_, MPI_SUM, c);
-      if (rc != MPI_SUCCESS) {
-        result = MpiError(rc, "MPI_Allreduce");
-      } else {
-        off = 0;
-        for (const Part& p : parts_) {
-          std::memcpy(p.dst, scratch.data() + off, p.bytes);
-          off += p.bytes;
-        }
-      }
+  Sums(MPI_Comm c, size_t small, size_t grouped_bytes)
+      : c_(c), small_(small), group_cap_(std::max(small, kGroupBytes)) {
+    static thread_local std::vector<char> arena;
+    const size_t want = std::min(grouped_bytes, std::max(kArenaBytes, group_cap_));
+    if (arena.size() < want) {
+      arena.clear();
+      arena.shrink_to_fit();
+      arena.resize(want);
     }
-    parts_.clear();
-    used_ = 0;
-    return result;
+    arena_ = arena.data();
+    arena_size_ = arena.size();
+  }
+
+  ~Sums() {  // an error left sums in flight: their buffers must outlive them
+    if (!reqs_.empty()) {
+      MPI_Waitall(static_cast<int>(reqs_.size()), reqs_.data(), MPI_STATUSES_IGNORE);
+    }
+  }
+
+  size_t small() const { return small_; }
+
+  ffi::Error Add(MPI_Datatype dtype, size_t width, void* src, void* dst, size_t bytes,
+                 MPI_Op op = MPI_SUM) {
+    if (bytes >= small_) {
+      return Start(src == dst ? MPI_IN_PLACE : src, dst, bytes / width, dtype, op);
+    }
+    if (!open_.empty() &&
+        (dtype != dtype_ || op != op_ || open_bytes_ + bytes > group_cap_)) {
+      if (auto e = Close(); e.failure()) return e;
+    }
+    dtype_ = dtype;
+    op_ = op;
+    width_ = width;
+    open_.push_back({src, dst, bytes});
+    open_bytes_ += bytes;
+    return ffi::Error::Success();
+  }
+
+  ffi::Error Finish() {
+    if (auto e = Close(); e.failure()) return e;
+    return Drain();
   }
 
  private:
@@ -183,11 +201,303 @@ class Group {
     void* dst;
     size_t bytes;
   };
-  std::vector<Part> parts_;
+  struct Sent {
+    char* at;
+    std::vector<Part> parts;
+  };
+
+  ffi::Error Start(const void* src, void* dst, size_t count, MPI_Datatype dtype,
+                   MPI_Op op) {
+    int n = 0;
+    if (auto e = CountOf(count, "MPI_Allreduce", &n); e.failure()) return e;
+    MPI_Request req;
+    int rc = MPI_Iallreduce(src, dst, n, dtype, op, c_, &req);
+    if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Iallreduce");
+    reqs_.push_back(req);
+    return ffi::Error::Success();
+  }
+
+  ffi::Error Close() {
+    if (open_.empty()) return ffi::Error::Success();
+    std::vector<Part> parts;
+    parts.swap(open_);
+    const size_t bytes = open_bytes_;
+    open_bytes_ = 0;
+    if (parts.size() == 1) {  // alone: summed where it is
+      const Part& p = parts[0];
+      return Start(p.src == p.dst ? MPI_IN_PLACE : p.src, p.dst, p.bytes / width_, dtype_,
+                   op_);
+    }
+    if (used_ + bytes > arena_size_) {  // reuse the arena: finish what is in flight
+      if (auto e = Drain(); e.failure()) return e;
+    }
+    char* at = arena_ + used_;
+    used_ += bytes;
+    size_t off = 0;
+    for (const Part& p : parts) {
+      std::memcpy(at + off, p.src, p.bytes);
+      off += p.bytes;
+    }
+    sent_.push_back({at, std::move(parts)});
+    return Start(MPI_IN_PLACE, at, bytes / width_, dtype_, op_);
+  }
+
+  ffi::Error Drain() {
+    if (!reqs_.empty()) {
+      std::vector<MPI_Status> st(reqs_.size());
+      int rc = MPI_Waitall(static_cast<int>(reqs_.size()), reqs_.data(), st.data());
+      reqs_.clear();
+      if (rc != MPI_SUCCESS) {
+        sent_.clear();
+        if (rc == MPI_ERR_IN_STATUS) {
+          for (const MPI_Status& x : st) {
+            if (x.MPI_ERROR != MPI_SUCCESS) return MpiError(x.MPI_ERROR, "MPI_Iallreduce");
+          }
+        }
+        return MpiError(rc, "MPI_Waitall");
+      }
+    }
+    for (const Sent& g : sent_) {
+      size_t off = 0;
+      for (const Part& p : g.parts) {
+        std::memcpy(p.dst, g.at + off, p.bytes);
+        off += p.bytes;
+      }
+    }
+    sent_.clear();
+    used_ = 0;
+    return ffi::Error::Success();
+  }
+
+  MPI_Comm c_;
+  size_t small_, group_cap_;
+  char* arena_ = nullptr;
+  size_t arena_size_ = 0, used_ = 0;
+  std::vector<MPI_Request> reqs_;
+  std::vector<Sent> sent_;
+  std::vector<Part> open_;
+  size_t open_bytes_ = 0;
   MPI_Datatype dtype_ = MPI_DATATYPE_NULL;
+  MPI_Op op_ = MPI_SUM;
   size_t width_ = 1;
-  size_t used_ = 0;
 };
+
+// ---- 16-bit floats <-> float32, exact, round to nearest even -------------
+// (bfloat16: the top half of a float32; float16: IEEE binary16, as in the FP16
+// library of M. Dukhan; no compiler extension needed.)
+
+inline float BitsToF32(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint32_t F32ToBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+inline float Bf16ToF32(uint16_t h) { return BitsToF32(static_cast<uint32_t>(h) << 16); }
+
+inline uint16_t F32ToBf16(float f) {
+  uint32_t u = F32ToBits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN: a quiet NaN of the same sign
+    return (u & 0x80000000u) ? 0xffc0 : 0x7fc0;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float F16ToF32(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const float normalized = BitsToF32((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float denormalized = BitsToF32((two_w >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t bits = two_w < (1u << 27) ? F32ToBits(denormalized) : F32ToBits(normalized);
+  return BitsToF32(sign | bits);
+}
+
+inline uint16_t F32ToF16(float f) {
+  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  const uint32_t w = F32ToBits(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = BitsToF32((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = F32ToBits(base);
+  const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
+  const uint32_t mantissa_bits = bits & 0x00000FFFu;
+  const uint32_t nonsign = exp_bits + mantissa_bits;
+  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+bool IsLow(ffi::DataType t) {
+  return t == ffi::DataType::F16 || t == ffi::DataType::BF16;
+}
+
+// The 16-bit buffers of one dtype in one call, summed in float32 (see the top
+// of this file). Chunks of at most kLowChunk elements: scratch stays small and
+// is reused (no fresh pages per call).
+constexpr size_t kLowChunk = 1 << 20;
+constexpr size_t kLowDirect = 16 << 10;  // elements; smaller buffers are grouped
+
+class Low16 {
+ public:
+  void Add(uint16_t* src, uint16_t* dst, size_t n) {
+    if (n) parts_.push_back({src, dst, n});
+    total_ += n;
+  }
+
+  ffi::Error Run(MPI_Comm c, bool bf16) {
+    if (parts_.empty()) return ffi::Error::Success();
+    int size = 0, rank = 0;
+    int rc = MPI_Comm_size(c, &size);
+    if (rc == MPI_SUCCESS) rc = MPI_Comm_rank(c, &rank);
+    if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Comm_size");
+    const size_t p = static_cast<size_t>(size);
+    // Large buffers travel from where they are: the all-to-all reads the
+    // buffer, this process's float32 sums are rounded into its own slice of the
+    // result, and an in-place all-gather fills the rest (no copies). What is
+    // left (small buffers, the last n % p elements) is gathered into scratch.
+    std::vector<Part> rest;
+    size_t left = 0;
+    for (const Part& q : parts_) {
+      const size_t chunk = std::max<size_t>(kLowChunk / p, 1) * p;
+      const size_t direct = q.n >= kLowDirect ? (q.n / p) * p : 0;
+      for (size_t o = 0; o < direct; o += chunk) {
+        const size_t k = std::min(chunk, direct - o);
+        if (auto e = Direct(c, p, static_cast<size_t>(rank), q.src + o, q.dst + o, k, bf16);
+            e.failure()) {
+          return e;
+        }
+      }
+      if (direct < q.n) {
+        rest.push_back({q.src + direct, q.dst + direct, q.n - direct});
+        left += q.n - direct;
+      }
+    }
+    parts_.swap(rest);
+    total_ = left;
+    static thread_local std::vector<uint16_t> send, recv, mine;
+    size_t part = 0, off = 0;  // cursor: element `off` of parts_[part]
+    for (size_t done = 0; done < total_;) {
+      const size_t k = std::min(kLowChunk, total_ - done);
+      const size_t m = (k + p - 1) / p;
+      if (send.size() < m * p) send.resize(m * p);
+      if (recv.size() < m * p) recv.resize(m * p);
+      if (mine.size() < m) mine.resize(m);
+      // Gather k elements from the buffers, pad with zeros.
+      size_t got = 0, rp = part, ro = off;
+      while (got < k) {
+        const Part& q = parts_[rp];
+        const size_t take = std::min(q.n - ro, k - got);
+        std::memcpy(send.data() + got, q.src + ro, take * 2);
+        got += take;
+        ro += take;
+        if (ro == q.n) { ++rp; ro = 0; }
+      }
+      std::memset(send.data() + k, 0, (m * p - k) * 2);
+      rc = MPI_Alltoall(send.data(), static_cast<int>(m), MPI_UINT16_T, recv.data(),
+                        static_cast<int>(m), MPI_UINT16_T, c);
+      if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Alltoall");
+      if (bf16) {
+        SumRows(recv.data(), p, m, mine.data(), Bf16ToF32, F32ToBf16);
+      } else {
+        SumRows(recv.data(), p, m, mine.data(), F16ToF32, F32ToF16);
+      }
+      rc = MPI_Allgather(mine.data(), static_cast<int>(m), MPI_UINT16_T, send.data(),
+                         static_cast<int>(m), MPI_UINT16_T, c);
+      if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Allgather");
+      // Scatter the k summed elements back.
+      got = 0;
+      while (got < k) {
+        const Part& q = parts_[part];
+        const size_t take = std::min(q.n - off, k - got);
+        std::memcpy(q.dst + off, send.data() + got, take * 2);
+        got += take;
+        off += take;
+        if (off == q.n) { ++part; off = 0; }
+      }
+      done += k;
+    }
+    return ffi::Error::Success();
+  }
+
+ private:
+  // k elements (a multiple of p) summed where they are.
+  static ffi::Error Direct(MPI_Comm c, size_t p, size_t rank, const uint16_t* src,
+                           uint16_t* dst, size_t k, bool bf16) {
+    static thread_local std::vector<uint16_t> recv;
+    const size_t m = k / p;
+    if (recv.size() < k) recv.resize(k);
+    int rc = MPI_Alltoall(src, static_cast<int>(m), MPI_UINT16_T, recv.data(),
+                          static_cast<int>(m), MPI_UINT16_T, c);
+    if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Alltoall");
+    if (bf16) {
+      SumRows(recv.data(), p, m, dst + rank * m, Bf16ToF32, F32ToBf16);
+    } else {
+      SumRows(recv.data(), p, m, dst + rank * m, F16ToF32, F32ToF16);
+    }
+    rc = MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, dst, static_cast<int>(m),
+                       MPI_UINT16_T, c);
+    if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Allgather");
+    return ffi::Error::Success();
+  }
+
+  template <typename Up, typename Down>
+  static void SumRows(const uint16_t* rows, size_t p, size_t m, uint16_t* out, Up up,
+                      Down down) {
+    // Blocks of columns: the float32 accumulator stays in cache.
+    constexpr size_t kBlock = 2048;
+    float acc[kBlock];
+    for (size_t a = 0; a < m; a += kBlock) {
+      const size_t b = std::min(m, a + kBlock);
+      for (size_t i = a; i < b; ++i) acc[i - a] = up(rows[i]);
+      for (size_t r = 1; r < p; ++r) {
+        const uint16_t* row = rows + r * m;
+        for (size_t i = a; i < b; ++i) acc[i - a] += up(row[i]);
+      }
+      for (size_t i = a; i < b; ++i) out[i] = down(acc[i - a]);
+    }
+  }
+
+  struct Part {
+    uint16_t* src;
+    uint16_t* dst;
+    size_t n;
+  };
+  std::vector<Part> parts_;
+  size_t total_ = 0;
+};
+
+// Two processes: a 16-bit sum with one float32 add and one rounding per
+// element is what MPI computes with this commutative user operation, whatever
+// its algorithm (each element is combined once: round(a + b) == round(b + a)),
+// so the 16-bit buffers join the other sums (in place, no all-to-all, no
+// copies). With more processes MPI would round after every partial sum, so
+// they take Low16's all-to-all instead.
+template <float (*Up)(uint16_t), uint16_t (*Down)(float)>
+void Sum16(void* in, void* inout, int* len, MPI_Datatype*) {
+  const uint16_t* a = static_cast<const uint16_t*>(in);
+  uint16_t* b = static_cast<uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = Down(Up(a[i]) + Up(b[i]));
+}
+
+ffi::Error Sum16Op(bool bf16, MPI_Op* out) {
+  static std::once_flag once;
+  static MPI_Op ops[2] = {MPI_OP_NULL, MPI_OP_NULL};
+  static int rc = MPI_SUCCESS;
+  std::call_once(once, [] {
+    rc = MPI_Op_create(&Sum16<Bf16ToF32, F32ToBf16>, 1, &ops[0]);
+    if (rc == MPI_SUCCESS) rc = MPI_Op_create(&Sum16<F16ToF32, F32ToF16>, 1, &ops[1]);
+  });
+  if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Op_create");
+  *out = ops[bf16 ? 0 : 1];
+  return ffi::Error::Success();
+}
 
 // Calls begun and finished, for the drain at exit: Python waits until no call
 // is running and none has started or finished for a while, so no step is still
@@ -274,7 +584,8 @@ ffi::Error AgreeImpl(ffi::Token, CommArg, ActiveArg, ffi::AnyBuffer,
 
 ffi::Error AllreduceImpl(ffi::Token, CommArg comm,
                          ActiveArg active, ffi::RemainingArgs args,
-                         ffi::Result<ffi::Token>, ffi::RemainingRets rets) {
+                         ffi::Result<ffi::Token>, ffi::RemainingRets rets,
+                         int64_t group_bytes) {
   Counted counted;
   if (args.size() != rets.size()) {
     return ffi::Error::InvalidArgument(
@@ -294,38 +605,53 @@ ffi::Error AllreduceImpl(ffi::Token, CommArg comm,
   }
   MPI_Comm c = CommOf(comm);
   // Small buffers of one dtype are summed together: copied into a scratch
-  // buffer, one MPI_Allreduce in place, copied back (memcpy of a few KiB costs
-  // far less than an MPI call each, or than packing them in XLA).
-  Group group;
+  // arena, one MPI call in place, copied back (memcpy of a few KiB costs far
+  // less than an MPI call each, or than packing them in XLA).
+  const size_t small = group_bytes > 0 ? static_cast<size_t>(group_bytes) : kSmallBytes;
+  int procs = 0;
+  if (int rc = MPI_Comm_size(c, &procs); rc != MPI_SUCCESS) {
+    return MpiError(rc, "MPI_Comm_size");
+  }
+  size_t grouped = 0;
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto in = args.get<ffi::AnyBuffer>(i);
+    if (!in.has_value()) return in.error();
+    if ((procs == 2 || !IsLow(in->element_type())) && in->size_bytes() < small) {
+      grouped += in->size_bytes();
+    }
+  }
+  Sums sums(c, small, grouped);
+  Low16 bf16, f16;
   for (size_t i = 0; i < args.size(); ++i) {
     auto in = args.get<ffi::AnyBuffer>(i);
     auto out = rets.get<ffi::AnyBuffer>(i);
     if (!in.has_value()) return in.error();
     if (!out.has_value()) return out.error();
     ffi::DataType t = in->element_type();
-    MPI_Datatype dtype;
-    if (!SumType(t, &dtype)) return Unsupported("MPI_Allreduce", t);
     size_t bytes = in->size_bytes();
-    if (bytes == 0) continue;
     void* src = in->untyped_data();
     void* dst = (*out)->untyped_data();
-    if (bytes < kSmallBytes) {
-      if (!group.Fits(dtype, bytes)) {
-        if (auto e = group.Flush(c); e.failure()) return e;
-      }
-      group.Add(dtype, ffi::ByteWidth(t), src, dst, bytes);
+    if (IsLow(t) && procs == 2) {
+      if (bytes == 0) continue;
+      MPI_Op op;
+      if (auto e = Sum16Op(t == ffi::DataType::BF16, &op); e.failure()) return e;
+      if (auto e = sums.Add(MPI_UINT16_T, 2, src, dst, bytes, op); e.failure()) return e;
       continue;
     }
-    int count = 0;
-    if (auto e = CountOf(in->element_count(), "MPI_Allreduce", &count);
-        e.failure()) {
-      return e;
+    if (IsLow(t)) {
+      (t == ffi::DataType::BF16 ? bf16 : f16)
+          .Add(static_cast<uint16_t*>(src), static_cast<uint16_t*>(dst),
+               in->element_count());
+      continue;
     }
-    int rc = MPI_Allreduce(src == dst ? MPI_IN_PLACE : src, dst, count, dtype,
-                           MPI_SUM, c);
-    if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Allreduce");
+    MPI_Datatype dtype;
+    if (!SumType(t, &dtype)) return Unsupported("MPI_Allreduce", t);
+    if (bytes == 0) continue;
+    if (auto e = sums.Add(dtype, ffi::ByteWidth(t), src, dst, bytes); e.failure()) return e;
   }
-  return group.Flush(c);
+  if (auto e = sums.Finish(); e.failure()) return e;
+  if (auto e = bf16.Run(c, true); e.failure()) return e;
+  return f16.Run(c, false);
 }
 
 // allgather: x of n elements -> (size, n). alltoall: x of shape (size, m) ->
@@ -390,7 +716,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_allreduce, AllreduceImpl,
                                   .Arg<ActiveArg>()
                                   .RemainingArgs()
                                   .Ret<ffi::Token>()
-                                  .RemainingRets());
+                                  .RemainingRets()
+                                  .Attr<int64_t>("group_bytes"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_agree, AgreeImpl,
                               ffi::Ffi::Bind()

@@ -114,7 +114,10 @@ def test_transport_options_change_the_wire(exact_run, strategy):
     else:  # every f32 buffer of the sync in one call
         assert f32 == ["jaxsync_allreduce"], device
     assert host and all("callback" in t for t, _ in host), host
-    assert bf16 and all(t.startswith("jaxsync_") and "ui16>" in ty for t, ty in bf16), bf16
+    # bfloat16 on the wire: the native allreduce takes the 16-bit buffers as they
+    # are (it sums them in float32 itself); no float32 buffer crosses.
+    assert bf16 and all(t == "jaxsync_allreduce" and "xbf16>" in ty and "f32>" not in ty
+                        for t, ty in bf16), bf16
 
 
 def _mesh_2x4():
@@ -609,14 +612,17 @@ def test_syncs_in_one_step_stay_ordered(order_run, mode):
 NATIVE_STRATEGIES = ("naive", "flat", "hierarchical", "two_dimensional")
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["devices1", "devices2"])
+@pytest.fixture(scope="module", params=[(2, 1), (2, 2), (3, 1)],
+                ids=["procs2-devices1", "procs2-devices2", "procs3-devices1"])
 def native_run(request):
-    return run_mpi("worker_native.py", n=2, devices=request.param, timeout=180).check()
+    procs, devices = request.param
+    return run_mpi("worker_native.py", n=procs, devices=devices, timeout=180).check()
 
 
 def _native_expected(run, rows):
     import worker_native
-    n = 2 * run.results[0]["meta"]["devices"]
+    meta = run.results[0]["meta"]
+    n = meta["size"] * meta["devices"]
     return {name: np.full((rows, *shape), (n - 1) / 2 + k, np.float32).astype(jnp.dtype(dt))
             if dt != "float64" else np.full((rows, *shape), (n - 1) / 2 + k, np.float64)
             for k, (name, dt, shape) in enumerate(worker_native.LEAVES)}
@@ -641,22 +647,38 @@ def test_native_every_dtype_several_syncs_exact(native_run, mode):
 
 
 def test_native_allreduce_sums_several_dtypes_in_one_call(native_run):
-    for rank in range(2):
+    size = native_run.results[0]["meta"]["size"]
+    ranks = range(size)
+    for rank in ranks:
         a, b, c = result_of(native_run, rank, "direct")
-        np.testing.assert_array_equal(a, np.full(4, 3.0, np.float32))   # 1 + 2
+        # sums of rank + 1, rank + 0.5 and rank + 2 over the ranks
+        np.testing.assert_array_equal(a, np.full(4, sum(r + 1.0 for r in ranks), np.float32))
         assert b.dtype == np.float64
-        np.testing.assert_array_equal(b, np.full(3, 2.0))                # 0.5 + 1.5
-        np.testing.assert_array_equal(c, np.full(5, 5, np.int32))        # 2 + 3
+        np.testing.assert_array_equal(b, np.full(3, sum(r + 0.5 for r in ranks)))
+        np.testing.assert_array_equal(c, np.full(5, sum(r + 2 for r in ranks), np.int32))
 
 
-def test_native_rejects_16_bit_sum_naming_the_dtype(native_run):
+def test_native_rejects_complex_sum_naming_the_dtype(native_run):
     msg = native_run.results[0]["bad-dtype"]
-    assert "does not support dtype float16" in msg, msg
+    assert "does not support dtype complex64" in msg, msg
+
+
+def test_native_16_bit_sum_is_float32_fold_rounded_once(native_run):
+    """bfloat16/float16 buffers (past the target's chunk size, odd sizes, tiny
+    values) summed by the native allreduce: bit for bit the float32 left fold in
+    rank order rounded once, on every rank."""
+    for rank in range(2):
+        res = native_run.results[rank]["direct16"]
+        assert not isinstance(res, str), res
+        assert len(res["got"]) == len(res["want"]) == 77
+        for i, (g, w) in enumerate(zip(res["got"], res["want"])):
+            assert g.dtype == w.dtype, (i, g.dtype, w.dtype)
+            assert_bitwise({"buffer": g}, {"buffer": w}, f"rank {rank} buffer {i} ({w.size})")
 
 
 def test_native_compiled_step_has_no_copy_or_cond(native_run):
-    """One in-place MPI call for all 32/64-bit buffers, no cond; a size-1 local
-    axis costs nothing (no all-reduce, no copy in the step)."""
+    """One in-place MPI call for all buffers (16-bit ones too), no cond; a
+    size-1 local axis costs nothing (no all-reduce, no copy in the step)."""
     d = native_run.results[0]["meta"]["devices"]
     hlo = native_run.results[0]["hlo"]
     assert hlo["calls"] == 1 and hlo["aliasing"], hlo["text"]
@@ -668,3 +690,15 @@ def test_native_compiled_step_has_no_copy_or_cond(native_run):
     for rank in range(2):
         got = result_of(native_run, rank, "hlo-run")
         assert_bitwise(got, {k: v for k, v in want.items() if k in got}, f"rank {rank}")
+
+
+def test_native_flat_one_device_packs_in_the_target(native_run):
+    """flat with one device per process: the leaves go to the one native call
+    as they are (the target packs them): no concatenate and no copy in XLA."""
+    d = native_run.results[0]["meta"]["devices"]
+    hlo = native_run.results[0]["hlo-flat"]
+    assert hlo["calls"] == 1, hlo["text"]
+    if d == 1:
+        assert hlo["concatenate"] == 0 and hlo["copy"] == 0, hlo["text"]
+    else:  # several devices: flat packs in XLA before the intra-process sum
+        assert hlo["concatenate"] >= 1, hlo["text"]

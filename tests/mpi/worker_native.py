@@ -6,9 +6,10 @@ float64 leaves; float64 with jax_enable_x64) filled with ``r + k``: the mean ove
 synchronisations (naive, flat, hierarchical, two_dimensional) of that tree.
 
 Also: the native allreduce called directly on float32 / float64 / int32 buffers
-in one call, its error for a dtype it does not take, and (one device per
-process) the compiled HLO of a hierarchical sync: one in-place MPI call for all
-32/64-bit buffers, no conditional, no copy, no XLA all-reduce.
+in one call, and on random bfloat16 / float16 buffers against a float32
+reference; its error for a dtype it does not take; and the compiled HLO of a
+hierarchical sync: one in-place MPI call for all buffers, no conditional, and
+(one device per process) no copy, no XLA all-reduce.
 """
 
 from _worker import Results, init, to_numpy
@@ -84,13 +85,50 @@ def main():
         return ys[0]
 
     try:
-        jax.block_until_ready(jax.jit(bad)(jnp.ones(3, jnp.float16)))
+        jax.block_until_ready(jax.jit(bad)(jnp.ones(3, jnp.complex64)))
         res.add("bad-dtype", "no error")
     except Exception as e:
         res.add("bad-dtype", str(e))
 
-    # Compiled HLO of one hierarchical sync of 32/64-bit leaves.
-    wide = {k: v for k, v in x.items() if v.dtype in (jnp.float32, jnp.float64)}
+    # 16-bit floats summed by the native allreduce: random values of every rank
+    # (rank r's from seed r, so each rank can build the reference), several
+    # buffers of odd sizes past the target's 1 Mi-element chunk, bfloat16 and
+    # float16 and float32 in one call. Reference: float32 left fold in rank
+    # order, rounded once to nearest even (ml_dtypes' cast).
+    sizes = {"bfloat16": (1, 300_001, 1_000_003, 17) + (15_999,) * 70,
+             "float16": (5, 1_200_000)}
+
+    def values(r, dt, n, i):
+        g = np.random.default_rng([r, n, i])
+        scale = 1e4 if dt == "bfloat16" else 30.0
+        v = (g.standard_normal(n) * scale).astype(np.float32)
+        v[: n // 50] = np.float32(2.0 ** -20) * g.standard_normal(n // 50)  # tiny, subnormal in f16
+        return v.astype(jnp.dtype(dt))
+
+    low = [(dt, n, i) for dt, ns_ in sizes.items() for i, n in enumerate(ns_)]
+    mine = [jnp.asarray(values(rank, dt, n, i)) for dt, n, i in low]
+    mine.append(jnp.full((3,), rank + 0.25, jnp.float32))
+
+    def direct16(*xs):
+        tok, ys = _mpi.native_call("allreduce", list(xs), jax.lax.create_token(),
+                                   jnp.int32(handle), jnp.int32(1), size)
+        return ys
+
+    def reference():
+        out = []
+        for dt, n, i in low:
+            acc = values(0, dt, n, i).astype(np.float32)
+            for r in range(1, size):
+                acc = acc + values(r, dt, n, i).astype(np.float32)
+            out.append(acc.astype(jnp.dtype(dt)))
+        out.append(np.full((3,), sum(r + 0.25 for r in range(size)), np.float32))
+        return out
+
+    attempt("direct16", lambda: dict(got=to_numpy(jax.jit(direct16)(*mine)),
+                                     want=reference()))
+
+    # Compiled HLO of one hierarchical sync of the whole tree (16-bit leaves too).
+    wide = x
     tx = jaxsync.hierarchical_mean(axis_name="d", comm=comm)
 
     def one(t):
@@ -113,6 +151,23 @@ def main():
         + [str(e) for e in f.trace(x).jaxpr.effects],
         text=text))
     attempt("hlo-run", lambda: to_numpy(jax.block_until_ready(h(wide))))
+
+    # flat: with one device per process the native target packs the leaves (no
+    # XLA concatenate, slice or copy around its one call).
+    txf = jaxsync.flat_mean(axis_name="d", comm=comm)
+
+    def one_flat(t):
+        t = jax.tree_util.tree_map(lambda x: x[0], t)
+        out = txf.update(t, txf.init(t))[0]
+        return jax.tree_util.tree_map(lambda x: x[None], out)
+
+    hf = jax.jit(jax.shard_map(one_flat, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    text = hf.lower(x).compile().as_text()
+    entry = text[text.index("ENTRY"):]
+    res.add("hlo-flat", dict(
+        calls=len(re.findall(r'custom_call_target="jaxsync_allreduce"', text)),
+        concatenate=len(re.findall(r"\bconcatenate\(", text)),
+        copy=len(re.findall(r"\bcopy\(", entry)), text=text))
     res.write()
 
 
