@@ -164,6 +164,19 @@ def _state_error(fn, state, expected):
         "call init again).")
 
 
+def _reject_row_sparse(fn, tree) -> None:
+    """RowSparse leaves hold different rows on every replica: never compress them."""
+    from ._sparse import RowSparse
+    is_rs = lambda x: isinstance(x, RowSparse)  # noqa: E731
+    if any(is_rs(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_rs)):
+        raise TypeError(
+            f"{fn}: the gradient tree holds a jaxsync.RowSparse leaf; its rows differ "
+            "from replica to replica, so they cannot be compressed with the dense "
+            "leaves. Fix: label the table for hierarchical_mean (or another exact "
+            "strategy, which all-gathers its rows) with optax.partition, and this "
+            "transform for the dense leaves.")
+
+
 def _tree_error(fn, what, got, want):
     return ValueError(
         f"{fn}: the gradient tree has {got} {what}, the state was made for {want}. "
@@ -413,6 +426,7 @@ def powersgd_mean(axis_name, comm=AUTO, *, rank: int = 4, start_step: int = 0,
         del params
         if not isinstance(state, PowerSGDState):
             raise _state_error(fn, state, PowerSGDState)
+        _reject_row_sparse(fn, updates)
         leaves = jax.tree_util.tree_leaves(updates)
         n_comp = sum(lay is not None for lay in _powersgd_layout(leaves, rank, min_rate))
         if n_comp != len(state.residual):
@@ -538,6 +552,7 @@ def sign_mean(axis_name, comm=AUTO, *, error_feedback: bool = True,
         del params
         if not isinstance(state, SignState):
             raise _state_error(fn, state, SignState)
+        _reject_row_sparse(fn, updates)
         leaves, treedef = jax.tree_util.tree_flatten(updates)
         layout = _sign_layout(leaves, min_size)
         idx = [k for k, c in enumerate(layout) if c]

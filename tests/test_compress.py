@@ -394,3 +394,17 @@ def test_bfloat16_leaves_keep_their_dtype_with_float32_residuals(make):
     # the update points along the mean gradient
     mean = np.asarray(g["w"], np.float64).mean(0)
     assert np.sum(np.asarray(out["w"][0], np.float64) * mean) > 0
+
+
+@pytest.mark.parametrize("make", [
+    lambda: jaxsync.powersgd_mean(axis_name=None, comm=None),
+    lambda: jaxsync.sign_mean(axis_name=None, comm=None, min_size=1)],
+    ids=["powersgd", "sign"])
+def test_row_sparse_leaves_are_refused(make):
+    tx = make()
+    dense = {"w": jnp.ones((8, 8))}
+    state = tx.init(dense)
+    g = {"w": jnp.ones((8, 8)),
+         "emb": jaxsync.RowSparse(jnp.array([1, 3]), jnp.ones((2, 4)), num_rows=10)}
+    with pytest.raises(TypeError, match="RowSparse.*optax.partition"):
+        tx.update(g, state)
