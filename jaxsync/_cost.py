@@ -448,7 +448,8 @@ def fit_link(samples: Sequence[tuple[str, float, int, float]],
 
     Returns:
       ``(link, report)``: non-negative parameters minimising the squared
-      *relative* error, and ``{"median_rel_error", "max_rel_error", "samples"}``.
+      *relative* error, and ``{"median_rel_error", "max_rel_error", "samples",
+      "dropped"}`` (non-positive marginal times, i.e. noise, are dropped).
 
     Example:
       >>> true = Link(alpha=2e-5, beta=1e-9, gamma=5e-10)
@@ -462,8 +463,11 @@ def fit_link(samples: Sequence[tuple[str, float, int, float]],
     from scipy.optimize import nnls
     algorithm = {"allreduce": "ring", "allgather": "ring", "reduce_scatter": "ring",
                  "alltoall": "pairwise", "broadcast": "binomial", **(algorithm or {})}
+    used = [s for s in samples if s[3] > 0]  # a non-positive marginal is noise
+    if not used:
+        raise ValueError("fit_link: no positive timing to fit")
     rows, y = [], []
-    for kind, n, p, t in samples:
+    for kind, n, p, t in used:
         a, b, c = coefficients(kind, n, p, algorithm[kind])
         w = 1.0 / max(float(t), 1e-9)
         rows.append([a * w, b * w, c * w])
@@ -477,10 +481,10 @@ def fit_link(samples: Sequence[tuple[str, float, int, float]],
     alpha, beta, gamma = (x / scale).tolist()
     link = Link(alpha, beta, gamma, algorithm="ring")
     errs = [abs(collective_seconds(k, n, p, link, algorithm[k]) - t) / t
-            for k, n, p, t in samples if t > 0]
-    return link, {"median_rel_error": float(np.median(errs)) if errs else None,
-                  "max_rel_error": float(np.max(errs)) if errs else None,
-                  "samples": len(samples)}
+            for k, n, p, t in used]
+    return link, {"median_rel_error": float(np.median(errs)),
+                  "max_rel_error": float(np.max(errs)), "samples": len(used),
+                  "dropped": len(samples) - len(used)}
 
 
 def fit_copy(samples: Sequence[tuple[float, float]]) -> float:
@@ -490,7 +494,8 @@ def fit_copy(samples: Sequence[tuple[float, float]]) -> float:
       >>> fit_copy([(1e6, 1e-3), (2e6, 2e-3)])
       1e-09
     """
-    n = np.asarray([s[0] for s in samples], np.float64)
-    t = np.asarray([s[1] for s in samples], np.float64)
+    used = [s for s in samples if s[1] > 0] or [(1.0, 0.0)]
+    n = np.asarray([s[0] for s in used], np.float64)
+    t = np.asarray([s[1] for s in used], np.float64)
     w = 1.0 / np.maximum(t, 1e-9)
     return float(max(0.0, np.sum(n * t * w * w) / max(np.sum(n * n * w * w), 1e-300)))
