@@ -1102,7 +1102,11 @@ def _parse(argv) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m jaxsync bench [options]``; returns the exit status."""
-    args = _parse(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) >= 2 and argv[0] == "--suite":  # another suite: jaxsync/_bench_<name>.py
+        import importlib
+        return importlib.import_module(f"jaxsync._bench_{argv[1]}").main(argv[2:])
+    args = _parse(argv)
     comm = _mpi_world()
     devices = args.devices or (1 if comm is not None else 8)
     _set_devices(devices)
