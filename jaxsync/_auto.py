@@ -276,6 +276,28 @@ def resolve(tree, cfg):
                                pack_threshold=choice.pack_threshold)
 
 
+def named_trees() -> dict:
+    """Trees ``info --tree`` knows: the bench's and the projection's."""
+    from . import _bench, _tune
+    return {**_bench.make_trees(False), **_bench.make_trees(True),
+            "resnet50": _tune.resnet50_tree, "transformer1b": _tune.transformer_1b_tree}
+
+
+def explain_tree(name: str, topo: dict, profile=None) -> str:
+    """What ``strategy="auto"`` would choose for tree ``name`` on ``topo``
+    (``python -m jaxsync info --tree NAME``; ``topo`` as ``Topology.as_dict()``)."""
+    trees = named_trees()
+    if name not in trees:
+        raise SystemExit(f"jaxsync info: unknown tree {name!r}; choose from {sorted(trees)}")
+    prof, note = load_profile(profile)
+    size = int(topo["size"])
+    model = ModelTopology(processes=size, hosts=int(topo["hosts"]),
+                          local_devices=int(topo["local_devices"]),
+                          native=topo.get("platform") == "cpu" and size > 1,
+                          broadcast=size > 1)
+    return choose(trees[name](), model, prof, profile_note=note).describe()
+
+
 # --------------------------------------------------------------------------
 # The public factory
 # --------------------------------------------------------------------------

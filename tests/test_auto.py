@@ -354,3 +354,13 @@ def test_bench_model_suite_quick(tmp_path):
     assert all(c["measured_ms"] == c["measured_ms"] for c in summary["cases"])  # not NaN
     assert summary["auto"][0]["choice"] in ("naive", "flat", "hierarchical", "two_dimensional")
     assert "Predictions within 25%" in text
+
+
+def test_info_tree_explains_the_choice():
+    topo = {"size": 2, "hosts": 1, "local_devices": 1, "platform": "cpu"}
+    text = _auto.explain_tree("small500", topo, _cost.DEFAULT_PROFILE)
+    assert "2 process(es) on 1 host(s) x 1 device(s), inter link host" in text
+    marked = [line for line in text.splitlines() if line.startswith(" * ")]
+    assert len(marked) == 1 and text.splitlines()[0].split()[2] in marked[0]
+    with pytest.raises(SystemExit, match="unknown tree"):
+        _auto.explain_tree("nope", topo)
