@@ -460,7 +460,6 @@ def fit_link(samples: Sequence[tuple[str, float, int, float]],
       ...                                  (true.alpha, true.beta, true.gamma))]
       [1.0, 1.0, 1.0]
     """
-    from scipy.optimize import nnls
     algorithm = {"allreduce": "ring", "allgather": "ring", "reduce_scatter": "ring",
                  "alltoall": "pairwise", "broadcast": "binomial", **(algorithm or {})}
     used = [s for s in samples if s[3] > 0]  # a non-positive marginal is noise
@@ -477,7 +476,7 @@ def fit_link(samples: Sequence[tuple[str, float, int, float]],
     # solved with the same conditioning.
     scale = np.linalg.norm(A, axis=0)
     scale[scale == 0] = 1.0
-    x, _ = nnls(A / scale, np.asarray(y))
+    x = _nnls3(A / scale, np.asarray(y))
     alpha, beta, gamma = (x / scale).tolist()
     link = Link(alpha, beta, gamma, algorithm="ring")
     errs = [abs(collective_seconds(k, n, p, link, algorithm[k]) - t) / t
@@ -485,6 +484,28 @@ def fit_link(samples: Sequence[tuple[str, float, int, float]],
     return link, {"median_rel_error": float(np.median(errs)),
                   "max_rel_error": float(np.max(errs)), "samples": len(used),
                   "dropped": len(samples) - len(used)}
+
+
+def _nnls3(A, y):
+    """Non-negative least squares for a few columns: the best of the
+    unconstrained fits on every subset of columns whose solution is >= 0."""
+    import itertools
+    k = A.shape[1]
+    best, best_res = np.zeros(k), float(np.sum(y * y))
+    for r in range(1, k + 1):
+        for cols in itertools.combinations(range(k), r):
+            sub = A[:, cols]
+            if np.linalg.matrix_rank(sub) < r:
+                continue
+            sol, *_ = np.linalg.lstsq(sub, y, rcond=None)
+            if np.any(sol < 0):
+                continue
+            res = float(np.sum((sub @ sol - y) ** 2))
+            if res < best_res:
+                best = np.zeros(k)
+                best[list(cols)] = sol
+                best_res = res
+    return best
 
 
 def fit_copy(samples: Sequence[tuple[float, float]]) -> float:
