@@ -58,7 +58,7 @@ class Link:
     """Parameters of one link.
 
     Attributes:
-      alpha: seconds per message (latency, including the call's overhead).
+      alpha: seconds per message (latency).
       beta: seconds per byte sent by one member (inverse bandwidth of one flow).
       gamma: seconds per byte reduced locally.
       flows: concurrent flows the link carries at full bandwidth (e.g. NICs per
@@ -66,6 +66,9 @@ class Link:
       algorithm: the algorithm assumed for every collective with such a name
         (``"ring"`` for a calibrated link, fitted with ring forms), else
         ``"auto"``: the fastest of :data:`ALGORITHMS` (what a tuned MPI picks).
+      call: seconds per call (an XLA collective op, a native MPI call): its
+        launch and the wait for the slowest member, paid once however many
+        messages the call sends.
     """
 
     alpha: float
@@ -73,6 +76,7 @@ class Link:
     gamma: float = 0.0
     flows: int = 1
     algorithm: str = "auto"
+    call: float = 0.0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -130,7 +134,8 @@ class Profile:
                 links.append((name, Link(float(d["alpha"]), float(d["beta"]),
                                          float(d.get("gamma", 0.0)),
                                          int(d.get("flows", 1)),
-                                         str(d.get("algorithm", "auto")))))
+                                         str(d.get("algorithm", "auto")),
+                                         float(d.get("call", 0.0)))))
         return cls(tuple(links), float(data.get("copy", DEFAULT_PROFILE.copy)),
                    data.get("topology"), source, data.get("fit"))
 
@@ -316,12 +321,13 @@ class Op:
     members: int
     sizes: tuple     # bytes of each message (whole buffer per member)
     flows: int = 1
+    calls: int = 1   # separate calls (ops) that send these messages
 
     def seconds(self, profile: Profile) -> float:
         if self.kind == "copy":
             return profile.copy * float(sum(self.sizes))
         link = profile.link(self.link)
-        return float(sum(collective_seconds(self.kind, s, self.members, link, "link",
+        return self.calls * link.call + float(sum(collective_seconds(self.kind, s, self.members, link, "link",
                                             flows=self.flows) for s in self.sizes))
 
 
@@ -377,9 +383,9 @@ def strategy_ops(strategy: str, buckets: Sequence[BucketInfo], topo: ModelTopolo
     def intra_bytes(n, isz):  # 16-bit is summed as float32 inside a process
         return n * 2 if isz == 2 else n
 
-    def intra(kind, sizes, alone_ok=False):
+    def intra(kind, sizes, calls=1):
         if D > 1 and sizes:
-            ops.append(Op("intra", kind, "device", D, tuple(sizes)))
+            ops.append(Op("intra", kind, "device", D, tuple(sizes), 1, calls))
 
     def inter(items_, flows=1):
         if P <= 1 or not items_:
@@ -388,7 +394,8 @@ def strategy_ops(strategy: str, buckets: Sequence[BucketInfo], topo: ModelTopolo
         low = [n for d, n, isz, _ in items_ if isz == 2]
         if wide:
             msgs = _native_messages(wide) if topo.native else [n for _, n in wide]
-            ops.append(Op("inter", "allreduce", topo.link, P, tuple(msgs), flows))
+            calls = 1 if topo.native else len(wide)  # mpi4jax: one call per buffer
+            ops.append(Op("inter", "allreduce", topo.link, P, tuple(msgs), flows, calls))
         if low:
             total = sum(low)
             if len(low) > 1:
@@ -399,22 +406,23 @@ def strategy_ops(strategy: str, buckets: Sequence[BucketInfo], topo: ModelTopolo
             ops.append(Op("inter", "allgather", topo.link, P, (total,), flows))
 
     bcast = D > 1 and P > 1 and topo.broadcast
+    k = len(items)
     if strategy == "naive":
-        intra("allreduce", [intra_bytes(n, isz) for _, n, isz, _ in items])
+        intra("allreduce", [intra_bytes(n, isz) for _, n, isz, _ in items], calls=k)
         for it in items:  # one call per leaf
             inter([it])
-        if bcast:
-            intra("allreduce", [n for _, n, _, _ in items])
+        if bcast:  # one psum per buffer
+            intra("allreduce", [n for _, n, _, _ in items], calls=k)
     elif strategy in ("flat", "hierarchical", "single_node"):
-        intra("allreduce", [intra_bytes(n, isz) for _, n, isz, _ in items])
+        intra("allreduce", [intra_bytes(n, isz) for _, n, isz, _ in items])  # one psum
         inter(items)
         if bcast:
-            intra("allreduce", [n for _, n, _, _ in items])
-    else:  # two_dimensional
-        intra("reduce_scatter", [intra_bytes(n, isz) for _, n, isz, _ in items])
-        slices = [(d, -(-n // (D * isz)) * isz, isz, k) for d, n, isz, k in items]
+            intra("allreduce", [n for _, n, _, _ in items], calls=k)
+    else:  # two_dimensional: one reduce-scatter and one all-gather per buffer
+        intra("reduce_scatter", [intra_bytes(n, isz) for _, n, isz, _ in items], calls=k)
+        slices = [(d, -(-n // (D * isz)) * isz, isz, j) for d, n, isz, j in items]
         inter(slices, flows=D if P > 1 else 1)
-        intra("allgather", [n for _, n, _, _ in items])
+        intra("allgather", [n for _, n, _, _ in items], calls=k)
     return ops
 
 
@@ -437,12 +445,15 @@ def predict(strategy: str, buckets: Sequence[BucketInfo], topo: ModelTopology,
 # Calibration: a linear least-squares fit of alpha, beta, gamma per link
 # --------------------------------------------------------------------------
 
-def fit_link(samples: Sequence[tuple[str, float, int, float]],
-             algorithm: dict | None = None) -> tuple[Link, dict]:
-    """Fit ``alpha, beta, gamma`` of one link from timed collectives.
+def fit_link(samples: Sequence[tuple], algorithm: dict | None = None) -> tuple[Link, dict]:
+    """Fit ``alpha, beta, gamma`` (and ``call``) of one link from timed collectives.
 
     Args:
-      samples: ``(kind, nbytes, members, seconds)`` measurements.
+      samples: ``(kind, nbytes, members, seconds)`` measurements of one call
+        sending one message of ``nbytes``, or ``(kind, nbytes, members, seconds,
+        messages)``: one call sending ``messages`` messages of ``nbytes`` each.
+        ``call`` (per call) is fitted only when some sample sends several
+        messages in one call (otherwise it cannot be told from ``alpha``: 0).
       algorithm: the algorithm per kind the measurements used (default: ring
         allreduce, ring reduce-scatter/all-gather, pairwise all-to-all).
 
@@ -462,14 +473,15 @@ def fit_link(samples: Sequence[tuple[str, float, int, float]],
     """
     algorithm = {"allreduce": "ring", "allgather": "ring", "reduce_scatter": "ring",
                  "alltoall": "pairwise", "broadcast": "binomial", **(algorithm or {})}
-    used = [s for s in samples if s[3] > 0]  # a non-positive marginal is noise
+    used = [tuple(s) + (1,) * (5 - len(s)) for s in samples if s[3] > 0]  # noise: <= 0
     if not used:
         raise ValueError("fit_link: no positive timing to fit")
+    with_call = any(m > 1 for *_, m in used)
     rows, y = [], []
-    for kind, n, p, t in used:
+    for kind, n, p, t, m in used:
         a, b, c = coefficients(kind, n, p, algorithm[kind])
         w = 1.0 / max(float(t), 1e-9)
-        rows.append([a * w, b * w, c * w])
+        rows.append([m * a * w, m * b * w, m * c * w] + ([w] if with_call else []))
         y.append(float(t) * w)
     A = np.asarray(rows, np.float64)
     # Scale the columns to unit norm so that alpha (1e-5) and beta (1e-10) are
@@ -477,10 +489,10 @@ def fit_link(samples: Sequence[tuple[str, float, int, float]],
     scale = np.linalg.norm(A, axis=0)
     scale[scale == 0] = 1.0
     x = _nnls3(A / scale, np.asarray(y))
-    alpha, beta, gamma = (x / scale).tolist()
-    link = Link(alpha, beta, gamma, algorithm="ring")
-    errs = [abs(collective_seconds(k, n, p, link, algorithm[k]) - t) / t
-            for k, n, p, t in used]
+    alpha, beta, gamma, *call = (x / scale).tolist()
+    link = Link(alpha, beta, gamma, algorithm="ring", call=call[0] if call else 0.0)
+    errs = [abs(link.call + m * collective_seconds(k, n, p, link, algorithm[k]) - t) / t
+            for k, n, p, t, m in used]
     return link, {"median_rel_error": float(np.median(errs)),
                   "max_rel_error": float(np.max(errs)), "samples": len(used),
                   "dropped": len(samples) - len(used)}

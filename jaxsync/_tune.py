@@ -70,6 +70,9 @@ def _time_rounds(fns: dict, base_key, rounds: int, iters: int, comm=None) -> dic
             if k != base_key}
 
 
+MULTI = 8  # buffers in one call, to tell the cost per call from the cost per message
+
+
 def measure_device(devices: int, sizes, rounds: int, iters: int) -> list:
     """``(kind, nbytes, devices, seconds)`` for XLA collectives over local devices."""
     import jax
@@ -80,7 +83,7 @@ def measure_device(devices: int, sizes, rounds: int, iters: int) -> list:
     D = devices
     out = []
     for n in sizes:
-        m = max(D, (n // 4) // D * D)
+        m = max(D * MULTI, (n // 4) // (D * MULTI) * (D * MULTI))
         x = jax.device_put(jnp.ones((D, m), jnp.float32), NamedSharding(mesh, P("d")))
 
         def step(op):
@@ -100,11 +103,15 @@ def measure_device(devices: int, sizes, rounds: int, iters: int) -> list:
             "allgather": lambda y: lax.all_gather(y[:m // D], "d", tiled=True),
             "alltoall": lambda y: lax.all_to_all(y.reshape(D, -1), "d", 0, 0,
                                                  tiled=True).reshape(-1),
+            # one psum of MULTI buffers (one op, as sum_buffers issues it)
+            "allreduce x": lambda y: jnp.concatenate(lax.psum(
+                list(y.reshape(MULTI, -1)), "d")),
         }
         fns = {k: (lambda f=step(op): f(x)) for k, op in ops.items()}
         got = _time_rounds(fns, "base", rounds, iters)
         out += [(k, m * 4, D, t - (got["base part"] if k in part else 0.0))
-                for k, t in got.items() if k != "base part"]
+                for k, t in got.items() if k not in ("base part", "allreduce x")]
+        out.append(("allreduce", m * 4 // MULTI, D, got["allreduce x"], MULTI))
     return out
 
 
@@ -120,7 +127,7 @@ def measure_process(comm, sizes, rounds: int, iters: int) -> list:
     dev = jax.local_devices()[0]
     out = []
     for n in sizes:
-        m = max(P_, (n // 4) // P_ * P_)
+        m = max(P_ * MULTI, (n // 4) // (P_ * MULTI) * (P_ * MULTI))
         x = jax.device_put(jnp.ones((m,), jnp.float32), dev)
 
         def step(kind):
@@ -135,14 +142,19 @@ def measure_process(comm, sizes, rounds: int, iters: int) -> list:
                     return ops.allgather(y[:m // P_]).reshape(-1)
                 if kind == "base part":
                     return y[:m // P_]
+                if kind == "allreduce x":  # one native call, MULTI buffers
+                    return jnp.concatenate(ops.allreduce(list(y.reshape(MULTI, -1))))
                 return y
             return jax.jit(body)
 
         fns = {k: (lambda f=step(k): f(x)) for k in ("base", "base part", "allreduce",
-                                                     "alltoall", "allgather")}
+                                                     "alltoall", "allgather", "allreduce x")}
         got = _time_rounds(fns, "base", rounds, iters, comms.control)
         out += [(k, m * 4, P_, t - (got["base part"] if k == "allgather" else 0.0))
-                for k, t in got.items() if k != "base part"]
+                for k, t in got.items() if k not in ("base part", "allreduce x")]
+        # the native call sums buffers under 64 KiB together: count its messages
+        msgs = _cost._native_messages([("f32", m * 4 // MULTI)] * MULTI)
+        out.append(("allreduce", msgs[0], P_, got["allreduce x"], len(msgs)))
     return out
 
 
@@ -181,8 +193,8 @@ def calibrate(comm=None, devices: int | None = None, quick: bool = False,
     topo = topology(comm)
     rank = topo.rank
     sizes = QUICK_SIZES if quick else SIZES
-    rounds = rounds or (3 if quick else 5)
-    iters = 5 if quick else 10
+    rounds = rounds or (3 if quick else 4)
+    iters = 5 if quick else 7
     links, fit, raw = [], {}, {}
     t0 = time.perf_counter()
     if D > 1:
@@ -214,7 +226,7 @@ def print_fit(profile: Profile) -> None:
     print(f"profile (measured on {profile.topology}, {profile.fit.get('seconds')} s):")
     for name, l in profile.links:
         rep = profile.fit.get(name, {})
-        print(f"  {name:<8} alpha {l.alpha * 1e6:8.2f} us  beta {l.beta * 1e9:7.4f} ns/B "
+        print(f"  {name:<8} call {l.call * 1e6:8.2f} us  alpha {l.alpha * 1e6:8.2f} us  beta {l.beta * 1e9:7.4f} ns/B "
               f"({1 / l.beta / 1e9 if l.beta else math.inf:7.2f} GB/s)  gamma "
               f"{l.gamma * 1e9:7.4f} ns/B  | fit error median "
               f"{100 * (rep.get('median_rel_error') or 0):.0f}%, max "

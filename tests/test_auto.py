@@ -164,6 +164,26 @@ def test_fit_recovers_known_parameters(p):
     assert got.algorithm == "ring"
 
 
+def test_fit_recovers_the_cost_per_call():
+    rng = np.random.default_rng(7)
+    true = Link(alpha=5e-6, beta=0.7e-9, gamma=0.4e-9, call=300e-6)
+    samples = []
+    for kind in ("allreduce", "alltoall", "allgather"):
+        for n in (16 * KB, 256 * KB, 2048 * KB, 8192 * KB):
+            for m in ((1, 8) if kind == "allreduce" else (1,)):
+                t = true.call + m * _cost.collective_seconds(
+                    kind, n / m, 2, true, "ring" if kind != "alltoall" else "pairwise")
+                samples.append((kind, n / m, 2, t * (1 + 0.01 * rng.standard_normal()), m))
+    got, _ = _cost.fit_link(samples)
+    for name in ("call", "alpha", "beta", "gamma"):
+        assert getattr(got, name) == pytest.approx(getattr(true, name), rel=0.05), name
+    # the call is paid once per op, however many messages it sends
+    op = Op("inter", "allreduce", "host", 2, (KB,) * 8, 1, 1)
+    prof = Profile((("host", got),), 0.0)
+    assert op.seconds(prof) == pytest.approx(
+        got.call + 8 * _cost.collective_seconds("allreduce", KB, 2, got, "ring"))
+
+
 def test_fit_drops_noise_and_fits_copy():
     samples = [("allreduce", 1e3, 2, 2e-5), ("allreduce", 1e6, 2, 1e-3),
                ("allgather", 1e6, 2, -1e-5), ("allgather", 1e3, 2, 1e-5)]
