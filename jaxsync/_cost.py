@@ -90,6 +90,9 @@ class Profile:
       links: ``{"device"|"host"|"network": Link}``; a link missing here is taken
         from :data:`DEFAULT_PROFILE` (``missing`` says which).
       copy: seconds per byte of a local copy (packing a bucket, unpacking it).
+      leaf: seconds per reduced leaf per synchronisation, whatever the strategy
+        (each leaf is an operand and a result of the step's sync: slicing,
+        scaling, handing it to a call).
       topology: ``{"processes", "hosts", "local_devices"}`` it was measured on
         (``None`` for the built-in default).
       source: where it came from (a path, or ``"built-in default"``).
@@ -101,6 +104,7 @@ class Profile:
     topology: dict | None = None
     source: str = "built-in default"
     fit: dict | None = None
+    leaf: float = 0.0
 
     def link(self, name: str) -> Link:
         for k, v in self.links:
@@ -119,7 +123,8 @@ class Profile:
     def to_json(self) -> dict:
         return {"format": "jaxsync-profile-1",
                 "links": {k: v.as_dict() for k, v in self.links},
-                "copy": self.copy, "topology": self.topology, "fit": self.fit}
+                "copy": self.copy, "leaf": self.leaf, "topology": self.topology,
+                "fit": self.fit}
 
     @classmethod
     def from_json(cls, data: dict, source: str = "<dict>") -> "Profile":
@@ -137,12 +142,13 @@ class Profile:
                                          str(d.get("algorithm", "auto")),
                                          float(d.get("call", 0.0)))))
         return cls(tuple(links), float(data.get("copy", DEFAULT_PROFILE.copy)),
-                   data.get("topology"), source, data.get("fit"))
+                   data.get("topology"), source, data.get("fit"),
+                   float(data.get("leaf", 0.0)))
 
     def digest(self) -> str:
         """Short hash of the parameters (not the source): equal profiles, equal digest."""
         body = json.dumps({"links": {k: v.as_dict() for k, v in self.links},
-                           "copy": self.copy}, sort_keys=True)
+                           "copy": self.copy, "leaf": self.leaf}, sort_keys=True)
         return hashlib.sha256(body.encode()).hexdigest()[:12]
 
     def replace_link(self, name: str, link: Link) -> "Profile":
@@ -326,6 +332,8 @@ class Op:
     def seconds(self, profile: Profile) -> float:
         if self.kind == "copy":
             return profile.copy * float(sum(self.sizes))
+        if self.kind == "leaf":
+            return profile.leaf * float(sum(self.sizes))
         link = profile.link(self.link)
         return self.calls * link.call + float(sum(collective_seconds(self.kind, s, self.members, link, "link",
                                             flows=self.flows) for s in self.sizes))
@@ -376,6 +384,9 @@ def strategy_ops(strategy: str, buckets: Sequence[BucketInfo], topo: ModelTopolo
         elems = b.nbytes // b.itemsize
         items.append((f"{isz}", elems * isz, isz, b.leaves))
     ops: list[Op] = []
+    leaves = sum(b.leaves for b in buckets)
+    if leaves:
+        ops.append(Op("local", "leaf", "", 1, (leaves,)))
     packed = sum(n for _, n, _, k in items if k > 1)
     if packed:
         ops.append(Op("local", "copy", "", 1, (2 * packed,)))  # pack + unpack

@@ -184,6 +184,42 @@ def measure_copy(sizes, rounds: int, iters: int) -> list:
     return out
 
 
+def measure_leaf(comm, devices: int, rounds: int, iters: int, k: int = 128) -> float:
+    """Seconds per leaf of a synchronisation: ``hierarchical_mean`` in the README's
+    ``jit(shard_map)`` step on ``k`` leaves of 1 KiB against one leaf of ``k`` KiB."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import jaxsync
+    mesh = Mesh(np.array(jax.local_devices()[:devices]), ("local",))
+    tx = jaxsync.hierarchical_mean(axis_name="local", comm=comm)
+    sh = NamedSharding(mesh, P("local"))
+    many = {f"l{i:03d}": jax.device_put(jnp.ones((devices, 256), jnp.float32), sh)
+            for i in range(k)}
+    one = {"l": jax.device_put(jnp.ones((devices, 256 * k), jnp.float32), sh)}
+
+    def step(sync):
+        def body(t):
+            g = jax.tree.map(lambda x: x[0] * 1.0001 + 1.0, t)
+            if sync:
+                g = tx.update(g, tx.init(g))[0]
+            return jax.tree.map(lambda x: x[None], g)
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("local"),
+                                     out_specs=P("local")))
+
+    fns = {"base many": (lambda f=step(False): f(many)),
+           "many": (lambda f=step(True): f(many)),
+           "base one": (lambda f=step(False): f(one)),
+           "one": (lambda f=step(True): f(one))}
+    control = None
+    if comm is not None:
+        from ._topology import Comms
+        control = Comms.of(comm).control
+    got = _time_rounds(fns, "base many", rounds, iters, control)
+    got_one = got["one"] - got["base one"]
+    return max(0.0, (got["many"] - got_one) / (k - 1))
+
+
 def calibrate(comm=None, devices: int | None = None, quick: bool = False,
               rounds: int | None = None) -> Profile:
     """Measure and fit a profile for this run's links (collective over ``comm``)."""
@@ -213,13 +249,16 @@ def calibrate(comm=None, devices: int | None = None, quick: bool = False,
     _log(rank, "copy")
     c = measure_copy(sizes, rounds, iters)
     copy = _cost.fit_copy(c)
+    _log(rank, "cost per leaf")
+    leaf = measure_leaf(comm, D, rounds, iters)
+    fit["leaf"] = leaf
     fit["copy"] = {"samples": len(c)}
     fit["seconds"] = round(time.perf_counter() - t0, 1)
     fit["raw"] = {k: [list(x) for x in v] for k, v in raw.items()} | {
         "copy": [list(x) for x in c]}
     links.sort(key=lambda kv: _cost.LINKS.index(kv[0]))
     return Profile(tuple(links), copy, {"processes": topo.size, "hosts": topo.hosts,
-                                        "local_devices": D}, "calibrated", fit)
+                                        "local_devices": D}, "calibrated", fit, leaf)
 
 
 def print_fit(profile: Profile) -> None:
@@ -232,7 +271,7 @@ def print_fit(profile: Profile) -> None:
               f"{100 * (rep.get('median_rel_error') or 0):.0f}%, max "
               f"{100 * (rep.get('max_rel_error') or 0):.0f}% over {rep.get('samples')} "
               "samples")
-    print(f"  copy     {profile.copy * 1e9:.4f} ns/B")
+    print(f"  copy     {profile.copy * 1e9:.4f} ns/B; per leaf {profile.leaf * 1e6:.2f} us")
 
 
 # --------------------------------------------------------------------------

@@ -85,7 +85,16 @@ BUCKETS = [BucketInfo("float32", 1024 * KB, 1), BucketInfo("float32", 100 * KB, 
 def _ops(strategy, buckets=BUCKETS, **topo):
     t = ModelTopology(**{"processes": 2, "hosts": 1, "local_devices": 4, **topo})
     return [(o.stage, o.kind, o.link, o.members, o.sizes, o.flows)
-            for o in _cost.strategy_ops(strategy, buckets, t)]
+            for o in _cost.strategy_ops(strategy, buckets, t) if o.kind != "leaf"]
+
+
+def test_every_strategy_pays_per_leaf():
+    t = ModelTopology(processes=2, hosts=1, local_devices=4)
+    prof = Profile((), 0.0, leaf=1e-6)
+    for s in _cost.STRATEGY_NAMES:
+        leaf = [o for o in _cost.strategy_ops(s, BUCKETS, t) if o.kind == "leaf"]
+        assert [o.sizes for o in leaf] == [(11,)]            # 1 + 10 leaves
+        assert leaf[0].seconds(prof) == pytest.approx(11e-6)
 
 
 def test_hierarchical_ops():
