@@ -12,6 +12,7 @@ choice is part of the text the processes compare before their first reduction.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -80,10 +81,11 @@ class AutoSpec:
     hosts: int = 1
     bucket_bytes: Any = AUTO       # AUTO: chosen; else fixed by the user
     pack_threshold: Any = AUTO
+    key: int = 0                   # this transform's entry in the record of choices
 
     def __hash__(self):
         return hash((self.profile.digest(), self.hosts, self.bucket_bytes,
-                     self.pack_threshold))
+                     self.pack_threshold, self.key))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +201,8 @@ def choose(tree, topo: ModelTopology, profile: Profile | None = None, *,
 # --------------------------------------------------------------------------
 
 _lock = threading.Lock()
-_recent: dict = {}   # AutoSpec hash -> list of Choice (newest last), for describe()
+_recent: dict = {}   # AutoSpec.key -> list of Choice (newest last), for describe()
+_keys = itertools.count(1)
 
 
 def make_auto_config(fn, axis_name, comm, *, profile=None, bucket_bytes=AUTO,
@@ -236,7 +239,7 @@ def make_auto_config(fn, axis_name, comm, *, profile=None, bucket_bytes=AUTO,
             else:
                 note = got["note"]
             prof = dataclasses.replace(Profile.from_json(got["profile"], got["source"]))
-    spec = AutoSpec(prof, note, hosts, bucket_bytes, pack_threshold)
+    spec = AutoSpec(prof, note, hosts, bucket_bytes, pack_threshold, next(_keys))
     return dataclasses.replace(base, strategy=AUTO, auto=spec)
 
 
@@ -264,7 +267,7 @@ def resolve(tree, cfg):
                     pack_threshold=spec.pack_threshold, comm_itemsize=itemsize,
                     profile_note=spec.note)
     with _lock:
-        got = _recent.setdefault(hash(spec), [])
+        got = _recent.setdefault(spec.key, [])
         if not got or got[-1] != choice:
             got.append(choice)
             del got[:-8]
@@ -316,7 +319,7 @@ class AutoTransformation(optax.GradientTransformation):
         if cfg is None:
             return "jaxsync auto: not an auto transformation"
         with _lock:
-            got = list(_recent.get(hash(cfg.auto), []))
+            got = list(_recent.get(cfg.auto.key, []))
         if not got:
             return (f"jaxsync auto: nothing chosen yet (the choice is made when the "
                     f"step is first traced, from the tree); {cfg.auto.note}")

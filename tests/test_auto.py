@@ -393,3 +393,10 @@ def test_info_tree_explains_the_choice():
     assert len(marked) == 1 and text.splitlines()[0].split()[2] in marked[0]
     with pytest.raises(SystemExit, match="unknown tree"):
         _auto.explain_tree("nope", topo)
+
+
+def test_describe_shows_this_transforms_choices_only():
+    a = jaxsync.auto_mean(axis_name="i", comm=None, profile=_cost.DEFAULT_PROFILE)
+    b = jaxsync.auto_mean(axis_name="i", comm=None, profile=_cost.DEFAULT_PROFILE)
+    jax.vmap(lambda g: a.update(g, a.init(g))[0], axis_name="i")({"w": jnp.ones((2, 3))})
+    assert "x 2 device(s)" in a.describe() and "nothing chosen yet" in b.describe()

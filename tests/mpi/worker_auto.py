@@ -65,7 +65,7 @@ def main():
     topo = _cost.ModelTopology(processes=size, hosts=1, local_devices=D)
     want = [_auto.choose(tree, topo, profile_for(r)) for r in range(2)]
     res.add("want", [(c.strategy, c.bucket_bytes, c.pack_threshold) for c in want])
-    got = _auto._recent[hash(tx.update.config.auto)][-1]
+    got = _auto._recent[tx.update.config.auto.key][-1]
     res.add("got", (got.strategy, got.bucket_bytes, got.pack_threshold))
     res.add("note", tx.update.config.auto.note)
 
