@@ -1105,7 +1105,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) >= 2 and argv[0] == "--suite":  # another suite: jaxsync/_bench_<name>.py
         import importlib
-        return importlib.import_module(f"jaxsync._bench_{argv[1]}").main(argv[2:])
+        try:
+            suite = importlib.import_module(f"jaxsync._bench_{argv[1]}")
+        except ModuleNotFoundError:
+            raise SystemExit(f"jaxsync bench: unknown suite {argv[1]!r} (no module "
+                             f"jaxsync/_bench_{argv[1]}.py)") from None
+        return suite.main(argv[2:])
     args = _parse(argv)
     comm = _mpi_world()
     devices = args.devices or (1 if comm is not None else 8)
