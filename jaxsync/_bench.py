@@ -1107,7 +1107,9 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
         try:
             suite = importlib.import_module(f"jaxsync._bench_{argv[1]}")
-        except ModuleNotFoundError:
+        except ModuleNotFoundError as e:
+            if e.name != f"jaxsync._bench_{argv[1]}":
+                raise
             raise SystemExit(f"jaxsync bench: unknown suite {argv[1]!r} (no module "
                              f"jaxsync/_bench_{argv[1]}.py)") from None
         return suite.main(argv[2:])
