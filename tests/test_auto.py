@@ -353,9 +353,10 @@ def test_projection_rows():
     assert table.count("\n") == len(rows) + 1 and "auto picks" in table
 
 
-def _run(args, timeout=240):
+def _run(args, home, timeout=240):
+    # HOME: no user profile is picked up, and caches (matplotlib) stay out of the tree
     env = {"PYTHONPATH": str(ROOT), "PATH": str(Path(sys.executable).parent),
-           "HOME": str(ROOT)}
+           "HOME": str(home)}
     proc = subprocess.run([sys.executable, "-m", "jaxsync", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -364,7 +365,7 @@ def _run(args, timeout=240):
 
 def test_tune_quick_writes_a_profile(tmp_path):
     out = tmp_path / "p.json"
-    text = _run(["tune", "--quick", "--devices", "2", "--out", str(out)])
+    text = _run(["tune", "--quick", "--devices", "2", "--out", str(out)], tmp_path)
     prof = Profile.from_json(json.loads(out.read_text()), str(out))
     assert prof.has("device") and prof.topology == {"processes": 1, "hosts": 1,
                                                     "local_devices": 2}
@@ -375,7 +376,7 @@ def test_tune_quick_writes_a_profile(tmp_path):
 
 def test_bench_model_suite_quick(tmp_path):
     text = _run(["bench", "--suite", "model", "--quick", "--devices", "2", "--out",
-                 str(tmp_path)])
+                 str(tmp_path)], tmp_path)
     summary = json.loads((tmp_path / "model.json").read_text())
     assert (tmp_path / "model.png").stat().st_size > 0
     assert {c["strategy"] for c in summary["cases"]} == set(
