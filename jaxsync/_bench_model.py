@@ -130,6 +130,7 @@ def collect(out: Path) -> dict:
                 cases.append({"config": cfg, "tree": t["tree"], "strategy": s,
                               "predicted_ms": r["predicted_ms"],
                               "measured_ms": r["measured_ms"], "rel_error": err,
+                              "q25_ms": r.get("q25_ms"), "q75_ms": r.get("q75_ms"),
                               "ok": abs(err) <= PRED_TOL})
             autos.append({"config": cfg, "tree": t["tree"], **t["auto"]})
     share = float(np.mean([c["ok"] for c in cases])) if cases else float("nan")
@@ -174,12 +175,18 @@ def plot(cases, path: Path) -> None:
     cmap = plt.get_cmap("tab10")
     for i, cfg in enumerate(configs):
         for s in STRATEGIES:
-            pts = [(c["measured_ms"], c["predicted_ms"]) for c in cases
+            pts = [c for c in cases
                    if c["config"] == cfg and c["strategy"] == s and c["measured_ms"] > 0]
             if pts:
-                x, y = zip(*pts)
+                x = np.array([c["measured_ms"] for c in pts])
+                y = np.array([c["predicted_ms"] for c in pts])
+                # the measured interquartile range of the rounds: the noise
+                lo = np.array([max(1e-3, c.get("q25_ms") or c["measured_ms"]) for c in pts])
+                hi = np.array([c.get("q75_ms") or c["measured_ms"] for c in pts])
+                ax.errorbar(x, y, xerr=[np.maximum(x - lo, 0), np.maximum(hi - x, 0)],
+                            fmt="none", ecolor=cmap(i % 10), alpha=0.4, lw=1)
                 ax.scatter(x, y, color=cmap(i % 10), marker=markers[s], s=30,
-                           label=f"{cfg} {s}" if s == "hierarchical" else None)
+                           label=cfg if s == "hierarchical" else None)
     vals = [v for c in cases for v in (c["measured_ms"], c["predicted_ms"]) if v > 0]
     if vals:
         lo, hi = min(vals) / 1.5, max(vals) * 1.5
@@ -193,7 +200,8 @@ def plot(cases, path: Path) -> None:
     ax.set_xlabel("measured marginal cost (ms, slowest rank)")
     ax.set_ylabel("predicted (ms)")
     ax.set_title("jaxsync cost model: predicted vs measured\n"
-                 "(markers: o naive, s flat, D hierarchical, ^ two_dimensional; band ±25%)")
+                 "(o naive, s flat, D hierarchical, ^ two_dimensional; band ±25%;\n"
+                 "bars: interquartile range of the measured rounds)", fontsize=10)
     ax.legend(fontsize=7, title="configuration (colour)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
