@@ -343,7 +343,7 @@ def project(hosts=PROJECT_HOSTS, devices: int = 8) -> list[dict]:
     """Predicted sync time per strategy and auto's choice, hosts x ``devices``."""
     from . import _auto
     trees = {"ResNet-50 (25.6 M f32, 161 leaves)": resnet50_tree(),
-             "1 B-param transformer (f32, 219 leaves)": transformer_1b_tree()}
+             "1 B-param transformer (f32, 217 leaves)": transformer_1b_tree()}
     rows = []
     for net, prof in projection_profiles().items():
         for tname, tree in trees.items():
