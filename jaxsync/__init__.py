@@ -8,6 +8,7 @@ own XLA FFI targets on CPU, mpi4jax's on GPU) or a mesh axis, and unpack. Each s
     tx = optax.chain(jaxsync.hierarchical_mean(axis_name="local"), optax.adam(1e-3))
 """
 
+from ._auto import auto_mean
 from ._backends import AxisComm
 from ._broadcast import broadcast_params
 from ._compress import (PowerSGDState, SignState, powersgd_mean, sign_mean,
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AxisComm",
+    "auto_mean",
     "Bucket",
     "LeafSpec",
     "Plan",

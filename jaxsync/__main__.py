@@ -1,4 +1,4 @@
-"""Command line: ``python -m jaxsync {demo,bench,info}``."""
+"""Command line: ``python -m jaxsync {demo,bench,tune,info}``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ _HELP = {
             "compared with single-process training",
     "bench": "every strategy against the peers a user would write, side by side "
              "(table, JSON/CSV, PNG plot); run under mpirun for the inter-process part",
+    "tune": "calibrate the cost model behind strategy='auto' (writes a JSON profile); "
+            "--project prints predicted times for large clusters",
     "info": "versions, MPI library and thread level, and this process's topology "
             "(run alone or under mpirun)",
 }
@@ -34,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     if command == "bench":
         from . import _bench
         return _bench.main(rest)
+    if command == "tune":
+        from . import _tune
+        return _tune.main(rest)
     if command == "info":
         from . import _info
         return _info.main(rest)

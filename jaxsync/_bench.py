@@ -1103,9 +1103,16 @@ def _parse(argv) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """``python -m jaxsync bench [options]``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) >= 2 and argv[0] == "--suite":  # e.g. --suite sparse: _bench_sparse
+    if len(argv) >= 2 and argv[0] == "--suite":  # another suite: jaxsync/_bench_<name>.py
         import importlib
-        return importlib.import_module(f"jaxsync._bench_{argv[1]}").main(argv[2:])
+        try:
+            suite = importlib.import_module(f"jaxsync._bench_{argv[1]}")
+        except ModuleNotFoundError as e:
+            if e.name != f"jaxsync._bench_{argv[1]}":
+                raise
+            raise SystemExit(f"jaxsync bench: unknown suite {argv[1]!r} (no module "
+                             f"jaxsync/_bench_{argv[1]}.py)") from None
+        return suite.main(argv[2:])
     args = _parse(argv)
     comm = _mpi_world()
     devices = args.devices or (1 if comm is not None else 8)

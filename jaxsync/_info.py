@@ -97,6 +97,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="one JSON object per rank")
     p.add_argument("--devices", type=int, default=None,
                    help="fake CPU devices per process (sets jax_num_cpu_devices)")
+    p.add_argument("--tree", default=None,
+                   help="also print what strategy='auto' chooses for this tree on this "
+                        "topology, with the predicted time of every strategy (a bench tree: "
+                        "resnet18, small500, transformer, mixed; or resnet50, transformer1b)")
+    p.add_argument("--profile", default=None,
+                   help="with --tree: the profile (default: $JAXSYNC_PROFILE, else "
+                        "~/.cache/jaxsync/profile.json, else the built-in default)")
     args = p.parse_args(argv)
     if args.devices:
         import jax
@@ -147,4 +154,8 @@ def main(argv: list[str]) -> int:
         t.add_row(*(str(topo[c]) for c in ("rank", "size", "host", "hosts", "local_rank",
                                            "local_size", "local_devices", "platform")))
     con.print(t)
+    if args.tree:
+        from ._auto import explain_tree
+        con.print(explain_tree(args.tree, first["topology"], args.profile), soft_wrap=True,
+                  markup=False)
     return 0

@@ -109,23 +109,35 @@ class SyncConfig:
     predivide: float | None = None
     check_finite: Any = False
     sparse: Any = None  # _sparse.SparseOptions: how RowSparse leaves travel
+    auto: Any = None  # strategy="auto": what it decides from (_auto.AutoSpec)
 
     def describe(self) -> str:
         return (f"strategy {self.strategy} reduce {self.reduce} comm_dtype "
                 f"{self.comm_dtype} predivide {self.predivide} check_finite "
                 f"{self.check_finite!r} backend {self.backend.name} staging "
                 f"{getattr(self.backend, 'staging', None)} timeout "
-                f"{getattr(self.backend, 'timeout', None)}")
+                f"{getattr(self.backend, 'timeout', None)}"
+                + (f" auto profile {self.auto.profile.digest()}" if self.auto else ""))
 
 
 def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
                 bucket_bytes=AUTO, pack_threshold=AUTO,
                 comm_dtype=None, predivide=None, check_finite=False,
-                staging="device", timeout=None, sparse=None) -> SyncConfig:
+                staging="device", timeout=None, sparse=None,
+                profile=None) -> SyncConfig:
     """Validate every static option; raise TypeError/ValueError naming it."""
+    if isinstance(strategy, str) and strategy == AUTO:
+        from . import _auto  # the strategy is chosen at trace time (_sync)
+        return _auto.make_auto_config(
+            fn, axis_name, comm, profile=profile, reduce=reduce, bucket_bytes=bucket_bytes,
+            pack_threshold=pack_threshold, comm_dtype=comm_dtype, predivide=predivide,
+            check_finite=check_finite, staging=staging, timeout=timeout, sparse=sparse)
+    if profile is not None:
+        raise ValueError(f"{fn}: profile is used by strategy='auto' only, got strategy="
+                         f"{strategy!r}. Fix: strategy='auto', or drop profile.")
     if strategy not in _strategies.STRATEGIES:
-        raise ValueError(f"{fn}: strategy must be one of {_strategies.STRATEGIES}, "
-                         f"got {strategy!r}.")
+        raise ValueError(f"{fn}: strategy must be one of {_strategies.STRATEGIES} or "
+                         f"'auto', got {strategy!r}.")
     axes = _normalize_axes(fn, axis_name)
     if not isinstance(reduce, str) or reduce not in _REDUCES:
         raise ValueError(f"{fn}: reduce must be one of {_REDUCES}, got {reduce!r}. "
@@ -180,6 +192,9 @@ def _sync(tree: PyTree, cfg: SyncConfig):
     if _sparse.has_row_sparse(tree):  # RowSparse leaves are all-gathered
         return _sparse.sync_mixed(tree, cfg, _sync)
     _backends.check_axes(cfg.axes)
+    if cfg.strategy == AUTO:  # chosen now, from the tree (jaxsync._auto)
+        from . import _auto
+        cfg = _auto.resolve(tree, cfg)
     _check_unsynced_devices(cfg)
     intra = _backends.AxisOps(cfg.axes)
     alone = intra.size == 1 and getattr(cfg.backend, "native", False)
@@ -320,6 +335,8 @@ def sync_gradients(tree: PyTree, *, axis_name, strategy: str = "hierarchical",
     Call it inside ``shard_map``, ``pmap`` or ``vmap(axis_name=...)``. Options are
     those of the transforms (``reduce``, ``bucket_bytes``, ``pack_threshold``,
     ``comm_dtype``, ``predivide``, ``check_finite``, ``staging``, ``timeout``).
+    ``strategy="auto"`` picks the strategy from the cost model (see
+    :func:`jaxsync.auto_mean`; also ``profile=``).
     For use in a training loop, prefer the optax factories, which validate
     options once.
 

@@ -1,0 +1,399 @@
+"""``strategy="auto"``: pick strategy, ``bucket_bytes`` and ``pack_threshold``.
+
+The choice is made at trace time (it needs the tree) from the cost model
+(``jaxsync._cost``) and a profile (``python -m jaxsync tune``), deterministically:
+the same tree, topology and profile give the same choice. With MPI the profile is
+read on every process when the transform is made and rank 0's is broadcast (on
+jaxsync's private control communicator), so every process decides alike; the
+choice is part of the text the processes compare before their first reduction.
+``comm_dtype`` is never chosen (a lossy wire dtype is the user's decision).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import optax
+
+from . import _cost
+from ._cost import BucketInfo, ModelTopology, Profile
+
+log = logging.getLogger("jaxsync")
+
+AUTO = "auto"
+PROFILE_ENV = "JAXSYNC_PROFILE"
+DEFAULT_PROFILE_PATH = Path("~/.cache/jaxsync/profile.json")
+CANDIDATE_STRATEGIES = ("hierarchical", "two_dimensional", "flat", "naive")
+"""In order of preference on a tie (within a relative 1e-9)."""
+CANDIDATE_BUCKETS = (16 * 2**20, 64 * 2**20)
+CANDIDATE_THRESHOLDS = (None, 64 * 2**10, 256 * 2**10, 1 * 2**20, 4 * 2**20)
+
+
+def default_profile_path() -> Path:
+    """``$JAXSYNC_PROFILE``, else ``~/.cache/jaxsync/profile.json``."""
+    env = os.environ.get(PROFILE_ENV)
+    return Path(env).expanduser() if env else DEFAULT_PROFILE_PATH.expanduser()
+
+
+def load_profile(profile=None) -> tuple[Profile, str]:
+    """The profile to use and a note on where it came from (or why not).
+
+    ``profile``: ``None`` (``$JAXSYNC_PROFILE`` or the default path, else the
+    built-in default), a path, a dict (a profile's JSON) or a
+    :class:`jaxsync._cost.Profile`. A missing or unreadable file falls back to
+    the built-in default with a warning.
+    """
+    if isinstance(profile, Profile):
+        return profile, f"profile {profile.source}"
+    if isinstance(profile, dict):
+        return Profile.from_json(profile, "<dict>"), "profile from a dict"
+    explicit = profile is not None
+    path = Path(profile).expanduser() if explicit else default_profile_path()
+    if not path.exists():
+        note = (f"no profile at {path} (write one with `python -m jaxsync tune --out "
+                f"{path}`): using the built-in default link parameters")
+        if explicit or os.environ.get(PROFILE_ENV):
+            warnings.warn(f"jaxsync auto: {note}", stacklevel=3)
+        return _cost.DEFAULT_PROFILE, note
+    try:
+        data = json.loads(path.read_text())
+        return Profile.from_json(data, str(path)), f"profile {path}"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        note = f"profile {path} unreadable ({e}): using the built-in default"
+        warnings.warn(f"jaxsync auto: {note}", stacklevel=3)
+        return _cost.DEFAULT_PROFILE, note
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoSpec:
+    """What ``strategy="auto"`` decides from, fixed when the transform is made."""
+
+    profile: Profile
+    note: str
+    hosts: int = 1
+    bucket_bytes: Any = AUTO       # AUTO: chosen; else fixed by the user
+    pack_threshold: Any = AUTO
+    key: int = 0                   # this transform's entry in the record of choices
+
+    def __hash__(self):
+        return hash((self.profile.digest(), self.hosts, self.bucket_bytes,
+                     self.pack_threshold, self.key))
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The outcome: what was chosen and the predicted seconds of every candidate."""
+
+    strategy: str
+    bucket_bytes: int | None
+    pack_threshold: int | None
+    seconds: float
+    table: tuple            # ((strategy, bucket_bytes, pack_threshold, seconds), ...)
+    topology: ModelTopology
+    profile_note: str
+    warnings: tuple = ()
+
+    def describe(self) -> str:
+        t = self.topology
+        lines = [f"jaxsync auto: {self.strategy} (bucket_bytes {_fmt(self.bucket_bytes)}, "
+                 f"pack_threshold {_fmt(self.pack_threshold)}), predicted "
+                 f"{self.seconds * 1e3:.3f} ms; {t.processes} process(es) on {t.hosts} "
+                 f"host(s) x {t.local_devices} device(s), inter link {t.link if t.processes > 1 else '-'}; "
+                 f"{self.profile_note}"]
+        lines += [f"  note: {w}" for w in self.warnings]
+        best = {}
+        for s, b, th, sec in self.table:
+            if s not in best or sec < best[s][2]:
+                best[s] = (b, th, sec)
+        for s, (b, th, sec) in best.items():
+            mark = "*" if s == self.strategy else " "
+            lines.append(f" {mark} {s:<16} {sec * 1e3:9.3f} ms  (bucket_bytes {_fmt(b)}, "
+                         f"pack_threshold {_fmt(th)})")
+        return "\n".join(lines)
+
+
+def _fmt(n):
+    if n is None:
+        return "none"
+    return f"{n // 2**20} MiB" if n >= 2**20 and n % 2**20 == 0 else (
+        f"{n // 2**10} KiB" if n % 2**10 == 0 else f"{n} B")
+
+
+def buckets_of(plan) -> list[BucketInfo]:
+    return [BucketInfo(b.dtype, b.nbytes, len(b.leaves)) for b in plan.buckets]
+
+
+def _check_profile_topology(profile: Profile, topo: ModelTopology) -> tuple:
+    notes = []
+    need = ["device"] if topo.local_devices > 1 else []
+    if topo.processes > 1:
+        need.append(topo.link)
+    for name in need:
+        if not profile.has(name):
+            notes.append(f"the profile has no '{name}' link (not measured on its "
+                         f"machine): built-in default used for it")
+    got = profile.topology
+    if got:
+        here = {"processes": topo.processes, "hosts": topo.hosts,
+                "local_devices": topo.local_devices}
+        if any(got.get(k) != v for k, v in here.items()):
+            notes.append(f"the profile was measured on {got.get('processes')} process(es) "
+                         f"x {got.get('local_devices')} device(s), {got.get('hosts')} host(s); "
+                         f"this is {topo.processes} x {topo.local_devices}, {topo.hosts}: its "
+                         "link parameters are used as they are")
+    return tuple(notes)
+
+
+def choose(tree, topo: ModelTopology, profile: Profile | None = None, *,
+           bucket_bytes=AUTO, pack_threshold=AUTO, comm_itemsize: int | None = None,
+           strategies=CANDIDATE_STRATEGIES, profile_note: str = "") -> Choice:
+    """The fastest (strategy, bucket_bytes, pack_threshold) for ``tree`` by the model.
+
+    ``tree`` is a pytree of arrays or ``jax.ShapeDtypeStruct``. Deterministic:
+    candidates are tried in a fixed order and the first within a relative
+    1e-9 of the fastest wins.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxsync import _auto, _cost
+      >>> tree = {f"w{i}": jax.ShapeDtypeStruct((256,), jnp.float32) for i in range(200)}
+      >>> topo = _cost.ModelTopology(processes=2, hosts=1, local_devices=4)
+      >>> c = _auto.choose(tree, topo)
+      >>> c.strategy != "naive"   # 200 messages would cost 200 latencies
+      True
+      >>> c == _auto.choose(tree, topo)
+      True
+    """
+    from ._plan import DEFAULT_BUCKET_BYTES, DEFAULT_PACK_THRESHOLD, make_plan
+    profile = profile or _cost.DEFAULT_PROFILE
+    buckets_opts = CANDIDATE_BUCKETS if bucket_bytes == AUTO else (bucket_bytes,)
+    thr_opts = CANDIDATE_THRESHOLDS if pack_threshold == AUTO else (pack_threshold,)
+    table, seen = [], {}
+    for s in strategies:
+        per_leaf = _cost.per_leaf_plan(s, topo)
+        for b in buckets_opts:
+            for t in thr_opts:
+                plan = make_plan(tree, bucket_bytes=b, pack_threshold=t, per_leaf=per_leaf)
+                key = (s, plan.buckets)
+                if key in seen:  # the same program as an earlier candidate
+                    continue
+                seen[key] = True
+                sec = _cost.predict(s, buckets_of(plan), topo, profile, comm_itemsize)
+                table.append((s, b, t, float(sec)))
+    if not table:
+        raise ValueError("jaxsync auto: no candidate strategy")
+    best = min(sec for *_, sec in table)
+    pick = next(row for row in table if row[3] <= best * (1 + 1e-9))
+    return Choice(pick[0], pick[1], pick[2], pick[3], tuple(table), topo, profile_note,
+                  _check_profile_topology(profile, topo))
+
+
+# --------------------------------------------------------------------------
+# Hooks called from _transforms
+# --------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_recent: dict = {}   # AutoSpec.key -> list of Choice (newest last), for describe()
+_keys = itertools.count(1)
+
+
+def make_auto_config(fn, axis_name, comm, *, profile=None, bucket_bytes=AUTO,
+                     pack_threshold=AUTO, **options):
+    """A SyncConfig with ``strategy="auto"`` and an :class:`AutoSpec`.
+
+    Every other option is validated as for ``hierarchical_mean``. For an MPI
+    communicator the profile of rank 0 is broadcast and the number of hosts found
+    now (collective: this runs when the factory is called, on every process).
+    """
+    from . import _backends
+    from ._transforms import make_config
+    if not (profile is None or isinstance(profile, (str, os.PathLike, dict, Profile))):
+        raise TypeError(
+            f"{fn} got unexpected type for argument 'profile' (expected: a path, a "
+            f"dict, a jaxsync profile or None, got: {type(profile).__name__} "
+            f"{profile!r}). Fix: profile='profile.json' (written by `python -m jaxsync "
+            "tune --out profile.json`) or profile=None (the default path, else built-in).")
+    base = make_config(fn, "hierarchical", axis_name, comm,
+                       bucket_bytes=64 * 2**20 if bucket_bytes == AUTO else bucket_bytes,
+                       pack_threshold=256 * 2**10 if pack_threshold == AUTO else pack_threshold,
+                       **options)
+    prof, note = load_profile(profile)
+    hosts = 1
+    if isinstance(base.backend, _backends.MPIBackend):
+        from ._topology import topology
+        comms = base.backend.comms
+        hosts = topology(base.backend.comm).hosts
+        mine = {"profile": prof.to_json(), "source": prof.source, "note": note}
+        got = comms.control.bcast(mine, root=0)
+        if comms.rank != 0:
+            if Profile.from_json(got["profile"]).digest() != prof.digest():
+                note = f"rank 0's profile ({got['note']}), which differs from this process's"
+            else:
+                note = got["note"]
+            prof = dataclasses.replace(Profile.from_json(got["profile"], got["source"]))
+    spec = AutoSpec(prof, note, hosts, bucket_bytes, pack_threshold, next(_keys))
+    return dataclasses.replace(base, strategy=AUTO, auto=spec)
+
+
+def resolve(tree, cfg):
+    """At trace time: ``cfg`` with the strategy, buckets and threshold chosen."""
+    from jax import lax
+    from . import _backends
+    spec = cfg.auto
+    D = _backends.axes_size(cfg.axes) if cfg.axes else 1
+    backend = cfg.backend
+    P = backend.size()
+    inter_link = None
+    if isinstance(backend, _backends.AxisBackend):
+        import jax
+        inter_link = "device" if jax.process_count() == 1 else "network"
+    batched = bool(cfg.axes) and _backends._is_batched(lax.axis_index(cfg.axes))
+    topo = ModelTopology(
+        processes=P, hosts=spec.hosts, local_devices=D,
+        native=bool(getattr(backend, "native", False)),
+        broadcast=isinstance(backend, _backends.MPIBackend) and not batched,
+        inter_link=inter_link)
+    import jax.numpy as jnp
+    itemsize = jnp.dtype(cfg.comm_dtype).itemsize if cfg.comm_dtype else None
+    choice = choose(tree, topo, spec.profile, bucket_bytes=spec.bucket_bytes,
+                    pack_threshold=spec.pack_threshold, comm_itemsize=itemsize,
+                    profile_note=spec.note)
+    with _lock:
+        got = _recent.setdefault(spec.key, [])
+        if not got or got[-1] != choice:
+            got.append(choice)
+            del got[:-8]
+            log.info(choice.describe().splitlines()[0])
+            for w in choice.warnings:
+                warnings.warn(f"jaxsync auto: {w}", stacklevel=4)
+    return dataclasses.replace(cfg, strategy=choice.strategy,
+                               bucket_bytes=choice.bucket_bytes,
+                               pack_threshold=choice.pack_threshold)
+
+
+def named_trees() -> dict:
+    """Trees ``info --tree`` knows: the bench's and the projection's."""
+    from . import _bench, _tune
+    return {**_bench.make_trees(False), **_bench.make_trees(True),
+            "resnet50": _tune.resnet50_tree, "transformer1b": _tune.transformer_1b_tree}
+
+
+def explain_tree(name: str, topo: dict, profile=None) -> str:
+    """What ``strategy="auto"`` would choose for tree ``name`` on ``topo``
+    (``python -m jaxsync info --tree NAME``; ``topo`` as ``Topology.as_dict()``)."""
+    trees = named_trees()
+    if name not in trees:
+        raise SystemExit(f"jaxsync info: unknown tree {name!r}; choose from {sorted(trees)}")
+    prof, note = load_profile(profile)
+    size = int(topo["size"])
+    model = ModelTopology(processes=size, hosts=int(topo["hosts"]),
+                          local_devices=int(topo["local_devices"]),
+                          native=topo.get("platform") == "cpu" and size > 1,
+                          broadcast=size > 1)
+    return choose(trees[name](), model, prof, profile_note=note).describe()
+
+
+# --------------------------------------------------------------------------
+# The public factory
+# --------------------------------------------------------------------------
+
+class AutoTransformation(optax.GradientTransformation):
+    """An optax ``GradientTransformation`` that says what ``auto`` chose.
+
+    ``describe()`` returns the choices made so far (one per traced tree and
+    topology), with the predicted time of every strategy.
+    """
+
+    __slots__ = ()
+
+    def describe(self) -> str:
+        cfg = getattr(self.update, "config", None)
+        if cfg is None:
+            return "jaxsync auto: not an auto transformation"
+        with _lock:
+            got = list(_recent.get(cfg.auto.key, []))
+        if not got:
+            return (f"jaxsync auto: nothing chosen yet (the choice is made when the "
+                    f"step is first traced, from the tree); {cfg.auto.note}")
+        return "\n".join(c.describe() for c in got)
+
+
+def auto_mean(axis_name, comm=AUTO, *, profile=None, reduce: str = "mean",
+              bucket_bytes=AUTO, pack_threshold=AUTO, comm_dtype=None,
+              predivide: float | None = None, check_finite=False,
+              staging: str = "device", timeout: float | None = None) -> AutoTransformation:
+    """Average gradients with the strategy the cost model predicts fastest.
+
+    When the step is first traced, the transform predicts the time of every
+    strategy (``hierarchical``, ``two_dimensional``, ``flat``, ``naive``) and of
+    a few ``bucket_bytes``/``pack_threshold`` values for this tree and topology
+    (processes, hosts, local devices) from a calibrated profile, and uses the
+    fastest; ``tx.describe()`` shows the choice and the predictions, and it is
+    logged (logger ``"jaxsync"``, level INFO). The same tree, topology and
+    profile always give the same choice. With MPI every process uses rank 0's
+    profile (broadcast when the factory is called, so call it on every process)
+    and the processes compare the choice with the rest of the plan before the
+    first reduction. ``comm_dtype`` is never chosen: pass it to allow a lossy
+    wire dtype.
+
+    Args:
+      axis_name: as for :func:`jaxsync.hierarchical_mean`.
+      comm: as for :func:`jaxsync.hierarchical_mean`.
+      profile: a profile written by ``python -m jaxsync tune --out FILE`` (a
+        path), its JSON as a dict, or ``None``: ``$JAXSYNC_PROFILE``, else
+        ``~/.cache/jaxsync/profile.json`` (where ``tune`` writes by default),
+        else the built-in default parameters (see the README).
+      reduce, comm_dtype, predivide, check_finite, staging, timeout: as for
+        :func:`jaxsync.hierarchical_mean`.
+      bucket_bytes: ``"auto"`` (chosen) or a fixed value.
+      pack_threshold: ``"auto"`` (chosen) or a fixed value (``None``: pack all).
+
+    Returns:
+      an optax ``GradientTransformation`` with a ``describe()`` method.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxsync
+      >>> tx = jaxsync.auto_mean(axis_name="i", comm=None)
+      >>> f = lambda g: tx.update(g, tx.init(g))[0]
+      >>> jax.vmap(f, axis_name="i")({"w": jnp.arange(4.0)})["w"]
+      Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
+      >>> print(tx.describe().splitlines()[0])  # doctest: +ELLIPSIS
+      jaxsync auto: ... predicted ... 1 process(es) on 1 host(s) x 4 device(s)...
+    """
+    from ._transforms import SyncState, _sync
+    import jax.numpy as jnp
+    fn = "auto_mean"
+    cfg = make_auto_config(fn, axis_name, comm, profile=profile, reduce=reduce,
+                           bucket_bytes=bucket_bytes, pack_threshold=pack_threshold,
+                           comm_dtype=comm_dtype, predivide=predivide,
+                           check_finite=check_finite, staging=staging, timeout=timeout)
+    expected = SyncState if cfg.check_finite else optax.EmptyState
+
+    def init_fn(params):
+        del params
+        if cfg.check_finite:
+            return SyncState(all_finite=jnp.array(True))
+        return optax.EmptyState()
+
+    def update_fn(updates, state, params=None):
+        del params
+        if not isinstance(state, expected):
+            raise TypeError(
+                f"{fn}: update got a state of type {type(state).__name__}, expected "
+                f"{expected.__name__} from this transform's init. Make sure you have "
+                "called init first and pass the state returned by this transform.")
+        synced, finite = _sync(updates, cfg)
+        if cfg.check_finite:
+            return synced, SyncState(all_finite=finite)
+        return synced, state
+
+    update_fn.config = cfg
+    return AutoTransformation(init_fn, update_fn)

@@ -1,0 +1,32 @@
+"""strategy="auto" under mpirun: the same choice on every rank (rank 0's profile
+wins when the ranks' profile files differ), the exact mean, and the agreement
+check passing with the choice in the compared text."""
+
+import numpy as np
+import pytest
+
+from mpi_harness import requires_mpi, run_mpi
+
+pytestmark = requires_mpi
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_auto_rank0_profile_wins(devices):
+    run = run_mpi("worker_auto.py", n=2, devices=devices, timeout=150).check()
+    r0, r1 = run.results
+    # The two profiles lead to different choices on their own ...
+    assert r0["want"][0] != r0["want"][1], r0["want"]
+    # ... and both ranks use rank 0's.
+    assert r0["got"] == r1["got"] == tuple(r0["want"][0])
+    assert "nothing chosen yet" in r0["before"]
+    # Same choice and prediction; only the note on the profile's origin differs.
+    head = [r["describe"].splitlines()[0].split("; ")[:2] for r in (r0, r1)]
+    assert head[0] == head[1], head
+    assert f"auto: {r0['got'][0]}" in r0["describe"]
+    assert "rank 0's profile" in r1["note"] and "differs" in r1["note"]
+    n = r0["replicas"]
+    for r in (r0, r1):
+        for key in ("result", "sync_gradients"):
+            for name, x in r[key].items():
+                want = np.full(x.shape, (n + 1) / 2, np.float32)
+                np.testing.assert_array_equal(x, want, err_msg=f"{key} {name}")

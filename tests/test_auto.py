@@ -1,0 +1,403 @@
+"""The cost model (jaxsync._cost), its calibration fit and strategy="auto".
+
+Closed forms are checked on hand-computed cases with round parameters
+(alpha = 1 s, beta = 1e-3 s/B, gamma = 1e-4 s/B); the fit on synthetic timings
+generated from known parameters with 1% noise; ``auto`` for determinism, its
+choice being the model's minimum, exact means and clear fall-backs.
+"""
+
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jaxsync
+from jaxsync import _auto, _cost, _tune
+from jaxsync._cost import BucketInfo, Link, ModelTopology, Op, Profile
+
+ROOT = Path(__file__).resolve().parent.parent
+L = Link(alpha=1.0, beta=1e-3, gamma=1e-4)
+
+
+# --------------------------------------------------------------------------
+# Closed forms
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind,n,p,algo,want", [
+    # ring allreduce: 2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma
+    ("allreduce", 800, 4, "ring", 6 + 1.2 + 0.06),
+    # recursive doubling, p = 8: log2(8) (alpha + n beta + n gamma)
+    ("allreduce", 1000, 8, "recursive_doubling", 3 * (1 + 1 + 0.1)),
+    # p = 6: 2 rounds among 4, plus the extra step (2 alpha + 2 n beta + n gamma)
+    ("allreduce", 1000, 6, "recursive_doubling", 2 * 2.1 + (2 + 2 + 0.1)),
+    # Rabenseifner, p = 8: 2 log p alpha + 2 (7/8) n beta + (7/8) n gamma
+    ("allreduce", 1000, 8, "rabenseifner", 6 + 1.75 + 0.0875),
+    ("reduce_scatter", 800, 4, "ring", 3 + 0.6 + 0.06),
+    ("allgather", 800, 4, "ring", 3 + 0.6),
+    ("allgather", 800, 4, "recursive_doubling", 2 + 0.6),
+    ("allgather", 800, 3, "recursive_doubling", 2 + 800 * 2 / 3 * 1e-3),  # ring for 3
+    ("alltoall", 800, 4, "pairwise", 3 + 0.6),
+    ("broadcast", 800, 4, "binomial", 2 * (1 + 0.8)),
+    ("allreduce", 800, 2, "ring", 2 + 0.8 + 0.04),
+])
+def test_closed_forms(kind, n, p, algo, want):
+    assert _cost.collective_seconds(kind, n, p, L, algo) == pytest.approx(want, rel=1e-12)
+
+
+def test_auto_algorithm_is_the_fastest_and_one_member_costs_nothing():
+    for p in (2, 3, 4, 8):
+        for n in (10, 1e5):
+            got = _cost.collective_seconds("allreduce", n, p, L)
+            each = [_cost.collective_seconds("allreduce", n, p, L, a)
+                    for a in _cost.ALGORITHMS["allreduce"]]
+            assert got == min(each)
+    assert _cost.collective_seconds("allreduce", 1e6, 1, L) == 0.0
+    assert _cost.collective_seconds("alltoall", 0, 4, L) == 0.0
+    with pytest.raises(ValueError, match="unknown collective"):
+        _cost.collective_seconds("scan", 1, 2, L)
+
+
+def test_flows_share_bandwidth_not_latency():
+    one = Link(alpha=1.0, beta=1e-3, gamma=0.0, flows=1)
+    two = Link(alpha=1.0, beta=1e-3, gamma=0.0, flows=2)
+    # 4 concurrent ring allreduces of 1000 B over 2 members: 2 alpha + 1000 beta x share
+    assert _cost.collective_seconds("allreduce", 1000, 2, one, "ring", flows=4) == 2 + 4.0
+    assert _cost.collective_seconds("allreduce", 1000, 2, two, "ring", flows=4) == 2 + 2.0
+    assert _cost.collective_seconds("allreduce", 1000, 2, two, "ring", flows=1) == 2 + 1.0
+
+
+# --------------------------------------------------------------------------
+# What each strategy issues
+# --------------------------------------------------------------------------
+
+KB = 1024
+BUCKETS = [BucketInfo("float32", 1024 * KB, 1), BucketInfo("float32", 100 * KB, 10)]
+
+
+def _ops(strategy, buckets=BUCKETS, **topo):
+    t = ModelTopology(**{"processes": 2, "hosts": 1, "local_devices": 4, **topo})
+    return [(o.stage, o.kind, o.link, o.members, o.sizes, o.flows)
+            for o in _cost.strategy_ops(strategy, buckets, t) if o.kind != "leaf"]
+
+
+def test_every_strategy_pays_per_leaf():
+    t = ModelTopology(processes=2, hosts=1, local_devices=4)
+    prof = Profile((), 0.0, leaf=1e-6)
+    for s in _cost.STRATEGY_NAMES:
+        leaf = [o for o in _cost.strategy_ops(s, BUCKETS, t) if o.kind == "leaf"]
+        assert [o.sizes for o in leaf] == [(11,)]            # 1 + 10 leaves
+        assert leaf[0].seconds(prof) == pytest.approx(11e-6)
+
+
+def test_hierarchical_ops():
+    assert _ops("hierarchical") == [
+        ("local", "copy", "", 1, (200 * KB,), 1),              # pack + unpack 100 KiB
+        ("intra", "allreduce", "device", 4, (1024 * KB, 100 * KB), 1),
+        ("inter", "allreduce", "host", 2, (1024 * KB, 100 * KB), 1),
+        ("intra", "allreduce", "device", 4, (1024 * KB, 100 * KB), 1),  # broadcast
+    ]
+    # across hosts the inter link is the network; a mesh axis has no broadcast
+    assert _ops("hierarchical", hosts=2, broadcast=False)[2][2] == "network"
+    assert len(_ops("hierarchical", broadcast=False)) == 3
+
+
+def test_two_dimensional_ops():
+    assert _ops("two_dimensional") == [
+        ("local", "copy", "", 1, (200 * KB,), 1),
+        ("intra", "reduce_scatter", "device", 4, (1024 * KB, 100 * KB), 1),
+        # slices of 256 KiB and 25 KiB; the small one is under 64 KiB: one group
+        ("inter", "allreduce", "host", 2, (256 * KB, 25 * KB), 4),
+        ("intra", "allgather", "device", 4, (1024 * KB, 100 * KB), 1),
+    ]
+
+
+def test_sixteen_bit_and_native_grouping():
+    low = [BucketInfo("bfloat16", 64 * KB, 1), BucketInfo("bfloat16", 32 * KB, 1)]
+    ops = _ops("flat", low, local_devices=1)
+    # concatenated (copy), all-to-all, f32 sum of my slice, all-gather
+    assert [o[1] for o in ops] == ["copy", "alltoall", "copy", "allgather"]
+    assert ops[1][4] == (96 * KB,) and ops[3][4] == (96 * KB,)
+    # inside a process 16-bit is summed as float32: twice the bytes
+    assert _ops("single_node", low)[0] == ("intra", "allreduce", "device", 4,
+                                           (128 * KB, 64 * KB), 1)
+    small = [BucketInfo("float32", KB, 1)] * 100
+    assert _ops("hierarchical", small, local_devices=1)[0][4] == (100 * KB,)
+    assert len(_ops("hierarchical", small, local_devices=1, native=False)[0][4]) == 100
+    # naive: one call per leaf, so no grouping across leaves
+    assert [o[4] for o in _ops("naive", small[:3], local_devices=1)] == [(KB,)] * 3
+
+
+def test_predict_is_the_sum_of_its_ops():
+    prof = Profile((("device", L), ("host", Link(2.0, 1e-4, 1e-5))), 1e-6)
+    topo = ModelTopology(processes=2, hosts=1, local_devices=4)
+    for s in _cost.STRATEGY_NAMES:
+        ops = _cost.strategy_ops(s, BUCKETS, topo)
+        assert _cost.predict(s, BUCKETS, topo, prof) == pytest.approx(
+            sum(o.seconds(prof) for o in ops), rel=1e-12)
+    # hierarchical, by hand: copy 200 KiB + intra sum and broadcast (Rabenseifner,
+    # the fastest here: 2 log 4 alpha + the ring's bytes) + inter allreduce (p=2)
+    n1, n2 = 1024 * KB, 100 * KB
+    ring4 = lambda n: 4 * 1.0 + 1.5 * n * 1e-3 + 0.75 * n * 1e-4
+    inter = lambda n: min(2 * 2.0 + n * 1e-4 + 0.5 * n * 1e-5,   # ring = rabenseifner
+                          1 * 2.0 + n * 1e-4 + n * 1e-5)          # recursive doubling
+    want = 1e-6 * 200 * KB + 2 * (ring4(n1) + ring4(n2)) + inter(n1) + inter(n2)
+    assert _cost.predict("hierarchical", BUCKETS, topo, prof) == pytest.approx(want, rel=1e-12)
+
+
+# --------------------------------------------------------------------------
+# Calibration fit
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("p", [2, 3, 8])
+def test_fit_recovers_known_parameters(p):
+    rng = np.random.default_rng(p)
+    true = Link(alpha=30e-6, beta=0.7e-9, gamma=0.4e-9)
+    samples = []
+    for kind in ("allreduce", "reduce_scatter", "allgather", "alltoall"):
+        for n in (16 * KB, 256 * KB, 2048 * KB, 8192 * KB):
+            t = _cost.collective_seconds(kind, n, p, true, "ring" if kind != "alltoall"
+                                         else "pairwise")
+            samples.append((kind, n, p, t * (1 + 0.01 * rng.standard_normal())))
+    got, report = _cost.fit_link(samples)
+    for name in ("alpha", "beta", "gamma"):
+        assert getattr(got, name) == pytest.approx(getattr(true, name), rel=0.05), name
+    assert report["samples"] == 16 and report["median_rel_error"] < 0.02
+    assert got.algorithm == "ring"
+
+
+def test_fit_recovers_the_cost_per_call():
+    rng = np.random.default_rng(7)
+    true = Link(alpha=5e-6, beta=0.7e-9, gamma=0.4e-9, call=300e-6)
+    samples = []
+    for kind in ("allreduce", "alltoall", "allgather"):
+        for n in (16 * KB, 256 * KB, 2048 * KB, 8192 * KB):
+            for m in ((1, 8) if kind == "allreduce" else (1,)):
+                t = true.call + m * _cost.collective_seconds(
+                    kind, n / m, 2, true, "ring" if kind != "alltoall" else "pairwise")
+                samples.append((kind, n / m, 2, t * (1 + 0.01 * rng.standard_normal()), m))
+    got, _ = _cost.fit_link(samples)
+    for name in ("call", "alpha", "beta", "gamma"):
+        assert getattr(got, name) == pytest.approx(getattr(true, name), rel=0.05), name
+    # the call is paid once per op, however many messages it sends
+    op = Op("inter", "allreduce", "host", 2, (KB,) * 8, 1, 1)
+    prof = Profile((("host", got),), 0.0)
+    assert op.seconds(prof) == pytest.approx(
+        got.call + 8 * _cost.collective_seconds("allreduce", KB, 2, got, "ring"))
+
+
+def test_fit_drops_noise_and_fits_copy():
+    samples = [("allreduce", 1e3, 2, 2e-5), ("allreduce", 1e6, 2, 1e-3),
+               ("allgather", 1e6, 2, -1e-5), ("allgather", 1e3, 2, 1e-5)]
+    _, report = _cost.fit_link(samples)
+    assert report["dropped"] == 1 and report["samples"] == 3
+    with pytest.raises(ValueError, match="no positive timing"):
+        _cost.fit_link([("allreduce", 1e3, 2, -1.0)])
+    assert _cost.fit_copy([(1e6, 2e-3), (4e6, 8e-3), (1e3, -1.0)]) == pytest.approx(2e-9)
+
+
+def test_profile_json_round_trip():
+    prof = Profile((("device", Link(1e-5, 1e-9, 2e-10, 1, "ring")),
+                    ("network", Link(1e-5, 8e-11, 0.0, 8))), 3e-10,
+                   {"processes": 2, "hosts": 2, "local_devices": 1}, "x", {"a": 1})
+    back = Profile.from_json(json.loads(json.dumps(prof.to_json())), "file")
+    assert back.links == prof.links and back.copy == prof.copy
+    assert back.digest() == prof.digest() and back.topology == prof.topology
+    assert back.missing() == ["host"] and back.link("host") == _cost.DEFAULT_PROFILE.link("host")
+    with pytest.raises(ValueError, match="not a jaxsync profile"):
+        Profile.from_json({"links": {}}, "junk.json")
+
+
+# --------------------------------------------------------------------------
+# strategy="auto"
+# --------------------------------------------------------------------------
+
+def _tree(n_small=40, big=(300, 300)):
+    t = {f"s{i:02d}": jax.ShapeDtypeStruct((100 + i,), jnp.float32) for i in range(n_small)}
+    t["big"] = jax.ShapeDtypeStruct(big, jnp.float32)
+    t["half"] = jax.ShapeDtypeStruct((512,), jnp.bfloat16)
+    return t
+
+
+@pytest.mark.parametrize("procs,devices", [(1, 8), (2, 1), (2, 4), (64, 8)])
+def test_choice_is_the_models_minimum_and_deterministic(procs, devices):
+    topo = ModelTopology(processes=procs, hosts=max(1, procs // 2), local_devices=devices)
+    a = _auto.choose(_tree(), topo)
+    b = _auto.choose(dict(reversed(list(_tree().items()))), topo)  # same tree, other order
+    assert a == b
+    assert a.seconds == min(row[3] for row in a.table)
+    # the first candidate (in the fixed order) with the minimum
+    assert (a.strategy, a.bucket_bytes, a.pack_threshold) == next(
+        r[:3] for r in a.table if r[3] <= a.seconds * (1 + 1e-9))
+
+
+def test_choice_follows_the_profile():
+    topo = ModelTopology(processes=2, hosts=1, local_devices=1)
+    costly_msgs = Profile((("host", Link(1.0, 1e-9, 0.0)),), 0.0)
+    costly_copy = Profile((("host", Link(0.0, 1e-9, 0.0)),), 1.0)
+    # expensive messages: everything in as few messages as possible (flat packs all)
+    c = _auto.choose(_tree(), topo, costly_msgs)
+    assert c.strategy != "naive"
+    assert c.seconds == pytest.approx(1.0 + 2.0, rel=1e-3)  # one f32 message + bf16 a2a/ag
+    # expensive copies: nothing packed in XLA (hierarchical hands leaves to the call)
+    f32 = {k: v for k, v in _tree().items() if k != "half"}
+    c = _auto.choose(f32, topo, costly_copy)
+    assert c.strategy in ("hierarchical", "two_dimensional", "naive")
+    assert c.seconds < 1e-3
+
+
+def _mesh_step(tx, mesh):
+    def body(t):
+        g = jax.tree.map(lambda x: x[0], t)
+        return jax.tree.map(lambda x: x[None], tx.update(g, tx.init(g))[0])
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+
+
+def test_auto_mean_is_exact_and_says_what_it_chose():
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    n = len(jax.devices())
+    tree = {"a": jnp.zeros((5, 3)), "b": jnp.zeros((70_000,)), "c": jnp.zeros(7, jnp.bfloat16)}
+    stacked = jax.tree.map(lambda x: jnp.stack([jnp.full(x.shape, r + 1, x.dtype)
+                                                for r in range(n)]), tree)
+    tx = jaxsync.auto_mean(axis_name="d", comm=None, profile=_cost.DEFAULT_PROFILE)
+    assert "nothing chosen yet" in tx.describe()
+    out = _mesh_step(tx, mesh)(stacked)
+    for k, x in out.items():  # mean of 1..n is (n + 1) / 2 = 4.5, exact
+        np.testing.assert_array_equal(np.asarray(x, np.float32),
+                                      np.full(x.shape, (n + 1) / 2, np.float32), err_msg=k)
+        assert x.dtype == tree[k].dtype
+    text = tx.describe()
+    choice = _auto.choose(tree, ModelTopology(1, 1, n, native=False, broadcast=False))
+    assert text.startswith(f"jaxsync auto: {choice.strategy} ")
+    assert f"x {n} device(s)" in text and "*" in text
+    # the same through sync_gradients(strategy="auto") under vmap
+    got = jax.vmap(lambda t: jaxsync.sync_gradients(t, axis_name="i", comm=None,
+                                                    strategy="auto"), axis_name="i")(stacked)
+    for k in tree:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(out[k]))
+
+
+def test_auto_mean_with_check_finite_and_fixed_options():
+    tx = jaxsync.auto_mean(axis_name="i", comm=None, check_finite=True,
+                           bucket_bytes=2**20, pack_threshold=None)
+    g = {"w": jnp.arange(8.0)}
+    out, state = jax.vmap(lambda t: tx.update(t, tx.init(t)), axis_name="i")(g)
+    assert bool(state.all_finite.all())
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.full(8, 3.5, np.float32))
+    assert "bucket_bytes 1 MiB, pack_threshold none" in tx.describe()
+
+
+def test_validation_names_the_argument():
+    with pytest.raises(TypeError, match="'profile'"):
+        jaxsync.auto_mean(axis_name="i", comm=None, profile=3)
+    with pytest.raises(ValueError, match="strategy='auto'"):
+        jaxsync.hierarchical_mean(axis_name="i", comm=None, profile="p.json")
+    with pytest.raises(ValueError, match="or 'auto'"):
+        jaxsync.sync_gradients({"w": jnp.ones(2)}, axis_name=None, strategy="fastest")
+    with pytest.raises(ValueError, match="reduce"):
+        jaxsync.auto_mean(axis_name="i", comm=None, reduce="max")
+
+
+def test_missing_profile_falls_back_clearly(tmp_path, monkeypatch):
+    missing = tmp_path / "nope.json"
+    with pytest.warns(UserWarning, match="no profile at .*nope.json"):
+        tx = jaxsync.auto_mean(axis_name="i", comm=None, profile=str(missing))
+    assert "built-in default" in tx.describe()
+    monkeypatch.setenv("JAXSYNC_PROFILE", str(tmp_path / "env.json"))
+    with pytest.warns(UserWarning, match="env.json"):
+        prof, note = _auto.load_profile(None)
+    assert prof is _cost.DEFAULT_PROFILE
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.warns(UserWarning, match="unreadable"):
+        prof, _ = _auto.load_profile(bad)
+    assert prof is _cost.DEFAULT_PROFILE
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(_cost.DEFAULT_PROFILE.to_json()))
+    monkeypatch.setenv("JAXSYNC_PROFILE", str(good))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prof, note = _auto.load_profile(None)
+    assert prof.digest() == _cost.DEFAULT_PROFILE.digest() and "good.json" in note
+
+
+def test_profile_for_another_topology_warns_at_trace_time():
+    prof = Profile((("device", Link(5e-5, 1e-9, 1e-10, 1, "ring")),), 1e-10,
+                   {"processes": 1, "hosts": 1, "local_devices": 2}, "other")
+    tx = jaxsync.auto_mean(axis_name="i", comm=jaxsync.AxisComm("h"), profile=prof)
+    f = jax.vmap(jax.vmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="i"),
+                 axis_name="h")
+    with pytest.warns(UserWarning, match="measured on 1 process"):
+        out = f({"w": jnp.ones((2, 4, 3))})
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.ones((2, 4, 3), np.float32))
+    assert "note: the profile was measured on" in tx.describe()
+
+
+# --------------------------------------------------------------------------
+# tune and the bench suite (smoke: they run and write what they say)
+# --------------------------------------------------------------------------
+
+def test_projection_rows():
+    rows = _tune.project(hosts=(8, 1024))
+    assert len(rows) == 2 * 2 * 2
+    for r in rows:
+        assert r["choice"] in r["ms"] and r["ms"][r["choice"]] == min(r["ms"].values())
+    table = _tune.projection_table(rows)
+    assert table.count("\n") == len(rows) + 1 and "auto picks" in table
+
+
+def _run(args, home, timeout=240):
+    # HOME: no user profile is picked up, and caches (matplotlib) stay out of the tree
+    env = {"PYTHONPATH": str(ROOT), "PATH": str(Path(sys.executable).parent),
+           "HOME": str(home)}
+    proc = subprocess.run([sys.executable, "-m", "jaxsync", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_tune_quick_writes_a_profile(tmp_path):
+    out = tmp_path / "p.json"
+    text = _run(["tune", "--quick", "--devices", "2", "--out", str(out)], tmp_path)
+    prof = Profile.from_json(json.loads(out.read_text()), str(out))
+    assert prof.has("device") and prof.topology == {"processes": 1, "hosts": 1,
+                                                    "local_devices": 2}
+    assert "fit error median" in text and f"wrote {out}" in text
+    tx = jaxsync.auto_mean(axis_name="i", comm=None, profile=str(out))
+    assert tx.update.config.auto.profile.digest() == prof.digest()
+
+
+def test_bench_model_suite_quick(tmp_path):
+    text = _run(["bench", "--suite", "model", "--quick", "--devices", "2", "--out",
+                 str(tmp_path)], tmp_path)
+    summary = json.loads((tmp_path / "model.json").read_text())
+    assert (tmp_path / "model.png").stat().st_size > 0
+    assert {c["strategy"] for c in summary["cases"]} == set(
+        ("naive", "flat", "hierarchical", "two_dimensional"))
+    assert all(c["measured_ms"] == c["measured_ms"] for c in summary["cases"])  # not NaN
+    assert summary["auto"][0]["choice"] in ("naive", "flat", "hierarchical", "two_dimensional")
+    assert "Predictions within 25%" in text
+
+
+def test_info_tree_explains_the_choice():
+    topo = {"size": 2, "hosts": 1, "local_devices": 1, "platform": "cpu"}
+    text = _auto.explain_tree("small500", topo, _cost.DEFAULT_PROFILE)
+    assert "2 process(es) on 1 host(s) x 1 device(s), inter link host" in text
+    marked = [line for line in text.splitlines() if line.startswith(" * ")]
+    assert len(marked) == 1 and text.splitlines()[0].split()[2] in marked[0]
+    with pytest.raises(SystemExit, match="unknown tree"):
+        _auto.explain_tree("nope", topo)
+
+
+def test_describe_shows_this_transforms_choices_only():
+    a = jaxsync.auto_mean(axis_name="i", comm=None, profile=_cost.DEFAULT_PROFILE)
+    b = jaxsync.auto_mean(axis_name="i", comm=None, profile=_cost.DEFAULT_PROFILE)
+    jax.vmap(lambda g: a.update(g, a.init(g))[0], axis_name="i")({"w": jnp.ones((2, 3))})
+    assert "x 2 device(s)" in a.describe() and "nothing chosen yet" in b.describe()
