@@ -245,7 +245,7 @@ def test_training_replicas_bit_identical(train_run, strategy):
 
 @pytest.fixture(scope="module")
 def buckets_run():
-    return run_mpi("worker_buckets.py", n=2, devices=2, timeout=120).check()
+    return run_mpi("worker_buckets.py", n=2, devices=2, timeout=240).check()
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
