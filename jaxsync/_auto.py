@@ -368,32 +368,12 @@ def auto_mean(axis_name, comm=AUTO, *, profile=None, reduce: str = "mean",
       >>> print(tx.describe().splitlines()[0])  # doctest: +ELLIPSIS
       jaxsync auto: ... predicted ... 1 process(es) on 1 host(s) x 4 device(s)...
     """
-    from ._transforms import SyncState, _sync
-    import jax.numpy as jnp
+    from ._transforms import transform_fns
     fn = "auto_mean"
     cfg = make_auto_config(fn, axis_name, comm, profile=profile, reduce=reduce,
                            bucket_bytes=bucket_bytes, pack_threshold=pack_threshold,
                            comm_dtype=comm_dtype, predivide=predivide,
                            check_finite=check_finite, staging=staging, timeout=timeout)
-    expected = SyncState if cfg.check_finite else optax.EmptyState
-
-    def init_fn(params):
-        del params
-        if cfg.check_finite:
-            return SyncState(all_finite=jnp.array(True))
-        return optax.EmptyState()
-
-    def update_fn(updates, state, params=None):
-        del params
-        if not isinstance(state, expected):
-            raise TypeError(
-                f"{fn}: update got a state of type {type(state).__name__}, expected "
-                f"{expected.__name__} from this transform's init. Make sure you have "
-                "called init first and pass the state returned by this transform.")
-        synced, finite = _sync(updates, cfg)
-        if cfg.check_finite:
-            return synced, SyncState(all_finite=finite)
-        return synced, state
-
+    init_fn, update_fn = transform_fns(fn, cfg)
     update_fn.config = cfg
     return AutoTransformation(init_fn, update_fn)

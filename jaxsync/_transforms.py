@@ -376,6 +376,11 @@ class SyncState(NamedTuple):
 
 def _transform(fn: str, strategy: str, axis_name, comm, **options):
     cfg = make_config(fn, strategy, axis_name, comm, **options)
+    return optax.GradientTransformation(*transform_fns(fn, cfg))
+
+
+def transform_fns(fn: str, cfg: SyncConfig):
+    """``(init_fn, update_fn)`` of a transform that synchronises with ``cfg``."""
     expected = SyncState if cfg.check_finite else optax.EmptyState
 
     def init_fn(params):
@@ -396,7 +401,7 @@ def _transform(fn: str, strategy: str, axis_name, comm, **options):
             return synced, SyncState(all_finite=finite)
         return synced, state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return init_fn, update_fn
 
 
 _OPTIONS_DOC = """

@@ -1,41 +1,16 @@
 """jaxsync over jax.distributed (gloo on CPU): two real processes on localhost."""
 
-import json
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _launch import run_workers
 
 WORKER = Path(__file__).with_name("worker_axis.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results():
-    port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), port],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=180)
-            assert p.returncode == 0, f"worker failed ({p.returncode}):\n{err[-4000:]}"
-            outs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    rows = [json.loads(line) for out in outs for line in out.splitlines()
-            if line.startswith("{")]
-    return rows
+    return run_workers(WORKER)
 
 
 @pytest.mark.parametrize("strategy", ["naive", "flat", "hierarchical", "two_dimensional"])
