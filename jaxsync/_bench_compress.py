@@ -17,8 +17,8 @@ per synchroniser (``hierarchical_mean``, ``powersgd_mean`` rank 4 and rank 1,
   bytes and of PowerSGD's two payloads, ``Allgather`` of the sign payload.
 * **modelled time** at 10 and 100 Gb/s between hosts for ``P`` = 2, 8 and 32
   hosts: the measured one-process compute overhead plus a ring alpha-beta model
-  of every collective (:func:`ring_time`; constants below). Replace
-  :func:`ring_time` with a calibrated cost model when one is available.
+  of every collective (:func:`ring_time`: jaxsync's cost model with the ring
+  algorithm on a link of the stated bandwidth; constants below).
 
 Figures on a shared machine are noisy: read ratios from one run.
 """
@@ -45,18 +45,21 @@ def ring_time(kind: str, nbytes: float, members: int, gbps: float,
               alpha: float = ALPHA_S) -> float:
     """Seconds for one ring collective whose per-member payload is ``nbytes``.
 
+    jaxsync's cost model (:func:`jaxsync._cost.collective_seconds`, ring
+    algorithm) on a link of ``gbps`` with ``alpha`` seconds per message and no
+    reduction cost (this models the wire; the compute overhead is measured).
     ``allreduce``: reduce-scatter + all-gather, ``2 (P-1)`` steps of ``nbytes/P``.
     ``allgather``: ``P-1`` steps of ``nbytes`` (every member's payload reaches
     every other member).
     """
+    from . import _cost
     if members <= 1 or nbytes == 0:
         return 0.0
-    beta = 8.0 / (gbps * 1e9)  # seconds per byte
-    if kind == "allreduce":
-        return 2 * (members - 1) * (alpha + nbytes / members * beta)
-    if kind == "allgather":
-        return (members - 1) * (alpha + nbytes * beta)
-    raise ValueError(kind)
+    if kind not in ("allreduce", "allgather"):
+        raise ValueError(kind)
+    link = _cost.Link(alpha=alpha, beta=8.0 / (gbps * 1e9), gamma=0.0)
+    total = nbytes * members if kind == "allgather" else nbytes  # the model's size
+    return _cost.collective_seconds(kind, total, members, link, "ring")
 
 
 def payloads(name: str, tree) -> list[tuple[str, int]]:
