@@ -371,7 +371,8 @@ def strategy_ops(strategy: str, buckets: Sequence[BucketInfo], topo: ModelTopolo
     :func:`per_leaf_plan`); ``comm_itemsize`` the bytes per element on the wire
     when ``comm_dtype`` is set. Mirrors ``_strategies.run``: 16-bit buffers are
     summed as float32 inside a process and travel as 16 bits through an
-    all-to-all and an all-gather across processes.
+    all-to-all and an all-gather across processes (with the native target
+    between two processes: in its allreduce, like the others).
     """
     if strategy not in STRATEGY_NAMES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGY_NAMES}")
@@ -403,6 +404,11 @@ def strategy_ops(strategy: str, buckets: Sequence[BucketInfo], topo: ModelTopolo
             return
         wide = [(d, n) for d, n, isz, _ in items_ if isz >= 4]
         low = [n for d, n, isz, _ in items_ if isz == 2]
+        if low and topo.native and P == 2:
+            # Two processes: the native target sums 16-bit buffers with the
+            # others (a user-defined MPI operation, in place, same call).
+            wide += [("2", n) for n in low]
+            low = []
         if wide:
             msgs = _native_messages(wide) if topo.native else [n for _, n in wide]
             calls = 1 if topo.native else len(wide)  # mpi4jax: one call per buffer
