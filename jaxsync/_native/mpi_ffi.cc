@@ -355,8 +355,9 @@ class Low16 {
     if (parts_.empty()) return ffi::Error::Success();
     int size = 0, rank = 0;
     int rc = MPI_Comm_size(c, &size);
-    if (rc == MPI_SUCCESS) rc = MPI_Comm_rank(c, &rank);
     if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Comm_size");
+    rc = MPI_Comm_rank(c, &rank);
+    if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Comm_rank");
     const size_t p = static_cast<size_t>(size);
     // Large buffers travel from where they are: the all-to-all reads the
     // buffer, this process's float32 sums are rounded into its own slice of the

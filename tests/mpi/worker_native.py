@@ -128,16 +128,15 @@ def main():
                                      want=reference()))
 
     # Compiled HLO of one hierarchical sync of the whole tree (16-bit leaves too).
-    wide = x
-    tx = jaxsync.hierarchical_mean(axis_name="d", comm=comm)
+    def one_sync(tx):
+        def body(t):
+            t = jax.tree_util.tree_map(lambda x: x[0], t)
+            out = tx.update(t, tx.init(t))[0]
+            return jax.tree_util.tree_map(lambda x: x[None], out)
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
 
-    def one(t):
-        t = jax.tree_util.tree_map(lambda x: x[0], t)
-        out = tx.update(t, tx.init(t))[0]
-        return jax.tree_util.tree_map(lambda x: x[None], out)
-
-    h = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
-    text = h.lower(wide).compile().as_text()
+    h = one_sync(jaxsync.hierarchical_mean(axis_name="d", comm=comm))
+    text = h.lower(x).compile().as_text()
     entry = text[text.index("ENTRY"):]  # fusions may copy inside; the step must not
     res.add("hlo", dict(
         calls=len(re.findall(r'custom_call_target="jaxsync_allreduce"', text)),
@@ -147,21 +146,14 @@ def main():
         aliasing="output_to_operand_aliasing" in text,
         # Any effect (an io_callback, an ordered MPI primitive) puts jit's dispatch
         # on its slow path: tens of microseconds per output of the step.
-        effects=[str(e) for e in h.trace(wide).jaxpr.effects]
+        effects=[str(e) for e in h.trace(x).jaxpr.effects]
         + [str(e) for e in f.trace(x).jaxpr.effects],
         text=text))
-    attempt("hlo-run", lambda: to_numpy(jax.block_until_ready(h(wide))))
+    attempt("hlo-run", lambda: to_numpy(jax.block_until_ready(h(x))))
 
     # flat: with one device per process the native target packs the leaves (no
     # XLA concatenate, slice or copy around its one call).
-    txf = jaxsync.flat_mean(axis_name="d", comm=comm)
-
-    def one_flat(t):
-        t = jax.tree_util.tree_map(lambda x: x[0], t)
-        out = txf.update(t, txf.init(t))[0]
-        return jax.tree_util.tree_map(lambda x: x[None], out)
-
-    hf = jax.jit(jax.shard_map(one_flat, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    hf = one_sync(jaxsync.flat_mean(axis_name="d", comm=comm))
     text = hf.lower(x).compile().as_text()
     entry = text[text.index("ENTRY"):]
     res.add("hlo-flat", dict(
