@@ -18,8 +18,9 @@ from ._plan import Bucket, LeafSpec, Plan, make_plan
 from ._sparse import (RowSparse, SparseOptions, apply_sparse_updates, densify,
                       row_sparse_grad, sparse_adagrad, sparse_sgd)
 from ._topology import Topology, free_communicators, topology
-from ._transforms import (SyncState, flat_mean, hierarchical_mean, naive_mean,
-                          single_node_mean, sync_gradients, two_dimensional_mean)
+from ._sync import SyncState, sync_gradients
+from ._transforms import (flat_mean, hierarchical_mean, naive_mean, single_node_mean,
+                          two_dimensional_mean)
 
 __version__ = "0.1.0"
 

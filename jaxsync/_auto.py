@@ -197,7 +197,7 @@ def choose(tree, topo: ModelTopology, profile: Profile | None = None, *,
 
 
 # --------------------------------------------------------------------------
-# Hooks called from _transforms
+# Hooks called from _config and _sync
 # --------------------------------------------------------------------------
 
 _lock = threading.Lock()
@@ -214,7 +214,7 @@ def make_auto_config(fn, axis_name, comm, *, profile=None, bucket_bytes=AUTO,
     now (collective: this runs when the factory is called, on every process).
     """
     from . import _backends
-    from ._transforms import make_config
+    from ._config import make_config
     if not (profile is None or isinstance(profile, (str, os.PathLike, dict, Profile))):
         raise TypeError(
             f"{fn} got unexpected type for argument 'profile' (expected: a path, a "
@@ -368,7 +368,7 @@ def auto_mean(axis_name, comm=AUTO, *, profile=None, reduce: str = "mean",
       >>> print(tx.describe().splitlines()[0])  # doctest: +ELLIPSIS
       jaxsync auto: ... predicted ... 1 process(es) on 1 host(s) x 4 device(s)...
     """
-    from ._transforms import transform_fns
+    from ._sync import transform_fns
     fn = "auto_mean"
     cfg = make_auto_config(fn, axis_name, comm, profile=profile, reduce=reduce,
                            bucket_bytes=bucket_bytes, pack_threshold=pack_threshold,

@@ -480,7 +480,7 @@ def sweep_methods(tree, axis_name, comm) -> tuple[dict[str, Callable], dict[str,
     ``(methods, skipped)`` with ``skipped[name]`` naming the equal one.
     """
     import jaxsync
-    from ._transforms import make_config
+    from ._config import make_config
     default = make_config("flat_mean", "flat", axis_name, None)
     configs = [(b, None) for b in (256 * KiB, 4 * MiB, 64 * MiB, None)]
     configs += [(64 * MiB, t) for t in (64 * KiB, 256 * KiB, 1 * MiB)]

@@ -106,7 +106,7 @@ class ModelMPI(_bench.MPIBench):
 def predictions(tree, topo: _cost.ModelTopology, profile: _cost.Profile) -> dict:
     """Predicted seconds of each strategy with the options its factory uses."""
     from ._plan import make_plan
-    from ._transforms import make_config
+    from ._config import make_config
     out = {}
     for s in STRATEGIES:
         cfg = make_config("bench", s, None, None)

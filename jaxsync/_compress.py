@@ -37,10 +37,10 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from . import _backends, _mpi, _transforms
+from . import _backends, _config, _mpi, _sync
 
 PyTree = Any
-AUTO = _transforms.AUTO
+AUTO = _config.AUTO
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 # Gram-Schmidt: a column whose norm is below this (relative to nothing: the data
 # are gradients) is left (near) zero instead of dividing by zero.
@@ -124,7 +124,7 @@ def state_specs(state: PyTree, axis_name) -> PyTree:
 
 def _check_int(fn, name, value, low, fix):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise _transforms._bad_type(fn, name, f"an int >= {low}", value, fix)
+        raise _config._bad_type(fn, name, f"an int >= {low}", value, fix)
     if value < low:
         raise ValueError(f"{fn}: {name} must be >= {low}, got {value}. Fix: {fix}.")
     return int(value)
@@ -132,14 +132,14 @@ def _check_int(fn, name, value, low, fix):
 
 def _check_bool(fn, name, value):
     if not isinstance(value, (bool, np.bool_)):
-        raise _transforms._bad_type(fn, name, "a bool", value,
+        raise _config._bad_type(fn, name, "a bool", value,
                                     f"pass {name}=True or {name}=False")
     return bool(value)
 
 
 def _check_float(fn, name, value, low, fix):
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
-        raise _transforms._bad_type(fn, name, f"a float >= {low}", value, fix)
+        raise _config._bad_type(fn, name, f"a float >= {low}", value, fix)
     if not (value >= low and math.isfinite(value)):
         raise ValueError(f"{fn}: {name} must be a finite float >= {low}, got {value}. "
                          f"Fix: {fix}.")
@@ -353,7 +353,7 @@ def powersgd_mean(axis_name, comm=AUTO, *, rank: int = 4, start_step: int = 0,
     error_feedback = _check_bool(fn, "error_feedback", error_feedback)
     warm_start = _check_bool(fn, "warm_start", warm_start)
     seed = _check_int(fn, "seed", seed, 0, "pass e.g. seed=0")
-    cfg = _transforms.make_config(fn, "hierarchical", axis_name, comm, staging=staging,
+    cfg = _config.make_config(fn, "hierarchical", axis_name, comm, staging=staging,
                                   timeout=timeout)
     _check_phase_backend(fn, cfg, start_step)
     key = jax.random.PRNGKey(seed)
@@ -378,7 +378,7 @@ def powersgd_mean(axis_name, comm=AUTO, *, rank: int = 4, start_step: int = 0,
 
     def exact(args):
         updates, state = args
-        synced, _ = _transforms._sync(updates, cfg)
+        synced, _ = _sync.sync(updates, cfg)
         return synced, PowerSGDState(state.count + 1, state.q, state.residual)
 
     def compressed(args):
@@ -402,11 +402,11 @@ def powersgd_mean(axis_name, comm=AUTO, *, rank: int = 4, start_step: int = 0,
             qs.append(q.astype(mat.dtype))
         ps = [_mm(mat, q) for mat, q in zip(ms, qs)]
         # Round 1: the P matrices and every uncompressed leaf.
-        (ps, exact_leaves), _ = _transforms._sync(
+        (ps, exact_leaves), _ = _sync.sync(
             (tuple(ps), tuple(leaves[k] for k in rest)), cfg)
         ps = [_orthogonalise(p) for p in ps]
         # Round 2: the Q matrices.
-        qs, _ = _transforms._sync(tuple(_mm(mat.T, p) for mat, p in zip(ms, ps)), cfg)
+        qs, _ = _sync.sync(tuple(_mm(mat.T, p) for mat, p in zip(ms, ps)), cfg)
         out = list(leaves)
         new_res = []
         for j, k in enumerate(idx):
@@ -474,7 +474,7 @@ def _gather_bytes(buf, cfg, text):
     replica ``d`` of process ``p`` is ``p * local + d``.
     """
     _backends.check_axes(cfg.axes)
-    _transforms._check_unsynced_devices(cfg)
+    _sync._check_unsynced_devices(cfg)
     intra = _backends.AxisOps(cfg.axes)
     if intra.size == 1 and getattr(cfg.backend, "native", False):
         intra = _backends.AxisOps((), unit_axes=cfg.axes)
@@ -539,7 +539,7 @@ def sign_mean(axis_name, comm=AUTO, *, error_feedback: bool = True,
     fn = "sign_mean"
     error_feedback = _check_bool(fn, "error_feedback", error_feedback)
     min_size = _check_int(fn, "min_size", min_size, 1, "pass e.g. min_size=256")
-    cfg = _transforms.make_config(fn, "hierarchical", axis_name, comm, staging=staging,
+    cfg = _config.make_config(fn, "hierarchical", axis_name, comm, staging=staging,
                                   timeout=timeout)
 
     def init_fn(params):
@@ -561,7 +561,7 @@ def sign_mean(axis_name, comm=AUTO, *, error_feedback: bool = True,
             raise _tree_error(fn, "compressed leaves", len(idx), len(state.residual))
         out = list(leaves)
         if rest:
-            exact, _ = _transforms._sync(tuple(leaves[k] for k in rest), cfg)
+            exact, _ = _sync.sync(tuple(leaves[k] for k in rest), cfg)
             for j, k in enumerate(rest):
                 out[k] = exact[j]
         if not idx:

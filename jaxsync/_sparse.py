@@ -266,7 +266,7 @@ def wire_bytes(mode: str, replicas: int, g: RowSparse) -> int:
 
 
 # --------------------------------------------------------------------------
-# The synchronisation: a hook of ``_transforms._sync``.
+# The synchronisation: a hook of ``_sync.sync``.
 
 
 @jax.tree_util.register_pytree_node_class

@@ -306,6 +306,9 @@ def test_validation_names_the_argument():
     with pytest.raises(TypeError, match="'profile'"):
         jaxsync.auto_mean(axis_name="i", comm=None, profile=3)
     with pytest.raises(ValueError, match="strategy='auto'"):
+        jaxsync.sync_gradients({"w": jnp.ones(2)}, axis_name=None, comm=None,
+                               strategy="hierarchical", profile="p.json")
+    with pytest.raises(TypeError, match="'profile'"):  # not in its signature
         jaxsync.hierarchical_mean(axis_name="i", comm=None, profile="p.json")
     with pytest.raises(ValueError, match="or 'auto'"):
         jaxsync.sync_gradients({"w": jnp.ones(2)}, axis_name=None, strategy="fastest")
