@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Final, Literal, Union
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from ._topology import default_comm
 # pair with fresh page faults on every step.
 FLAT_BUCKET_BYTES = 16 * 2**20
 
-AUTO = "auto"
+AUTO: Final = "auto"
 
 if TYPE_CHECKING:
     from mpi4py import MPI

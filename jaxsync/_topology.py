@@ -119,6 +119,10 @@ def topology(comm: Any = "auto") -> Topology:
       comm: an mpi4py communicator, ``None`` for a single process, or ``"auto"``
         (``MPI.COMM_WORLD`` when launched by MPI with several processes).
 
+    Returns:
+      a :class:`jaxsync.Topology`: rank and size, the host index and count, the
+      rank and size on this host, the local device count and the platform.
+
     Example:
       >>> import jaxsync
       >>> t = jaxsync.topology(comm=None)
