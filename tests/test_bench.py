@@ -2,8 +2,9 @@
 
 The figures are not compared with targets here (the benchmark evaluates those);
 what is checked: every row's statistics are finite and ordered, and every method
-that averages gradients gave their mean (the JSON's ``correct`` column). The run is ``--quick``, in a subprocess so that its device count does
-not depend on this pytest process, which already has 8 devices.
+that averages gradients gave their mean (the JSON's ``correct`` column). The run
+is ``--quick``, in a subprocess so that its device count does not depend on this
+pytest process, which already has 8 devices.
 """
 
 import ast

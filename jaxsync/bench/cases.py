@@ -42,7 +42,8 @@ class _MeshBench:
         """Per device, ones of the tree's shapes, stacked on a leading axis."""
         import jax
         import jax.numpy as jnp
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
         sharding = NamedSharding(self.mesh, P(self.axis))
         make = jax.jit(lambda: jax.tree.map(
             lambda s: jnp.ones((self.n, *s.shape), s.dtype), tree), out_shardings=sharding)
@@ -161,6 +162,7 @@ class MPIBench(_MeshBench):
         import jax.numpy as jnp
         from jax import lax
         from mpi4py import MPI
+
         import jaxsync
         arg = self._stacked(tree)
         nbytes = tree_info(tree)[2]

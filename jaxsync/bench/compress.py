@@ -73,6 +73,7 @@ def payloads(name: str, tree) -> list[tuple[str, int]]:
     """``[(collective kind, bytes per replica)]`` of one step of synchroniser ``name``."""
     import jax
     import numpy as np
+
     from jaxsync import _compress  # private: see the module docstring
     leaves = jax.tree.leaves(tree)
     nbytes = [math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves]
@@ -126,6 +127,7 @@ class _Steps:
     def base(self, tree):
         import jax
         from jax.sharding import PartitionSpec as P
+
         from .methods import fake_grads
 
         def body(p):
@@ -137,7 +139,9 @@ class _Steps:
     def synced(self, tree, name, params):
         import jax
         from jax.sharding import PartitionSpec as P
+
         import jaxsync
+
         from .methods import fake_grads
         tx = make_sync(name, self.comm)
         specs = jaxsync.state_specs(jax.eval_shape(tx.init, params), "local")

@@ -98,7 +98,8 @@ def _worker(args) -> int:
     import jax.numpy as jnp
     import numpy as np
     import optax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import jaxsync
     jaxsync.tune_host_allocator()

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import re
 
-
 _AXIS_KIND = {"psum": "allreduce", "psum_invariant": "allreduce", "pmax": "allreduce",
               "pmin": "allreduce", "reduce_scatter": "reduce_scatter",
               "all_gather": "allgather", "all_gather_invariant": "allgather",

@@ -19,7 +19,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .trees import KiB, MiB
 
@@ -52,6 +52,7 @@ def _transform_sync(factory, **options):
 def jaxsync_methods(axis_name, comm, mpi: bool, host: bool = False) -> dict[str, Callable]:
     """jaxsync's strategies as per-replica ``tree -> tree`` functions."""
     import jax.numpy as jnp
+
     import jaxsync
     common = dict(axis_name=axis_name, comm=comm)
     out = {"naive": _transform_sync(jaxsync.naive_mean, **common),
@@ -81,7 +82,8 @@ def sweep_methods(tree, axis_name, comm) -> tuple[dict[str, Callable], dict[str,
     ``(methods, skipped)`` with ``skipped[name]`` naming the equal one.
     """
     import jaxsync
-    configs = [(b, None) for b in (256 * KiB, 4 * MiB, 64 * MiB, None)]
+    configs: list[tuple[int | None, int | None]] = [
+        (b, None) for b in (256 * KiB, 4 * MiB, 64 * MiB, None)]
     configs += [(64 * MiB, t) for t in (64 * KiB, 256 * KiB, 1 * MiB)]
 
     def plan(b, t):

@@ -76,10 +76,11 @@ def main(argv=None) -> int:
     from .world import mpi_world, set_devices
     comm = mpi_world()
     set_devices(1)
-    import numpy as np
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, PartitionSpec as P
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
     import jaxsync
 

@@ -16,7 +16,7 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 KiB, MiB = 2**10, 2**20
 SWEEP_TREES = ("resnet18", "small500", "mixed_tiny")
