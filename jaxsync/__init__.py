@@ -17,7 +17,7 @@ from ._host import tune_host_allocator
 from ._plan import Bucket, LeafSpec, Plan, make_plan
 from ._sparse import (RowSparse, SparseOptions, apply_sparse_updates, densify,
                       row_sparse_grad, sparse_adagrad, sparse_sgd)
-from ._topology import Topology, free_communicators, topology
+from ._topology import Topology, default_comm, free_communicators, topology
 from ._sync import SyncState, sync_gradients
 from ._transforms import (flat_mean, hierarchical_mean, naive_mean, single_node_mean,
                           two_dimensional_mean)
@@ -38,6 +38,7 @@ __all__ = [
     "Topology",
     "apply_sparse_updates",
     "broadcast_params",
+    "default_comm",
     "densify",
     "flat_mean",
     "free_communicators",

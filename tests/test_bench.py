@@ -75,8 +75,7 @@ def test_flat_defaults_are_the_librarys():
 
 # The bench and the demo use jaxsync's public API; these private imports remain
 # (each explained in its module's docstring).
-_PRIVATE_ALLOWED = {("world.py", "jaxsync._topology"), ("compress.py", "jaxsync._cost"),
-                    ("compress.py", "jaxsync._compress")}
+_PRIVATE_ALLOWED = {("compress.py", "jaxsync._cost"), ("compress.py", "jaxsync._compress")}
 
 
 def test_bench_package_imports_only_public_jaxsync():

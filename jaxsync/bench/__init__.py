@@ -1,10 +1,8 @@
 """Benchmark: jaxsync's strategies against the obvious ways to average gradients.
 
 This package uses jaxsync only through its public API (``import jaxsync``), so it
-is also an example of using it; the one exception is ``world.mpi_world``, which
-calls jaxsync's private ``default_comm`` (the communicator ``comm="auto"`` picks),
-for want of a public name; ``compress`` also reads the compressors' private leaf
-layouts and cost model (see its docstring).
+is also an example of using it; the one exception is ``compress``, which reads the
+compressors' private leaf layouts and the cost model (see its docstring).
 
 ``python -m jaxsync bench`` (or ``python -m jaxsync.bench``) measures, for a few
 gradient trees, the *marginal* cost of a synchronisation inside a jitted training

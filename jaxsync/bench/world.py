@@ -5,9 +5,7 @@ What it is for: every suite's first two calls. ``mpi_world`` is the communicator
 processes, else ``None``): the bench's mode switch, taken before JAX starts.
 ``set_devices`` asks for the fake CPU devices, which must happen before JAX
 initialises its backends.
-What it may import: jax, the standard library, and jaxsync's ``default_comm``
-(the one private import of the bench: jaxsync has no public name for the
-communicator ``comm="auto"`` resolves to; see the package docstring).
+What it may import: jax, the standard library, and ``jaxsync.default_comm``.
 
 Example:
   >>> from jaxsync.bench import world
@@ -26,8 +24,8 @@ def mpi_world():
       jaxsync's ``LaunchError`` (a ``RuntimeError``): the launcher says there are
         several processes but MPI sees one (mpi4py built against another MPI).
     """
-    from jaxsync._topology import default_comm  # private: see the module docstring
-    return default_comm()
+    import jaxsync
+    return jaxsync.default_comm()
 
 
 def set_devices(n: int) -> None:
