@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from . import _backends, _sparse, _strategies
+from . import _axis_backend, _intra, _invariance, _mpi_backend, _sparse, _strategies
 from ._plan import (DEFAULT_BUCKET_BYTES, DEFAULT_PACK_THRESHOLD, REDUCED_DTYPES,
                     _check_bytes, make_plan)
 
@@ -56,19 +56,19 @@ def _make_backend(fn: str, comm, staging: str, timeout=None):
     if isinstance(comm, str) and comm == AUTO:
         comm = default_comm()
     if comm is None:
-        return _backends.LocalBackend()
-    if isinstance(comm, _backends.AxisComm):
-        return _backends.AxisBackend(comm)
+        return _axis_backend.LocalBackend()
+    if isinstance(comm, _axis_backend.AxisComm):
+        return _axis_backend.AxisBackend(comm)
     _check_comm_type(fn, comm)
     if comm.Get_size() == 1:
-        return _backends.LocalBackend()
-    return _backends.MPIBackend(comm, staging=staging,
-                                timeout=None if timeout is None else float(timeout))
+        return _axis_backend.LocalBackend()
+    return _mpi_backend.MPIBackend(comm, staging=staging,
+                                   timeout=None if timeout is None else float(timeout))
 
 
 def _check_comm_type(fn: str, comm) -> None:
     """TypeError unless ``comm`` is None, 'auto', an AxisComm or an Intracomm."""
-    if comm is None or isinstance(comm, _backends.AxisComm) or (
+    if comm is None or isinstance(comm, _axis_backend.AxisComm) or (
             isinstance(comm, str) and comm == AUTO):
         return
     # An mpi4py communicator exists only once mpi4py.MPI is imported: never import
@@ -179,7 +179,7 @@ def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
                 f"{fn}: strategy 'single_node' reduces over the local axes only and "
                 f"ignores comm, got comm={comm!r}. Fix: drop comm (or pass comm=None), "
                 "or use strategy='hierarchical' to reduce across processes.")
-        backend = _backends.LocalBackend()
+        backend = _axis_backend.LocalBackend()
     else:
         backend = _make_backend(fn, comm, staging, timeout)
     return SyncConfig(strategy, axes, backend, reduce, bucket_bytes, pack_threshold,
@@ -191,12 +191,12 @@ def _sync(tree: PyTree, cfg: SyncConfig):
     """Reduce ``tree`` per ``cfg``; returns (tree, all_finite or None)."""
     if _sparse.has_row_sparse(tree):  # RowSparse leaves are all-gathered
         return _sparse.sync_mixed(tree, cfg, _sync)
-    _backends.check_axes(cfg.axes)
+    _intra.check_axes(cfg.axes)
     if cfg.strategy == AUTO:  # chosen now, from the tree (jaxsync._auto)
         from . import _auto
         cfg = _auto.resolve(tree, cfg)
     _check_unsynced_devices(cfg)
-    intra = _backends.AxisOps(cfg.axes)
+    intra = _intra.AxisOps(cfg.axes)
     alone = intra.size == 1 and getattr(cfg.backend, "native", False)
     # One device per process and jaxsync's native allreduce: hierarchical,
     # two_dimensional and flat hand it the leaves as they are, and it sums the
@@ -218,8 +218,8 @@ def _sync(tree: PyTree, cfg: SyncConfig):
         # One device per process: no local stage at all (no psum, no leader
         # choice, no broadcast); the MPI results are typed invariant over the
         # size-1 axes directly.
-        intra = _backends.AxisOps((), unit_axes=cfg.axes)
-    tree = _backends.share_invariant(tree, cfg.axes + cfg.backend.mesh_axes)
+        intra = _intra.AxisOps((), unit_axes=cfg.axes)
+    tree = _invariance.share_invariant(tree, cfg.axes + cfg.backend.mesh_axes)
     dtypes = [jnp.dtype(b.dtype) for b in plan.buckets]
     travel = [jnp.dtype(cfg.comm_dtype) if cfg.comm_dtype else dt for dt in dtypes]
     pres = [_predivide(cfg, dt, n) for dt in travel]
@@ -262,16 +262,16 @@ def _check_unsynced_devices(cfg: SyncConfig) -> None:
     different devices would be matched with each other (wrong sums or a hang).
     ``vmap`` axes are fine (every replica is a row of one message).
     """
-    if not isinstance(cfg.backend, _backends.MPIBackend):
+    if not isinstance(cfg.backend, _mpi_backend.MPIBackend):
         return
-    bad = [a for a, n in _backends.bound_axes().items() if n > 1 and a not in cfg.axes
-           and not _backends._is_batched(jax.lax.axis_index(a))]
+    bad = [a for a, n in _intra.bound_axes().items() if n > 1 and a not in cfg.axes
+           and not _intra._is_batched(jax.lax.axis_index(a))]
     if bad:
         got = "None" if not cfg.axes else repr(cfg.axes)
         want = tuple(dict.fromkeys(cfg.axes + tuple(bad)))
         raise ValueError(
             f"jaxsync: axis_name={got} but this runs inside shard_map/pmap over the "
-            f"device axes {bad} (sizes {[_backends.bound_axes()[a] for a in bad]}): "
+            f"device axes {bad} (sizes {[_intra.bound_axes()[a] for a in bad]}): "
             "every device would run MPI on the same communicator and the processes' "
             "messages would be mismatched. Fix: pass the mapped axes, "
             f"axis_name={want[0] if len(want) == 1 else want!r}, or call the "
