@@ -92,7 +92,8 @@ def _describe(tree) -> str:
     # Shapes and dtypes from the leaf itself: no copy to host.
     lines = [f"leaf {jax.tree_util.keystr(path)} {np.shape(leaf)} "
              f"{_dtype(leaf)}" for path, leaf in with_paths]
-    lines.append(f"treedef {structure_text(treedef)}")  # last: the first differing line names a leaf
+    # Last: the first differing line names a leaf.
+    lines.append(f"treedef {structure_text(treedef)}")
     return "\n".join(lines)
 
 

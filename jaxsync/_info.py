@@ -143,8 +143,8 @@ def main(argv: list[str]) -> int:
     con.print(f"{'native MPI target':>19}: {text}", soft_wrap=True)
     bridges = first.get("mpi4jax_bridges") or {}
     for kind in ("cpu", "cuda"):
-        con.print(f"{'mpi4jax ' + kind.upper() + ' bridge':>19}: "
-                  f"{('built, links ' + bridges[kind]) if kind in bridges else 'not built'}", soft_wrap=True)
+        state = ("built, links " + bridges[kind]) if kind in bridges else "not built"
+        con.print(f"{'mpi4jax ' + kind.upper() + ' bridge':>19}: {state}", soft_wrap=True)
     t = Table(title="topology")
     for col in ("rank", "size", "host", "hosts", "local_rank", "local_size",
                 "local_devices", "platform"):
