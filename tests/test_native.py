@@ -8,7 +8,7 @@ from jaxsync import _mpi_backend, _mpi_load
 
 @pytest.fixture
 def missing_library(monkeypatch, tmp_path):
-    missing = tmp_path / "nowhere" / "_jaxsync_mpi_load.so"
+    missing = tmp_path / "nowhere" / "_jaxsync_mpi.so"
     monkeypatch.setenv(_mpi_load.NATIVE_ENV, str(missing))
     _mpi_load._native.cache_clear()
     yield missing
