@@ -24,9 +24,6 @@ from ._mpi_load import _load_mpi4jax
 
 _KINDS = ("allreduce", "allgather", "alltoall", "bcast")
 
-# --------------------------------------------------------------------------
-# mpi4jax's targets: the lowering on non-CPU platforms (untested here).
-
 
 class _Hashable:
     """Wrap an MPI communicator so it can be a primitive parameter."""

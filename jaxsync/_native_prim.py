@@ -36,8 +36,7 @@ from jax._src import dispatch as _dispatch
 
 from ._mpi_load import _NATIVE_KINDS, require_native
 
-# --------------------------------------------------------------------------
-# The native primitive: (token, comm, active, *xs) -> (token, *ys).
+# (token, comm, active, *xs) -> (token, *ys)
 
 native_p = Primitive("jaxsync_native")
 native_p.multiple_results = True
