@@ -9,7 +9,7 @@ own XLA FFI targets on CPU, mpi4jax's on GPU) or a mesh axis, and unpack. Each s
 """
 
 from ._auto import auto_mean
-from ._backends import AxisComm
+from ._axis_backend import AxisComm
 from ._broadcast import broadcast_params
 from ._compress import (PowerSGDState, SignState, powersgd_mean, sign_mean,
                         state_specs)

@@ -213,7 +213,7 @@ def make_auto_config(fn, axis_name, comm, *, profile=None, bucket_bytes=AUTO,
     communicator the profile of rank 0 is broadcast and the number of hosts found
     now (collective: this runs when the factory is called, on every process).
     """
-    from . import _backends
+    from . import _mpi_backend
     from ._config import make_config
     if not (profile is None or isinstance(profile, (str, os.PathLike, dict, Profile))):
         raise TypeError(
@@ -227,7 +227,7 @@ def make_auto_config(fn, axis_name, comm, *, profile=None, bucket_bytes=AUTO,
                        **options)
     prof, note = load_profile(profile)
     hosts = 1
-    if isinstance(base.backend, _backends.MPIBackend):
+    if isinstance(base.backend, _mpi_backend.MPIBackend):
         from ._topology import topology
         comms = base.backend.comms
         hosts = topology(base.backend.comm).hosts
@@ -246,20 +246,20 @@ def make_auto_config(fn, axis_name, comm, *, profile=None, bucket_bytes=AUTO,
 def resolve(tree, cfg):
     """At trace time: ``cfg`` with the strategy, buckets and threshold chosen."""
     from jax import lax
-    from . import _backends
+    from . import _axis_backend, _intra, _mpi_backend
     spec = cfg.auto
-    D = _backends.axes_size(cfg.axes) if cfg.axes else 1
+    D = _intra.axes_size(cfg.axes) if cfg.axes else 1
     backend = cfg.backend
     P = backend.size()
     inter_link = None
-    if isinstance(backend, _backends.AxisBackend):
+    if isinstance(backend, _axis_backend.AxisBackend):
         import jax
         inter_link = "device" if jax.process_count() == 1 else "network"
-    batched = bool(cfg.axes) and _backends._is_batched(lax.axis_index(cfg.axes))
+    batched = bool(cfg.axes) and _intra._is_batched(lax.axis_index(cfg.axes))
     topo = ModelTopology(
         processes=P, hosts=spec.hosts, local_devices=D,
         native=bool(getattr(backend, "native", False)),
-        broadcast=isinstance(backend, _backends.MPIBackend) and not batched,
+        broadcast=isinstance(backend, _mpi_backend.MPIBackend) and not batched,
         inter_link=inter_link)
     import jax.numpy as jnp
     itemsize = jnp.dtype(cfg.comm_dtype).itemsize if cfg.comm_dtype else None

@@ -10,7 +10,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from . import _backends
+from ._agree import _disagreement
+from ._axis_backend import AxisComm
 from ._plan import structure_text
 from ._topology import Comms, default_comm
 
@@ -50,7 +51,7 @@ def broadcast_params(tree: PyTree, root: int = 0, comm: Any = "auto") -> PyTree:
             raise ValueError(f"broadcast_params: root={root} but there is one process "
                              "(comm=None). Fix: root=0.")
         return tree
-    if isinstance(comm, _backends.AxisComm):
+    if isinstance(comm, AxisComm):
         if root != 0:
             raise ValueError("broadcast_params with AxisComm broadcasts from process 0; "
                              f"got root={root}. Fix: root=0.")
@@ -69,8 +70,7 @@ def broadcast_params(tree: PyTree, root: int = 0, comm: Any = "auto") -> PyTree:
     # A 32-byte digest per process; the texts travel only on a mismatch.
     digests = world.allgather(hashlib.sha256(plan_text.encode()).digest())
     if len(set(digests)) > 1:
-        raise ValueError(_backends._disagreement(world.allgather(plan_text),
-                                                 "parameter tree"))
+        raise ValueError(_disagreement(world.allgather(plan_text), "parameter tree"))
     out = []
     for leaf in leaves:
         host = np.array(leaf, copy=True)
@@ -92,7 +92,8 @@ def _describe(tree) -> str:
     # Shapes and dtypes from the leaf itself: no copy to host.
     lines = [f"leaf {jax.tree_util.keystr(path)} {np.shape(leaf)} "
              f"{_dtype(leaf)}" for path, leaf in with_paths]
-    lines.append(f"treedef {structure_text(treedef)}")  # last: the first differing line names a leaf
+    # Last: the first differing line names a leaf.
+    lines.append(f"treedef {structure_text(treedef)}")
     return "\n".join(lines)
 
 

@@ -37,7 +37,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from . import _backends, _config, _mpi, _sync
+from . import _config, _intra, _invariance, _mpi_backend, _native_prim, _ordering, _sync
 
 PyTree = Any
 AUTO = _config.AUTO
@@ -198,10 +198,10 @@ def _select_phase(pred, early, late, operand, cfg):
     batched: both branches run (every collective of both, on every process)
     and the results are selected.
     """
-    if _backends._is_batched(pred):
+    if _intra._is_batched(pred):
         a, b = early(operand), late(operand)
         return jax.tree_util.tree_map(lambda x, y: jnp.where(pred, x, y), a, b)
-    threaded = isinstance(cfg.backend, _backends.MPIBackend) and cfg.backend.native
+    threaded = isinstance(cfg.backend, _mpi_backend.MPIBackend) and cfg.backend.native
     if not threaded:
         return lax.cond(pred, early, late, operand)
     # A token cannot cross lax.cond under shard_map, so the chain crosses it as
@@ -211,30 +211,30 @@ def _select_phase(pred, early, late, operand, cfg):
     size = cfg.backend.comms.size
 
     def tie(token, value):
-        token, (value,) = _mpi.native_call("allreduce", [value], token, world,
-                                           jnp.int32(0), size)
+        token, (value,) = _native_prim.native_call("allreduce", [value], token, world,
+                                                   jnp.int32(0), size)
         return token, value
 
-    _, dep = tie(_mpi.chain_token(), jnp.zeros((1,), jnp.float32))
+    _, dep = tie(_ordering.chain_token(), jnp.zeros((1,), jnp.float32))
 
     def wrap(f):
         def branch(args):
             dep, x = args
             token, dep = tie(lax.create_token(), dep)
-            _mpi.set_chain_token(token)
+            _ordering.set_chain_token(token)
             y = f(x)
-            _, dep = tie(_mpi.chain_token(), dep)
+            _, dep = tie(_ordering.chain_token(), dep)
             return dep, y
         return branch
 
     dep, out = lax.cond(pred, wrap(early), wrap(late), (dep, operand))
-    token, _ = tie(_mpi.chain_token(), dep)
-    _mpi.set_chain_token(token)
+    token, _ = tie(_ordering.chain_token(), dep)
+    _ordering.set_chain_token(token)
     return out
 
 
 def _check_phase_backend(fn, cfg, start_step):
-    if start_step > 0 and isinstance(cfg.backend, _backends.MPIBackend) \
+    if start_step > 0 and isinstance(cfg.backend, _mpi_backend.MPIBackend) \
             and not cfg.backend.native:
         raise ValueError(
             f"{fn}: start_step={start_step} chooses between two sets of collectives "
@@ -389,8 +389,8 @@ def powersgd_mean(axis_name, comm=AUTO, *, rank: int = 4, start_step: int = 0,
         rest = [k for k, lay in enumerate(layout) if lay is None]
         # A gradient that autodiff already summed over some axes (shard_map,
         # replicated parameters) takes part once, as in hierarchical_mean.
-        shared = _backends.share_invariant([leaves[k] for k in idx],
-                                           cfg.axes + cfg.backend.mesh_axes)
+        shared = _invariance.share_invariant([leaves[k] for k in idx],
+                                             cfg.axes + cfg.backend.mesh_axes)
         ms, qs = [], []
         for j, (k, g) in enumerate(zip(idx, shared)):
             n, m, r = layout[k]
@@ -473,11 +473,11 @@ def _gather_bytes(buf, cfg, text):
     backend's all-gather, by local device 0, broadcast back); the row of
     replica ``d`` of process ``p`` is ``p * local + d``.
     """
-    _backends.check_axes(cfg.axes)
+    _intra.check_axes(cfg.axes)
     _sync._check_unsynced_devices(cfg)
-    intra = _backends.AxisOps(cfg.axes)
+    intra = _intra.AxisOps(cfg.axes)
     if intra.size == 1 and getattr(cfg.backend, "native", False):
-        intra = _backends.AxisOps((), unit_axes=cfg.axes)
+        intra = _intra.AxisOps((), unit_axes=cfg.axes)
     (buf,) = cfg.backend.agree(text, "gradient tree", [buf])
     local = intra.allgather(buf)                               # (D, L)
     flat = local.reshape(-1)
@@ -567,8 +567,8 @@ def sign_mean(axis_name, comm=AUTO, *, error_feedback: bool = True,
         if not idx:
             return jax.tree_util.tree_unflatten(treedef, out), SignState(
                 state.count + 1, state.residual)
-        shared = _backends.share_invariant([leaves[k] for k in idx],
-                                           cfg.axes + cfg.backend.mesh_axes)
+        shared = _invariance.share_invariant([leaves[k] for k in idx],
+                                             cfg.axes + cfg.backend.mesh_axes)
         ps, scales, packed = [], [], []
         for j, g in enumerate(shared):
             p = g.astype(_wide(g.dtype)).reshape(-1)

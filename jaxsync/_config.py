@@ -18,7 +18,7 @@ import numpy as np
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from . import _backends, _sparse, _strategies
+from . import _axis_backend, _mpi_backend, _sparse, _strategies
 from ._plan import (DEFAULT_BUCKET_BYTES, DEFAULT_PACK_THRESHOLD, REDUCED_DTYPES,
                     _check_bytes)
 from ._topology import default_comm
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 AxisName = Union[str, tuple[str, ...], None]
 #: The inter-process stage: an mpi4py ``Intracomm``, a :class:`jaxsync.AxisComm`,
 #: ``None`` (one process) or ``"auto"``.
-Comm = Union["MPI.Intracomm", "_backends.AxisComm", None, str]
+Comm = Union["MPI.Intracomm", "_axis_backend.AxisComm", None, str]
 #: ``"mean"`` or ``"sum"``.
 Reduce = Literal["mean", "sum"]
 #: A byte count, ``None`` (no cap / pack everything) or ``"auto"`` (the default).
@@ -82,19 +82,19 @@ def _make_backend(fn: str, comm, staging: str, timeout=None):
     if isinstance(comm, str) and comm == AUTO:
         comm = default_comm()
     if comm is None:
-        return _backends.LocalBackend()
-    if isinstance(comm, _backends.AxisComm):
-        return _backends.AxisBackend(comm)
+        return _axis_backend.LocalBackend()
+    if isinstance(comm, _axis_backend.AxisComm):
+        return _axis_backend.AxisBackend(comm)
     _check_comm_type(fn, comm)
     if comm.Get_size() == 1:
-        return _backends.LocalBackend()
-    return _backends.MPIBackend(comm, staging=staging,
+        return _axis_backend.LocalBackend()
+    return _mpi_backend.MPIBackend(comm, staging=staging,
                                 timeout=None if timeout is None else float(timeout))
 
 
 def _check_comm_type(fn: str, comm) -> None:
     """TypeError unless ``comm`` is None, 'auto', an AxisComm or an Intracomm."""
-    if comm is None or isinstance(comm, _backends.AxisComm) or (
+    if comm is None or isinstance(comm, _axis_backend.AxisComm) or (
             isinstance(comm, str) and comm == AUTO):
         return
     # An mpi4py communicator exists only once mpi4py.MPI is imported: never import
@@ -205,7 +205,7 @@ def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
                 f"{fn}: strategy 'single_node' reduces over the local axes only and "
                 f"ignores comm, got comm={comm!r}. Fix: drop comm (or pass comm=None), "
                 "or use strategy='hierarchical' to reduce across processes.")
-        backend = _backends.LocalBackend()
+        backend = _axis_backend.LocalBackend()
     else:
         backend = _make_backend(fn, comm, staging, timeout)
     return SyncConfig(strategy, axes, backend, reduce, bucket_bytes, pack_threshold,

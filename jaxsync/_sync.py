@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from . import _backends, _sparse, _strategies
+from . import _intra, _invariance, _mpi_backend, _sparse, _strategies
 from ._sparse import SparseOptions
 from ._config import (AUTO, AxisName, Bytes, CheckFinite, Comm, DTypeLike, ProfileLike, Reduce,
                       Staging, SyncConfig, make_config)
@@ -28,12 +28,12 @@ def sync(tree: PyTree, cfg: SyncConfig):
     """Reduce ``tree`` per ``cfg``; returns (tree, all_finite or None)."""
     if _sparse.has_row_sparse(tree):  # RowSparse leaves are all-gathered
         return _sparse.sync_mixed(tree, cfg, sync)
-    _backends.check_axes(cfg.axes)
+    _intra.check_axes(cfg.axes)
     if cfg.strategy == AUTO:  # chosen now, from the tree (jaxsync._auto)
         from . import _auto
         cfg = _auto.resolve(tree, cfg)
     _check_unsynced_devices(cfg)
-    intra = _backends.AxisOps(cfg.axes)
+    intra = _intra.AxisOps(cfg.axes)
     alone = intra.size == 1 and getattr(cfg.backend, "native", False)
     # One device per process and jaxsync's native allreduce: hierarchical,
     # two_dimensional and flat hand it the leaves as they are, and it sums the
@@ -55,8 +55,8 @@ def sync(tree: PyTree, cfg: SyncConfig):
         # One device per process: no local stage at all (no psum, no leader
         # choice, no broadcast); the MPI results are typed invariant over the
         # size-1 axes directly.
-        intra = _backends.AxisOps((), unit_axes=cfg.axes)
-    tree = _backends.share_invariant(tree, cfg.axes + cfg.backend.mesh_axes)
+        intra = _intra.AxisOps((), unit_axes=cfg.axes)
+    tree = _invariance.share_invariant(tree, cfg.axes + cfg.backend.mesh_axes)
     dtypes = [jnp.dtype(b.dtype) for b in plan.buckets]
     travel = [jnp.dtype(cfg.comm_dtype) if cfg.comm_dtype else dt for dt in dtypes]
     pres = [_predivide(cfg, dt, n) for dt in travel]
@@ -99,16 +99,16 @@ def _check_unsynced_devices(cfg: SyncConfig) -> None:
     different devices would be matched with each other (wrong sums or a hang).
     ``vmap`` axes are fine (every replica is a row of one message).
     """
-    if not isinstance(cfg.backend, _backends.MPIBackend):
+    if not isinstance(cfg.backend, _mpi_backend.MPIBackend):
         return
-    bad = [a for a, n in _backends.bound_axes().items() if n > 1 and a not in cfg.axes
-           and not _backends._is_batched(jax.lax.axis_index(a))]
+    bad = [a for a, n in _intra.bound_axes().items() if n > 1 and a not in cfg.axes
+           and not _intra._is_batched(jax.lax.axis_index(a))]
     if bad:
         got = "None" if not cfg.axes else repr(cfg.axes)
         want = tuple(dict.fromkeys(cfg.axes + tuple(bad)))
         raise ValueError(
             f"jaxsync: axis_name={got} but this runs inside shard_map/pmap over the "
-            f"device axes {bad} (sizes {[_backends.bound_axes()[a] for a in bad]}): "
+            f"device axes {bad} (sizes {[_intra.bound_axes()[a] for a in bad]}): "
             "every device would run MPI on the same communicator and the processes' "
             "messages would be mismatched. Fix: pass the mapped axes, "
             f"axis_name={want[0] if len(want) == 1 else want!r}, or call the "

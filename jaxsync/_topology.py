@@ -293,12 +293,12 @@ def _drain() -> None:
     """Let computations in flight finish their MPI calls.
 
     Waits until jaxsync's MPI calls and agreement callbacks have been quiet for a
-    moment (``_mpi.wait_until_quiet``: a default synchronised step has no effect,
+    moment (``_quiet.wait_until_quiet``: a default synchronised step has no effect,
     which keeps jit's fast dispatch, so ``jax.effects_barrier`` does not see it),
     for steps with effects (a watchdog, host staging), and for every live array.
     """
-    from . import _mpi
-    _mpi.wait_until_quiet()
+    from . import _quiet
+    _quiet.wait_until_quiet()
     try:
         jax.effects_barrier()
     except Exception:  # noqa: BLE001 - a failed step: its error was reported

@@ -119,7 +119,7 @@ def measure_process(comm, sizes, rounds: int, iters: int) -> list:
     """``(kind, nbytes, processes, seconds)``: jaxsync's native MPI calls in jit."""
     import jax
     import jax.numpy as jnp
-    from . import _backends
+    from . import _mpi_backend
     from ._topology import Comms
     comms = Comms.of(comm)
     P_ = comms.size
@@ -133,7 +133,7 @@ def measure_process(comm, sizes, rounds: int, iters: int) -> list:
         def step(kind):
             def body(x):
                 y = x * 1.0001 + 1.0
-                ops = _backends._NativeOps(jnp.int32(handle), jnp.int32(1), P_)
+                ops = _mpi_backend._NativeOps(jnp.int32(handle), jnp.int32(1), P_)
                 if kind == "allreduce":
                     return ops.allreduce([y])[0]
                 if kind == "alltoall":

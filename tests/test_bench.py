@@ -66,7 +66,7 @@ def test_quick_bench_writes_json_csv_and_png(tmp_path):
 def test_flat_defaults_are_the_librarys():
     """The bench names flat_mean's defaults (its sweep skips that plan) without
     the private make_config; they must stay the library's."""
-    from jaxsync._transforms import make_config
+    from jaxsync._config import make_config
     from jaxsync.bench.methods import FLAT_DEFAULTS
     cfg = make_config("flat_mean", "flat", "d", None)
     assert FLAT_DEFAULTS == {"bucket_bytes": cfg.bucket_bytes,

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxsync
-from jaxsync import _backends, _config, _sync, _topology
+from jaxsync import _config, _mpi_backend, _sync, _topology
 from jaxsync._plan import make_plan, structure_text
 from jaxsync._reduce16 import UNROLL, rows_sum_f32
 
@@ -112,7 +112,7 @@ def test_sync_gradients_returns_the_finite_flag():
 
 
 def _fake_mpi_backend():
-    be = object.__new__(_backends.MPIBackend)
+    be = object.__new__(_mpi_backend.MPIBackend)
     be.comm, be.staging, be.timeout = None, "device", None
     return be
 
@@ -332,7 +332,7 @@ def test_watchdog_ignores_replies_of_an_earlier_round(fake_mpi_status):
 def test_mpi_side_effects_are_io_callbacks():
     """Host-staged MPI calls and watchdog hooks are effects JAX keeps, once each."""
     from jaxsync._watchdog import _tie
-    ops = _backends._HostOps(_FakeComm(size=2))
+    ops = _mpi_backend._HostOps(_FakeComm(size=2))
     jaxpr = str(jax.make_jaxpr(lambda x: ops.allgather(ops.allreduce([x])[0]))(jnp.ones(3)))
     jaxpr += str(jax.make_jaxpr(lambda x: _tie(lambda h: h, x))(jnp.ones(3)))
     assert "io_callback" in jaxpr and "pure_callback" not in jaxpr, jaxpr

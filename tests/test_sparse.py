@@ -253,7 +253,7 @@ def test_agreement_text_names_k_and_num_rows():
     """The text every process compares holds k and num_rows of each sparse leaf."""
     seen = []
 
-    class Recorder(jaxsync._backends.LocalBackend):
+    class Recorder(jaxsync._axis_backend.LocalBackend):
         def agree(self, text, what, bufs):
             seen.append(text)
             return bufs
