@@ -36,6 +36,10 @@ def broadcast_params(tree: PyTree, root: int = 0, comm: Any = "auto") -> PyTree:
         ``jax.distributed`` processes are used and ``root`` must be 0), ``None``
         (a single process: returns ``tree``) or ``"auto"``.
 
+    Returns:
+      a tree of the same structure, dtypes, shapes and shardings holding the
+      root's values, the same on every process.
+
     Example:
       >>> import jax.numpy as jnp, jaxsync
       >>> jaxsync.broadcast_params({"w": jnp.ones(2)}, comm=None)

@@ -87,7 +87,7 @@ PUBLIC_FUNCTIONS = ["naive_mean", "flat_mean", "hierarchical_mean", "two_dimensi
                     "single_node_mean", "auto_mean", "sync_gradients", "powersgd_mean",
                     "sign_mean", "sparse_sgd", "sparse_adagrad", "densify",
                     "row_sparse_grad", "apply_sparse_updates", "broadcast_params",
-                    "state_specs", "make_plan", "topology", "tune_host_allocator",
+                    "state_specs", "make_plan", "topology", "default_comm", "tune_host_allocator",
                     "free_communicators"]
 
 
