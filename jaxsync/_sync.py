@@ -9,17 +9,27 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from . import _intra, _invariance, _mpi_backend, _sparse, _strategies
-from ._sparse import SparseOptions
-from ._config import (AUTO, AxisName, Bytes, CheckFinite, Comm, DTypeLike, ProfileLike, Reduce,
-                      Staging, SyncConfig, make_config)
+from ._config import (
+    AUTO,
+    AxisName,
+    Bytes,
+    CheckFinite,
+    Comm,
+    DTypeLike,
+    ProfileLike,
+    Reduce,
+    Staging,
+    SyncConfig,
+    make_config,
+)
 from ._plan import make_plan
+from ._sparse import SparseOptions
 
 PyTree = Any
 
