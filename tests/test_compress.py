@@ -19,7 +19,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import jaxsync
-from jaxsync import _compress, _compress_digits
+from jaxsync import _compress_digits, _powersgd, _sign
 from _common import MESH2, bits
 
 R = 4  # replicas
@@ -78,11 +78,11 @@ def test_wrong_state_raises():
 def test_powersgd_layout_rule():
     leaves = [jnp.zeros((64, 64)), jnp.zeros((3, 3, 32, 64)), jnp.zeros((64,)),
               jnp.zeros((8, 4)), jnp.zeros((16, 16), jnp.int32), jnp.zeros((0, 5))]
-    got = _compress._powersgd_layout(leaves, rank=4, min_rate=2.0)
+    got = _powersgd._powersgd_layout(leaves, rank=4, min_rate=2.0)
     # 64x64: 4096 / (4 * 128) = 8; conv: last axis against the rest, 288 x 64;
     # 8x4 with r = 4: 32 / 48 < 2 (sent exact); ints, vectors, empty: exact.
     assert got == [(64, 64, 4), (288, 64, 4), None, None, None, None]
-    assert _compress._powersgd_layout([jnp.zeros((8, 4))], 4, 0.0) == [(8, 4, 4)]
+    assert _powersgd._powersgd_layout([jnp.zeros((8, 4))], 4, 0.0) == [(8, 4, 4)]
 
 
 # --------------------------------------------------------------------------
@@ -217,10 +217,10 @@ def test_powersgd_warm_start_keeps_q():
 def test_pack_signs_round_trip():
     x = jnp.asarray(np.random.default_rng(4).standard_normal(21), jnp.float32)
     x = x.at[3].set(0.0).at[4].set(-0.0)
-    packed = _compress.pack_signs(x)
+    packed = _sign.pack_signs(x)
     assert packed.dtype == jnp.uint8 and packed.shape == (3,)
     want = np.where(np.asarray(x) >= 0, 1.0, -1.0)
-    np.testing.assert_array_equal(np.asarray(_compress.unpack_signs(packed, 21)), want)
+    np.testing.assert_array_equal(np.asarray(_sign.unpack_signs(packed, 21)), want)
     # bit 7 of byte 0 is element 0
     assert int(packed[0]) >> 7 == int(x[0] >= 0)
 
