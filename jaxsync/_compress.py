@@ -81,7 +81,7 @@ class SignState(NamedTuple):
     residual: tuple
 
 
-def state_specs(state: PyTree, axis_name) -> PyTree:
+def state_specs(state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
     """``PartitionSpec``s for an optimizer state holding compression residuals.
 
     Residuals are each replica's own values: under ``jax.shard_map`` they must

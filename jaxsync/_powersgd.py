@@ -8,6 +8,7 @@ exact hierarchical path the ``P`` and ``Q`` matrices travel by).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +69,8 @@ def _mm(a, b):
     return jnp.matmul(a, b)
 
 
-def powersgd_mean(axis_name, comm=AUTO, *, rank: int = 4, start_step: int = 0,
+def powersgd_mean(axis_name: str | tuple[str, ...] | None, comm: Any = AUTO, *,
+                  rank: int = 4, start_step: int = 0,
                   min_compression_rate: float = 2.0, error_feedback: bool = True,
                   warm_start: bool = True, seed: int = 0, staging: str = "device",
                   timeout: float | None = None) -> optax.GradientTransformation:
@@ -110,6 +112,14 @@ def powersgd_mean(axis_name, comm=AUTO, *, rank: int = 4, start_step: int = 0,
         the same on every replica.
       staging: ``"device"`` or ``"host"``, as for ``hierarchical_mean``.
       timeout: the stall watchdog, as for ``hierarchical_mean``.
+
+    Returns:
+      an ``optax.GradientTransformation``; ``update`` must run where
+      ``axis_name`` is bound (``shard_map``, ``pmap`` or ``vmap``).
+
+    Raises:
+      TypeError, ValueError: a static argument is of the wrong type or out of
+        range (when the factory is called).
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, jaxsync

@@ -7,6 +7,8 @@ for the leaves that are not compressed).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 import jax
@@ -67,7 +69,8 @@ def _gather_bytes(buf, cfg, text):
     return world.reshape(-1, buf.shape[0])
 
 
-def sign_mean(axis_name, comm=AUTO, *, error_feedback: bool = True,
+def sign_mean(axis_name: str | tuple[str, ...] | None, comm: Any = AUTO, *,
+              error_feedback: bool = True,
               min_size: int = 256, staging: str = "device",
               timeout: float | None = None) -> optax.GradientTransformation:
     """Average gradients as scaled signs, 1 bit per value, with error feedback.
@@ -100,6 +103,14 @@ def sign_mean(axis_name, comm=AUTO, *, error_feedback: bool = True,
       min_size: compress floating leaves of at least this many values (>= 1).
       staging: ``"device"`` or ``"host"``, as for ``hierarchical_mean``.
       timeout: the stall watchdog, as for ``hierarchical_mean``.
+
+    Returns:
+      an ``optax.GradientTransformation``; ``update`` must run where
+      ``axis_name`` is bound (``shard_map``, ``pmap`` or ``vmap``).
+
+    Raises:
+      TypeError, ValueError: a static argument is of the wrong type or out of
+        range (when the factory is called).
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxsync

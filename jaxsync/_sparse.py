@@ -29,6 +29,7 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 _MODES = ("auto", "sparse", "dense")
 
@@ -48,6 +49,11 @@ class RowSparse:
       values: array of shape ``(k, *row_shape)``.
       num_rows: the table's number of rows (static: part of the tree structure).
 
+    Attributes:
+      indices: the int32 ``(k,)`` row indices.
+      values: the ``(k, *row_shape)`` rows.
+      num_rows: the table's number of rows.
+
     Example:
       >>> import jax.numpy as jnp, jaxsync
       >>> g = jaxsync.RowSparse(jnp.array([2, 0, 2]), jnp.ones((3, 2)), num_rows=4)
@@ -62,7 +68,7 @@ class RowSparse:
 
     __slots__ = ("indices", "values", "num_rows")
 
-    def __init__(self, indices, values, num_rows: int):
+    def __init__(self, indices: ArrayLike, values: ArrayLike, num_rows: int) -> None:
         if isinstance(num_rows, bool) or not isinstance(num_rows, (int, np.integer)) \
                 or num_rows < 1:
             raise TypeError(
@@ -103,6 +109,7 @@ class RowSparse:
 
     @property
     def row_shape(self) -> tuple:
+        """Shape of one row: ``values.shape[1:]``."""
         return tuple(self.values.shape[1:])
 
     @property
@@ -111,18 +118,22 @@ class RowSparse:
         return (self.num_rows, *self.row_shape)
 
     @property
-    def dtype(self):
+    def dtype(self) -> jnp.dtype:
+        """The dtype of ``values``."""
         return self.values.dtype
 
-    def valid(self):
+    def valid(self) -> jax.Array:
         """Boolean ``(k,)``: which indices lie in ``[0, num_rows)``."""
         return (self.indices >= 0) & (self.indices < self.num_rows)
 
-    def todense(self):
+    def todense(self) -> jax.Array:
         """Scatter-add the rows into a ``(num_rows, *row_shape)`` array.
 
         Indices outside ``[0, num_rows)`` (for example the padding rows of
         :meth:`coalesce`, marked ``num_rows``) are dropped, never written.
+
+        Returns:
+          the dense gradient, of dtype ``values.dtype``.
         """
         idx = jnp.where(self.valid(), self.indices, self.num_rows)
         out = jnp.zeros(self.shape, self.values.dtype)
@@ -135,10 +146,20 @@ class RowSparse:
           size: rows of the result (default ``min(k, num_rows)``, which always
             holds every unique valid index). Padding rows have index
             ``num_rows`` and zero values; invalid indices become padding.
+
+        Returns:
+          a ``RowSparse`` of ``size`` rows with the same :meth:`todense`.
+
+        Example:
+          >>> import jax.numpy as jnp, jaxsync
+          >>> g = jaxsync.RowSparse(jnp.array([2, 0, 2]), jnp.ones((3, 1)), num_rows=4)
+          >>> c = g.coalesce()
+          >>> c.indices, c.values[:, 0]
+          (Array([0, 2, 4], dtype=int32), Array([1., 2., 0.], dtype=float32))
         """
         return _coalesce(self, size)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"RowSparse(k={self.indices.shape}, row_shape={self.row_shape}, "
                 f"num_rows={self.num_rows}, dtype={self.values.dtype})")
 
@@ -147,7 +168,7 @@ def _is_rs(x) -> bool:
     return isinstance(x, RowSparse)
 
 
-def _coalesce(g: RowSparse, size=None) -> RowSparse:
+def _coalesce(g: RowSparse, size: int | None = None) -> RowSparse:
     n, v = g.k, g.num_rows
     size = min(n, v) if size is None else int(size)
     key = jnp.where(g.valid(), g.indices, v)
@@ -187,14 +208,26 @@ class SparseOptions:
       densify: return the dense mean (a ``(num_rows, *row_shape)`` array)
         instead of a ``RowSparse``; the bytes on the wire stay sparse.
 
+    Raises:
+      TypeError, ValueError: at construction, naming the bad argument.
+
     Example:
-      >>> import jaxsync
-      >>> tx = jaxsync.hierarchical_mean(
-      ...     axis_name="i", comm=None,
-      ...     sparse=jaxsync.SparseOptions(mode={"emb": "sparse"}, coalesce=True))
+      >>> import jax, jax.numpy as jnp, jaxsync
+      >>> opts = jaxsync.SparseOptions(mode={"emb": "sparse"}, densify=True)
+      >>> tx = jaxsync.hierarchical_mean(axis_name="i", comm=None, sparse=opts)
+      >>> def step(idx, vals):   # one replica: its rows of a 4-row table
+      ...     g = {"emb": jaxsync.RowSparse(idx, vals, num_rows=4)}
+      ...     return tx.update(g, tx.init(g))[0]["emb"]
+      >>> out = jax.vmap(step, axis_name="i")(jnp.array([[1], [3]]), jnp.ones((2, 1, 2)))
+      >>> out[0]                 # the dense mean of both replicas' rows
+      Array([[0. , 0. ],
+             [0.5, 0.5],
+             [0. , 0. ],
+             [0.5, 0.5]], dtype=float32)
     """
 
-    mode: Any = "auto"
+    # A dict is stored as a sorted tuple of (path, mode) pairs (hashable).
+    mode: str | Mapping[str, str] | tuple[tuple[str, str], ...] = "auto"
     coalesce: bool = False
     densify: bool = False
 
@@ -221,12 +254,13 @@ class SparseOptions:
                     f"bool, got: {type(getattr(self, name)).__name__}). Fix: {name}=True.")
 
     def mode_of(self, path: str) -> str:
+        """The mode of the leaf at ``path`` (keys joined by ``/``)."""
         if isinstance(self.mode, tuple):
             return dict(self.mode).get(path, "auto")
-        return self.mode
+        return str(self.mode)
 
 
-def check_options(fn: str, sparse) -> SparseOptions:
+def check_options(fn: str, sparse: Any) -> SparseOptions:
     """Validate the ``sparse=`` option of a factory."""
     if sparse is None:
         return SparseOptions()
@@ -268,7 +302,7 @@ def wire_bytes(mode: str, replicas: int, g: RowSparse) -> int:
     return g.num_rows * row_bytes
 
 
-def has_row_sparse(tree) -> bool:
+def has_row_sparse(tree: Any) -> bool:
     """Whether ``tree`` holds a :class:`RowSparse` leaf (then ``_sync.sync``
     hands it to ``_sparse_sync.sync_mixed``)."""
     return any(_is_rs(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_rs))

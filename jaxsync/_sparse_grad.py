@@ -47,7 +47,7 @@ def _unique(ids, num_rows: int):
 
 def row_sparse_grad(loss_fn: Callable, params: PyTree, batch: PyTree, *,
                     tables: Mapping[str, Any], has_aux: bool = False,
-                    return_value: bool = False):
+                    return_value: bool = False) -> Any:
     """Gradient of ``loss_fn(params, batch)`` with ``RowSparse`` leaves for tables.
 
     ``jax.grad`` of an embedding table is a dense ``(num_rows, ...)`` array. For
@@ -77,8 +77,12 @@ def row_sparse_grad(loss_fn: Callable, params: PyTree, batch: PyTree, *,
       ``grads``; ``(grads, aux)`` with ``has_aux``; ``(value, grads)`` with
       ``return_value`` (``((loss, aux), grads)`` with both).
 
+    Raises:
+      TypeError: ``tables`` is not a non-empty dict, or ids are not integers.
+      KeyError: a table or ids path names no leaf.
+
     Example:
-      >>> import jax.numpy as jnp, jaxsync
+      >>> import jax, jax.numpy as jnp, jaxsync
       >>> params = {"emb": jnp.arange(12.0).reshape(6, 2), "w": jnp.ones(2)}
       >>> batch = {"ids": jnp.array([[4, 1], [4, 4]])}
       >>> def loss_fn(p, b):

@@ -32,6 +32,10 @@ def densify() -> optax.GradientTransformation:
     Put it between a jaxsync strategy and a dense optimizer:
     ``optax.chain(jaxsync.hierarchical_mean(...), jaxsync.densify(), optax.adam(...))``.
 
+    Returns:
+      a stateless ``optax.GradientTransformation`` (its state is
+      ``optax.EmptyState()``).
+
     Example:
       >>> import jax.numpy as jnp, optax, jaxsync
       >>> tx = optax.chain(jaxsync.densify(), optax.sgd(1.0))
@@ -77,7 +81,7 @@ def _lr(learning_rate, count):
     return learning_rate(count) if callable(learning_rate) else learning_rate
 
 
-def sparse_sgd(learning_rate) -> optax.GradientTransformation:
+def sparse_sgd(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformation:
     """SGD that keeps ``RowSparse`` updates sparse: only touched rows change.
 
     Dense leaves get ``-learning_rate * g``; ``RowSparse`` leaves get a
@@ -85,7 +89,15 @@ def sparse_sgd(learning_rate) -> optax.GradientTransformation:
     :func:`jaxsync.apply_sparse_updates` (a scatter-add of the ``k`` rows).
 
     Args:
-      learning_rate: a float > 0 or an optax schedule.
+      learning_rate: a float > 0 or an optax schedule (no default, as for
+        ``optax.sgd``).
+
+    Returns:
+      an ``optax.GradientTransformation`` whose state is a
+      :class:`ScheduleState` (the step count).
+
+    Raises:
+      TypeError, ValueError: ``learning_rate`` is not a float > 0 or a callable.
 
     Example:
       >>> import jax.numpy as jnp, jaxsync
@@ -125,7 +137,8 @@ class SparseAdagradState(NamedTuple):
     count: jax.Array
 
 
-def sparse_adagrad(learning_rate, initial_accumulator_value: float = 0.1,
+def sparse_adagrad(learning_rate: optax.ScalarOrSchedule,
+                   initial_accumulator_value: float = 0.1,
                    eps: float = 1e-7) -> optax.GradientTransformation:
     """Adagrad that reads and writes only the touched rows (Caffe2's SparseAdagrad).
 
@@ -137,9 +150,17 @@ def sparse_adagrad(learning_rate, initial_accumulator_value: float = 0.1,
     (``optax.adagrad`` puts ``eps`` inside the root instead).
 
     Args:
-      learning_rate: a float > 0 or an optax schedule.
+      learning_rate: a float > 0 or an optax schedule (no default, as for
+        ``optax.adagrad``).
       initial_accumulator_value: starting value of the accumulators (>= 0).
-      eps: added to the square root of the accumulator (> 0).
+      eps: added to the square root of the accumulator (>= 0).
+
+    Returns:
+      an ``optax.GradientTransformation`` whose state is a
+      :class:`SparseAdagradState` (dense accumulators and the step count).
+
+    Raises:
+      TypeError, ValueError: an argument is of the wrong type or out of range.
 
     Example:
       >>> import jax.numpy as jnp, jaxsync
@@ -194,6 +215,14 @@ def apply_sparse_updates(params: PyTree, updates: PyTree) -> PyTree:
 
     Only the ``k`` rows of a sparse update are read and written (in place when
     the step donates ``params``); indices outside ``[0, num_rows)`` are dropped.
+
+    Args:
+      params: the parameter pytree.
+      updates: updates of the same structure (a leaf may be a ``RowSparse``
+        of the leaf's shape, or ``None`` for no change).
+
+    Returns:
+      the updated parameters, each leaf in its parameter's dtype.
 
     Example:
       >>> import jax.numpy as jnp, jaxsync
