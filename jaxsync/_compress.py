@@ -63,7 +63,7 @@ class PowerSGDState(NamedTuple):
         replica).
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # shadows tuple.count
     q: tuple
     residual: tuple
 
@@ -77,7 +77,7 @@ class SignState(NamedTuple):
         this replica's error feedback (different on every replica).
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # shadows tuple.count
     residual: tuple
 
 

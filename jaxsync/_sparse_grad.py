@@ -27,7 +27,8 @@ def _lookup(tree, path: str, what: str):
 
 def _replace(tree, repl: Mapping[str, Any]):
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    return treedef.unflatten([repl.get(path_str(p), x) for p, x in with_paths])
+    return jax.tree_util.tree_unflatten(
+        treedef, [repl.get(path_str(p), x) for p, x in with_paths])
 
 
 def _unique(ids, num_rows: int):
@@ -124,7 +125,7 @@ def row_sparse_grad(loss_fn: Callable, params: PyTree, batch: PyTree, *,
             leaves.append(RowSparse.tree_unflatten(num_rows, (uniq, rows)))
         else:
             leaves.append(g)
-    grads = g_def.unflatten(leaves)
+    grads = jax.tree_util.tree_unflatten(g_def, leaves)
     if return_value:
         return value, grads
     if has_aux:

@@ -74,7 +74,7 @@ def _check_lr(fn, learning_rate):
 class ScheduleState(NamedTuple):
     """Step count of a sparse optimizer (for a learning-rate schedule)."""
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # shadows tuple.count
 
 
 def _lr(learning_rate, count):
@@ -134,7 +134,7 @@ class SparseAdagradState(NamedTuple):
     """Sum of squared gradients (dense, like the parameters) and the step count."""
 
     sum_of_squares: PyTree
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # shadows tuple.count
 
 
 def sparse_adagrad(learning_rate: optax.ScalarOrSchedule,
@@ -231,7 +231,7 @@ def apply_sparse_updates(params: PyTree, updates: PyTree) -> PyTree:
       Array([2., 0.], dtype=float32)
     """
     flat_u, udef = jax.tree_util.tree_flatten(updates, is_leaf=_is_rs)
-    flat_p = udef.flatten_up_to(params)
+    flat_p = udef.flatten_up_to(params)  # type: ignore[attr-defined]
 
     def one(p, u):
         if u is None:
@@ -241,4 +241,4 @@ def apply_sparse_updates(params: PyTree, updates: PyTree) -> PyTree:
             return p.at[idx].add(u.values.astype(p.dtype), mode="drop")
         return (jnp.asarray(p) + u).astype(jnp.asarray(p).dtype)
 
-    return udef.unflatten([one(p, u) for p, u in zip(flat_p, flat_u)])
+    return jax.tree_util.tree_unflatten(udef, [one(p, u) for p, u in zip(flat_p, flat_u)])

@@ -76,8 +76,8 @@ def sync_mixed(tree, cfg, dense_sync: Callable):
                 bad = jnp.where(jnp.all(leaves[i].valid()), 0.0, jnp.nan)
                 d = dense_leaves[i]
                 dense_leaves[i] = d.at[(0,) * d.ndim].add(bad.astype(d.dtype))
-    dense_out, finite = dense_sync(treedef.unflatten(dense_leaves), cfg)
-    out = treedef.flatten_up_to(dense_out)
+    dense_out, finite = dense_sync(jax.tree_util.tree_unflatten(treedef, dense_leaves), cfg)
+    out = treedef.flatten_up_to(dense_out)  # type: ignore[attr-defined]
     sparse = [i for i in sparse_at if modes[i] == "sparse"]
     synced, ok = _sync_sparse([leaves[i] for i in sparse], cfg, intra, replicas, opts)
     for i, g in zip(sparse, synced):
@@ -86,7 +86,7 @@ def sync_mixed(tree, cfg, dense_sync: Callable):
         finite = finite & ok
         if cfg.check_finite == "raise":
             _raise_if_bad([paths[i] for i in sparse], ok)
-    return treedef.unflatten(out), finite
+    return jax.tree_util.tree_unflatten(treedef, out), finite
 
 
 def _sync_sparse(gs: list, cfg, intra, replicas: int, opts: SparseOptions):
