@@ -8,7 +8,6 @@ exact hierarchical path the ``P`` and ``Q`` matrices travel by).
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +18,7 @@ from . import _config, _invariance, _sync
 from ._compress import (PowerSGDState, _check_bool, _check_float, _check_int,
                         _is_float, _reject_row_sparse, _state_error, _tree_error, _wide)
 from ._compress_phase import _check_phase_backend, _select_phase
+from ._config import AxisName, Comm, Staging
 
 AUTO = _config.AUTO
 # Gram-Schmidt: a column whose norm is below this (relative to nothing: the data
@@ -69,10 +69,10 @@ def _mm(a, b):
     return jnp.matmul(a, b)
 
 
-def powersgd_mean(axis_name: str | tuple[str, ...] | None, comm: Any = AUTO, *,
+def powersgd_mean(axis_name: AxisName, comm: Comm = AUTO, *,
                   rank: int = 4, start_step: int = 0,
                   min_compression_rate: float = 2.0, error_feedback: bool = True,
-                  warm_start: bool = True, seed: int = 0, staging: str = "device",
+                  warm_start: bool = True, seed: int = 0, staging: Staging = "device",
                   timeout: float | None = None) -> optax.GradientTransformation:
     """Average gradients with PowerSGD low-rank compression and error feedback.
 

@@ -7,8 +7,6 @@ for the leaves that are not compressed).
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 import jax
@@ -19,6 +17,7 @@ from jax import lax
 from . import _config, _intra, _invariance, _sync
 from ._compress import (SignState, _check_bool, _check_int, _is_float,
                         _reject_row_sparse, _state_error, _tree_error, _wide)
+from ._config import AxisName, Comm, Staging
 
 AUTO = _config.AUTO
 
@@ -69,9 +68,9 @@ def _gather_bytes(buf, cfg, text):
     return world.reshape(-1, buf.shape[0])
 
 
-def sign_mean(axis_name: str | tuple[str, ...] | None, comm: Any = AUTO, *,
+def sign_mean(axis_name: AxisName, comm: Comm = AUTO, *,
               error_feedback: bool = True,
-              min_size: int = 256, staging: str = "device",
+              min_size: int = 256, staging: Staging = "device",
               timeout: float | None = None) -> optax.GradientTransformation:
     """Average gradients as scaled signs, 1 bit per value, with error feedback.
 
