@@ -24,7 +24,8 @@ error): under ``shard_map`` their state leaves are per-device values; see
 :func:`state_specs`.
 
 This module holds what both transforms share: their states,
-:func:`state_specs`, and the checks of their arguments and trees. The
+:func:`state_specs`, the checks of their arguments and trees, and the layout
+rules (which leaves each compresses; the compression bench reads them too). The
 transforms live in ``_powersgd`` and ``_sign``; ``_compress_phase`` switches
 from exact to compressed averages at ``start_step``.
 
@@ -157,6 +158,33 @@ def _wide(dtype) -> jnp.dtype:
 
 def _is_float(x) -> bool:
     return str(jnp.dtype(x.dtype)) in _FLOATS
+
+
+# --------------------------------------------------------------------------
+# Which leaves each transform compresses (also read by jaxsync.bench.compress)
+
+
+def _matrix_shape(shape) -> tuple[int, int]:
+    return math.prod(shape[:-1]), shape[-1]
+
+
+def _powersgd_layout(leaves, rank, min_rate):
+    """Per leaf: ``(n, m, r)`` when compressed, else ``None``."""
+    out = []
+    for x in leaves:
+        shape = tuple(x.shape)
+        if len(shape) < 2 or not _is_float(x) or math.prod(shape) == 0:
+            out.append(None)
+            continue
+        n, m = _matrix_shape(shape)
+        r = min(rank, n, m)
+        rate = (n * m) / (r * (n + m))
+        out.append((n, m, r) if rate >= min_rate else None)
+    return out
+
+
+def _sign_layout(leaves, min_size):
+    return [_is_float(x) and x.size >= max(min_size, 1) for x in leaves]
 
 
 def _state_error(fn, state, expected):

@@ -1,13 +1,12 @@
 """PowerSGD low-rank compression with error feedback: :func:`powersgd_mean`.
 
-May import: ``_compress`` (state, checks), ``_compress_phase``, ``_invariance``
-(``share_invariant``), ``_config`` (``make_config``) and ``_sync`` (``sync``: the
-exact hierarchical path the ``P`` and ``Q`` matrices travel by).
+May import: ``_compress`` (state, checks, layout), ``_compress_phase``,
+``_invariance`` (``share_invariant``), ``_config`` (``make_config``) and
+``_sync`` (``sync``: the exact hierarchical path the ``P`` and ``Q`` matrices
+travel by).
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,8 @@ from jax import lax
 
 from . import _config, _invariance, _sync
 from ._compress import (PowerSGDState, _check_bool, _check_float, _check_int,
-                        _is_float, _reject_row_sparse, _state_error, _tree_error, _wide)
+                        _powersgd_layout, _reject_row_sparse, _state_error, _tree_error,
+                        _wide)
 from ._compress_phase import _check_phase_backend, _select_phase
 from ._config import AxisName, Comm, Staging
 
@@ -24,25 +24,6 @@ AUTO = _config.AUTO
 # Gram-Schmidt: a column whose norm is below this (relative to nothing: the data
 # are gradients) is left (near) zero instead of dividing by zero.
 _EPS = 1e-30
-
-
-def _matrix_shape(shape) -> tuple[int, int]:
-    return math.prod(shape[:-1]), shape[-1]
-
-
-def _powersgd_layout(leaves, rank, min_rate):
-    """Per leaf: ``(n, m, r)`` when compressed, else ``None``."""
-    out = []
-    for x in leaves:
-        shape = tuple(x.shape)
-        if len(shape) < 2 or not _is_float(x) or math.prod(shape) == 0:
-            out.append(None)
-            continue
-        n, m = _matrix_shape(shape)
-        r = min(rank, n, m)
-        rate = (n * m) / (r * (n + m))
-        out.append((n, m, r) if rate >= min_rate else None)
-    return out
 
 
 def _orthogonalise(p):

@@ -1,6 +1,6 @@
 """Scaled sign compression with error feedback (EF-SignSGD): :func:`sign_mean`.
 
-May import: ``_compress`` (state, checks), ``_intra`` (collectives),
+May import: ``_compress`` (state, checks, layout), ``_intra`` (collectives),
 ``_invariance``, ``_config`` (``make_config``) and ``_sync`` (``sync``
 for the leaves that are not compressed).
 """
@@ -15,8 +15,8 @@ import optax
 from jax import lax
 
 from . import _config, _intra, _invariance, _sync
-from ._compress import (SignState, _check_bool, _check_int, _is_float,
-                        _reject_row_sparse, _state_error, _tree_error, _wide)
+from ._compress import (SignState, _check_bool, _check_int, _reject_row_sparse,
+                        _sign_layout, _state_error, _tree_error, _wide)
 from ._config import AxisName, Comm, Staging
 
 AUTO = _config.AUTO
@@ -39,10 +39,6 @@ def unpack_signs(packed, n: int, dtype=jnp.float32):
     bits = (packed[..., :, None] >> jnp.asarray(_SHIFTS)) & jnp.uint8(1)
     bits = bits.reshape(*packed.shape[:-1], -1)[..., :n]
     return bits.astype(dtype) * jnp.asarray(2, dtype) - jnp.asarray(1, dtype)
-
-
-def _sign_layout(leaves, min_size):
-    return [_is_float(x) and x.size >= max(min_size, 1) for x in leaves]
 
 
 def _gather_bytes(buf, cfg, text):

@@ -19,7 +19,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import jaxsync
-from jaxsync import _compress_digits, _powersgd, _sign
+from jaxsync import _compress, _compress_digits, _sign
 from _common import MESH2, bits
 
 R = 4  # replicas
@@ -78,11 +78,11 @@ def test_wrong_state_raises():
 def test_powersgd_layout_rule():
     leaves = [jnp.zeros((64, 64)), jnp.zeros((3, 3, 32, 64)), jnp.zeros((64,)),
               jnp.zeros((8, 4)), jnp.zeros((16, 16), jnp.int32), jnp.zeros((0, 5))]
-    got = _powersgd._powersgd_layout(leaves, rank=4, min_rate=2.0)
+    got = _compress._powersgd_layout(leaves, rank=4, min_rate=2.0)
     # 64x64: 4096 / (4 * 128) = 8; conv: last axis against the rest, 288 x 64;
     # 8x4 with r = 4: 32 / 48 < 2 (sent exact); ints, vectors, empty: exact.
     assert got == [(64, 64, 4), (288, 64, 4), None, None, None, None]
-    assert _powersgd._powersgd_layout([jnp.zeros((8, 4))], 4, 0.0) == [(8, 4, 4)]
+    assert _compress._powersgd_layout([jnp.zeros((8, 4))], 4, 0.0) == [(8, 4, 4)]
 
 
 # --------------------------------------------------------------------------
