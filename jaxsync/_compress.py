@@ -38,10 +38,9 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from . import _config

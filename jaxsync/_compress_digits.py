@@ -13,10 +13,9 @@ notebooks/compression.ipynb use it.
 
 from __future__ import annotations
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 

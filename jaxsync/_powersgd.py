@@ -14,9 +14,17 @@ import optax
 from jax import lax
 
 from . import _config, _invariance, _sync
-from ._compress import (PowerSGDState, _check_bool, _check_float, _check_int,
-                        _powersgd_layout, _reject_row_sparse, _state_error, _tree_error,
-                        _wide)
+from ._compress import (
+    PowerSGDState,
+    _check_bool,
+    _check_float,
+    _check_int,
+    _powersgd_layout,
+    _reject_row_sparse,
+    _state_error,
+    _tree_error,
+    _wide,
+)
 from ._compress_phase import _check_phase_backend, _select_phase
 from ._config import AxisName, Comm, Staging
 

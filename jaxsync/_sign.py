@@ -7,16 +7,23 @@ for the leaves that are not compressed).
 
 from __future__ import annotations
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
 from . import _config, _intra, _invariance, _sync
-from ._compress import (SignState, _check_bool, _check_int, _reject_row_sparse,
-                        _sign_layout, _state_error, _tree_error, _wide)
+from ._compress import (
+    SignState,
+    _check_bool,
+    _check_int,
+    _reject_row_sparse,
+    _sign_layout,
+    _state_error,
+    _tree_error,
+    _wide,
+)
 from ._config import AxisName, Comm, Staging
 
 AUTO = _config.AUTO

@@ -23,12 +23,12 @@ May import: numpy and JAX only (every other jaxsync module may import it).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
-
-import numpy as np
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import ArrayLike
 
 _MODES = ("auto", "sparse", "dense")
@@ -139,7 +139,7 @@ class RowSparse:
         out = jnp.zeros(self.shape, self.values.dtype)
         return out.at[idx].add(self.values, mode="drop")
 
-    def coalesce(self, size: int | None = None) -> "RowSparse":
+    def coalesce(self, size: int | None = None) -> RowSparse:
         """Sum duplicate indices: sorted unique rows, padded to a static size.
 
         Args:

@@ -5,7 +5,8 @@ May import: ``_sparse`` (the type, ``path_str``); JAX. Nothing that synchronises
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp

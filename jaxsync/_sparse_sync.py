@@ -12,12 +12,11 @@ module): the dense synchronisation comes in as the ``dense_sync`` argument.
 
 from __future__ import annotations
 
-from typing import Callable
-
-import numpy as np
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import _intra, _invariance, _mpi_backend
@@ -102,7 +101,7 @@ def _sync_sparse(gs: list, cfg, intra, replicas: int, opts: SparseOptions):
     groups: dict = {}
     for j, g in enumerate(gs):
         groups.setdefault(str(g.dtype), []).append(j)
-    for dt, js in groups.items():
+    for _dt, js in groups.items():
         bufs.append(_concat([_prescale(gs[j].values, replicas if scale else 1)
                              .reshape(-1) for j in js]))
     # (L*m,): the inter stage takes 1-D buffers (host staging ties them by
@@ -126,7 +125,7 @@ def _sync_sparse(gs: list, cfg, intra, replicas: int, opts: SparseOptions):
         indices.append(idx_all[:, off: off + g.k].reshape(-1))
         off += g.k
     oks = []
-    for (dt, js), vals in zip(groups.items(), got[1:]):
+    for (_dt, js), vals in zip(groups.items(), got[1:]):
         off = 0
         for j in js:
             g = gs[j]

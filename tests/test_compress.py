@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import io
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+import pytest
+from _common import MESH2, bits
 from jax.sharding import PartitionSpec as P
 
 import jaxsync
 from jaxsync import _compress, _compress_digits, _sign
-from _common import MESH2, bits
 
 R = 4  # replicas
 
