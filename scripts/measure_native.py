@@ -33,7 +33,8 @@ def main():
     from mpi4py import MPI
 
     import jaxsync
-    from jaxsync._bench import fake_grads, resnet18_like, small_leaves
+    from jaxsync.bench.methods import fake_grads
+    from jaxsync.bench.trees import resnet18_like, small_leaves
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()

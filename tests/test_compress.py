@@ -19,7 +19,8 @@ from _common import MESH2, bits
 from jax.sharding import PartitionSpec as P
 
 import jaxsync
-from jaxsync import _compress, _compress_digits, _sign
+from jaxsync import _compress, _sign
+from jaxsync.bench import digits
 
 R = 4  # replicas
 
@@ -332,10 +333,10 @@ def test_checkpoint_round_trip_is_bit_identical(make):
 def test_convergence_on_digits_within_one_point():
     # optax.adam's bias correction mixes a Python float with int32 counts.
     with jax.numpy_dtype_promotion("standard"):
-        _, exact = _compress_digits.train(jaxsync.hierarchical_mean(axis_name="i", comm=None))
-        _, psgd = _compress_digits.train(jaxsync.powersgd_mean(axis_name="i", comm=None,
+        _, exact = digits.train(jaxsync.hierarchical_mean(axis_name="i", comm=None))
+        _, psgd = digits.train(jaxsync.powersgd_mean(axis_name="i", comm=None,
                                                                 rank=4))
-        _, sign = _compress_digits.train(jaxsync.sign_mean(axis_name="i", comm=None))
+        _, sign = digits.train(jaxsync.sign_mean(axis_name="i", comm=None))
     base = exact[-1][2]
     assert base > 0.95, exact
     for name, curve in (("powersgd rank 4", psgd), ("sign", sign)):

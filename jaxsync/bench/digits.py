@@ -7,7 +7,7 @@ same initial parameters and the same batches for every synchroniser, so runs
 differ only by how the gradients are averaged.
 
 May import: JAX, optax, numpy and (lazily) scikit-learn; no jaxsync module (the
-synchroniser comes in as an argument). Only tests/test_compress.py and
+synchroniser comes in as an argument). tests/test_compress.py and
 notebooks/compression.ipynb use it.
 """
 
