@@ -7,6 +7,10 @@ read on every process when the transform is made and rank 0's is broadcast (on
 jaxsync's private control communicator), so every process decides alike; the
 choice is part of the text the processes compare before their first reduction.
 ``comm_dtype`` is never chosen (a lossy wire dtype is the user's decision).
+
+May import: optax, the standard library, ``jaxsync._cost``/``_cost_ops`` at the
+top; JAX and the rest of jaxsync (``_plan``, ``_transforms``, ``_backends``,
+``_topology``) inside functions, as ``_transforms`` imports this module.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from typing import Any
 
 import optax
 
-from . import _cost
-from ._cost import BucketInfo, ModelTopology, Profile
+from . import _cost, _cost_ops
+from ._cost import Profile
+from ._cost_ops import BucketInfo, ModelTopology
 
 log = logging.getLogger("jaxsync")
 
@@ -163,9 +168,9 @@ def choose(tree, topo: ModelTopology, profile: Profile | None = None, *,
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from jaxsync import _auto, _cost
+      >>> from jaxsync import _auto, _cost_ops
       >>> tree = {f"w{i}": jax.ShapeDtypeStruct((256,), jnp.float32) for i in range(200)}
-      >>> topo = _cost.ModelTopology(processes=2, hosts=1, local_devices=4)
+      >>> topo = _cost_ops.ModelTopology(processes=2, hosts=1, local_devices=4)
       >>> c = _auto.choose(tree, topo)
       >>> c.strategy != "naive"   # 200 messages would cost 200 latencies
       True
@@ -178,7 +183,7 @@ def choose(tree, topo: ModelTopology, profile: Profile | None = None, *,
     thr_opts = CANDIDATE_THRESHOLDS if pack_threshold == AUTO else (pack_threshold,)
     table, seen = [], {}
     for s in strategies:
-        per_leaf = _cost.per_leaf_plan(s, topo)
+        per_leaf = _cost_ops.per_leaf_plan(s, topo)
         for b in buckets_opts:
             for t in thr_opts:
                 plan = make_plan(tree, bucket_bytes=b, pack_threshold=t, per_leaf=per_leaf)
@@ -186,7 +191,8 @@ def choose(tree, topo: ModelTopology, profile: Profile | None = None, *,
                 if key in seen:  # the same program as an earlier candidate
                     continue
                 seen[key] = True
-                sec = _cost.predict(s, buckets_of(plan), topo, profile, comm_itemsize)
+                sec = _cost_ops.predict(s, buckets_of(plan), topo, profile, comm_itemsize,
+                                        bucket_bytes=b)
                 table.append((s, b, t, float(sec)))
     if not table:
         raise ValueError("jaxsync auto: no candidate strategy")
@@ -281,9 +287,9 @@ def resolve(tree, cfg):
 
 def named_trees() -> dict:
     """Trees ``info --tree`` knows: the bench's and the projection's."""
-    from . import _bench, _tune
+    from . import _bench, _project
     return {**_bench.make_trees(False), **_bench.make_trees(True),
-            "resnet50": _tune.resnet50_tree, "transformer1b": _tune.transformer_1b_tree}
+            "resnet50": _project.resnet50_tree, "transformer1b": _project.transformer_1b_tree}
 
 
 def explain_tree(name: str, topo: dict, profile=None) -> str:
@@ -326,9 +332,11 @@ class AutoTransformation(optax.GradientTransformation):
         return "\n".join(c.describe() for c in got)
 
 
-def auto_mean(axis_name, comm=AUTO, *, profile=None, reduce: str = "mean",
-              bucket_bytes=AUTO, pack_threshold=AUTO, comm_dtype=None,
-              predivide: float | None = None, check_finite=False,
+def auto_mean(axis_name: Any, comm: Any = AUTO, *,
+              profile: str | os.PathLike | dict | Profile | None = None,
+              reduce: str = "mean", bucket_bytes: int | str | None = AUTO,
+              pack_threshold: int | str | None = AUTO, comm_dtype: Any = None,
+              predivide: float | None = None, check_finite: bool | str = False,
               staging: str = "device", timeout: float | None = None) -> AutoTransformation:
     """Average gradients with the strategy the cost model predicts fastest.
 

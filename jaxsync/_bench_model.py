@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _bench, _cost
+from . import _bench, _cost_ops
 from ._bench import AXIS, LOCAL, Case, compile_cases, run_tree
 
 STRATEGIES = ("naive", "flat", "hierarchical", "two_dimensional")
@@ -103,18 +103,30 @@ class ModelMPI(_bench.MPIBench):
         return cases, {}
 
 
-def predictions(tree, topo: _cost.ModelTopology, profile: _cost.Profile) -> dict:
+def predictions(tree, topo: _cost_ops.ModelTopology, profile) -> dict:
     """Predicted seconds of each strategy with the options its factory uses."""
+    from ._auto import buckets_of
     from ._plan import make_plan
-    from ._transforms import make_config
     out = {}
     for s in STRATEGIES:
-        cfg = make_config("bench", s, None, None)
-        plan = make_plan(tree, bucket_bytes=cfg.bucket_bytes, pack_threshold=cfg.pack_threshold,
-                         per_leaf=_cost.per_leaf_plan(s, topo))
-        from ._auto import buckets_of
-        out[s] = _cost.predict(s, buckets_of(plan), topo, profile)
+        bucket_bytes, threshold = _cost_ops.strategy_defaults(s)
+        plan = make_plan(tree, bucket_bytes=bucket_bytes, pack_threshold=threshold,
+                         per_leaf=_cost_ops.per_leaf_plan(s, topo))
+        out[s] = _cost_ops.predict(s, buckets_of(plan), topo, profile,
+                                   bucket_bytes=bucket_bytes)
     return out
+
+
+def _same_program(tree, topo, choice) -> bool:
+    """Whether auto's choice plans ``tree`` as the chosen strategy's factory does."""
+    from ._plan import make_plan
+    b, t = _cost_ops.strategy_defaults(choice.strategy)
+    per_leaf = _cost_ops.per_leaf_plan(choice.strategy, topo)
+    group = lambda x: x if choice.strategy == "flat" and per_leaf else None  # noqa: E731
+    mine = make_plan(tree, bucket_bytes=b, pack_threshold=t, per_leaf=per_leaf)
+    got = make_plan(tree, bucket_bytes=choice.bucket_bytes,
+                    pack_threshold=choice.pack_threshold, per_leaf=per_leaf)
+    return mine.buckets == got.buckets and group(b) == group(choice.bucket_bytes)
 
 
 def collect(out: Path) -> dict:
@@ -140,9 +152,23 @@ def collect(out: Path) -> dict:
     noisy = [c for c in cases if c["q25_ms"] is not None and c["measured_ms"] > 0
              and (c["q75_ms"] - c["q25_ms"]) / c["measured_ms"] > 2 * PRED_TOL]
     noisy_share = len(noisy) / len(cases) if cases else float("nan")
+    # The noise floor: where auto chose exactly a strategy's program (same plan),
+    # the same program was measured twice in one run (auto's row and the
+    # strategy's); and the misses that the spread of their own rounds explains
+    # (the prediction within 25% of the measured interquartile range).
+    repeats = [abs(a["measured_ms"] - a["strategy_ms"]) / a["strategy_ms"] for a in autos
+               if a.get("same_program") and a.get("strategy_ms")]
+    misses = [c for c in cases if not c["ok"]]
+    in_spread = [c for c in misses if c["q25_ms"] is not None
+                 and (1 - PRED_TOL) * c["q25_ms"] <= c["predicted_ms"]
+                 <= (1 + PRED_TOL) * c["q75_ms"]]
+    noise = {"repeat_pairs": len(repeats),
+             "repeat_median_rel_diff": float(np.median(repeats)) if repeats else None,
+             "repeat_max_rel_diff": float(np.max(repeats)) if repeats else None,
+             "misses": len(misses), "misses_within_measured_spread": len(in_spread)}
     summary = {"prediction_within_25pct": share, "prediction_target": PRED_SHARE,
                "auto_within_10pct_of_best": auto_share, "auto_target": AUTO_SHARE,
-               "measurements_wider_than_band": noisy_share,
+               "measurements_wider_than_band": noisy_share, "noise": noise,
                "cases": cases, "auto": autos,
                "configs": [r["config"] for r in runs],
                "meta": [r["meta"] for r in runs]}
@@ -164,6 +190,14 @@ def collect(out: Path) -> dict:
                   f"auto within 10% of the best measured strategy: {100 * auto_share:.0f}% "
                   f"of {len(autos)} cases (target {100 * AUTO_SHARE:.0f}%). Measurements whose "
                   f"interquartile range is wider than the 50% band: {100 * noisy_share:.0f}%."]
+    if repeats:
+        lines += ["", f"Noise floor: the same program measured twice in one run (auto's row "
+                      f"and the strategy's, where auto chose that strategy's plan; "
+                      f"{len(repeats)} pairs) differs by {100 * noise['repeat_median_rel_diff']:.0f}% "
+                      f"(median), {100 * noise['repeat_max_rel_diff']:.0f}% (max). Of the "
+                      f"{len(misses)} misses, {len(in_spread)} predict within 25% of the "
+                      "interquartile range of their own measured rounds (noise could explain "
+                      "them); the others are the model's."]
     (out / "model.md").write_text("\n".join(lines) + "\n")
     try:
         plot(cases, out / "model.png")
@@ -265,7 +299,7 @@ def main(argv: list[str]) -> int:
     pjson = profile.to_json()
     bench = (ModelMPI(comm, devices, pjson) if comm is not None else ModelIntra(pjson))
     procs = 1 if comm is None else comm.Get_size()
-    topo = _cost.ModelTopology(processes=procs, hosts=1, local_devices=devices,
+    topo = _cost_ops.ModelTopology(processes=procs, hosts=1, local_devices=devices,
                                native=comm is not None, broadcast=comm is not None)
     trees = {**_bench.make_trees(False), **_bench.make_trees(True)}
     names = args.trees or (["mixed_tiny"] if args.quick else list(DEFAULT_TREES))
@@ -282,6 +316,7 @@ def main(argv: list[str]) -> int:
         pred = predictions(tree, topo, profile)
         choice = _auto.choose(tree, topo, profile)
         best = min(STRATEGIES, key=lambda s: by[s].median_ms)
+        same = _same_program(tree, topo, choice)
         auto_ms = by["auto"].median_ms
         results.append({
             "tree": name, "leaves": by["auto"].leaves, "bytes": by["auto"].tree_bytes,
@@ -293,6 +328,8 @@ def main(argv: list[str]) -> int:
                      "pack_threshold": choice.pack_threshold,
                      "predicted_ms": choice.seconds * 1e3, "measured_ms": auto_ms,
                      "best": best, "best_ms": by[best].median_ms,
+                     "same_program": same, "strategy_ms": by[choice.strategy].median_ms
+                     if choice.strategy in by else None,
                      "ok": auto_ms <= 1.1 * by[best].median_ms,
                      "correct": by["auto"].correct}})
     if rank != 0:

@@ -6,6 +6,7 @@ generated from known parameters with 1% noise; ``auto`` for determinism, its
 choice being the model's minimum, exact means and clear fall-backs.
 """
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -20,8 +21,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jaxsync
-from jaxsync import _auto, _cost, _tune
-from jaxsync._cost import BucketInfo, Link, ModelTopology, Op, Profile
+from jaxsync import _auto, _cost, _cost_fit, _cost_ops, _project, _tune_sync
+from jaxsync._cost import Link, Profile
+from jaxsync._cost_ops import BucketInfo, ModelTopology, Op
 
 ROOT = Path(__file__).resolve().parent.parent
 L = Link(alpha=1.0, beta=1e-3, gamma=1e-4)
@@ -85,14 +87,15 @@ BUCKETS = [BucketInfo("float32", 1024 * KB, 1), BucketInfo("float32", 100 * KB, 
 def _ops(strategy, buckets=BUCKETS, **topo):
     t = ModelTopology(**{"processes": 2, "hosts": 1, "local_devices": 4, **topo})
     return [(o.stage, o.kind, o.link, o.members, o.sizes, o.flows)
-            for o in _cost.strategy_ops(strategy, buckets, t) if o.kind != "leaf"]
+            for o in _cost_ops.strategy_ops(strategy, buckets, t)
+            if o.kind not in ("leaf", "strategy")]
 
 
 def test_every_strategy_pays_per_leaf():
     t = ModelTopology(processes=2, hosts=1, local_devices=4)
     prof = Profile((), 0.0, leaf=1e-6)
-    for s in _cost.STRATEGY_NAMES:
-        leaf = [o for o in _cost.strategy_ops(s, BUCKETS, t) if o.kind == "leaf"]
+    for s in _cost_ops.STRATEGY_NAMES:
+        leaf = [o for o in _cost_ops.strategy_ops(s, BUCKETS, t) if o.kind == "leaf"]
         assert [o.sizes for o in leaf] == [(11,)]            # 1 + 10 leaves
         assert leaf[0].seconds(prof) == pytest.approx(11e-6)
 
@@ -127,8 +130,12 @@ def test_sixteen_bit_and_native_grouping():
     assert ops[1][4] == (96 * KB,) and ops[3][4] == (96 * KB,)
     # two processes, native target: summed in its allreduce with a user-defined
     # MPI operation, like the 32/64-bit buffers (no all-to-all, no copy)
-    assert [(o[1], o[4]) for o in _ops("flat", low, local_devices=1)] == [
+    assert [(o[1], o[4]) for o in _ops("hierarchical", low, local_devices=1)] == [
         ("allreduce", (64 * KB, 32 * KB))]
+    # flat alone hands the leaves over too, and the target packs every one under
+    # its bucket_bytes into one message through its scratch buffer (a copy in, out)
+    assert [(o[1], o[4]) for o in _ops("flat", low, local_devices=1)] == [
+        ("allreduce", (96 * KB,)), ("copy", (2 * 96 * KB,))]
     assert [o[1] for o in _ops("flat", low, local_devices=1, native=False)] == [
         "copy", "alltoall", "copy", "allgather"]
     # inside a process 16-bit is summed as float32: twice the bytes
@@ -144,9 +151,9 @@ def test_sixteen_bit_and_native_grouping():
 def test_predict_is_the_sum_of_its_ops():
     prof = Profile((("device", L), ("host", Link(2.0, 1e-4, 1e-5))), 1e-6)
     topo = ModelTopology(processes=2, hosts=1, local_devices=4)
-    for s in _cost.STRATEGY_NAMES:
-        ops = _cost.strategy_ops(s, BUCKETS, topo)
-        assert _cost.predict(s, BUCKETS, topo, prof) == pytest.approx(
+    for s in _cost_ops.STRATEGY_NAMES:
+        ops = _cost_ops.strategy_ops(s, BUCKETS, topo)
+        assert _cost_ops.predict(s, BUCKETS, topo, prof) == pytest.approx(
             sum(o.seconds(prof) for o in ops), rel=1e-12)
     # hierarchical, by hand: copy 200 KiB + intra sum and broadcast (Rabenseifner,
     # the fastest here: 2 log 4 alpha + the ring's bytes) + inter allreduce (p=2)
@@ -155,7 +162,7 @@ def test_predict_is_the_sum_of_its_ops():
     inter = lambda n: min(2 * 2.0 + n * 1e-4 + 0.5 * n * 1e-5,   # ring = rabenseifner
                           1 * 2.0 + n * 1e-4 + n * 1e-5)          # recursive doubling
     want = 1e-6 * 200 * KB + 2 * (ring4(n1) + ring4(n2)) + inter(n1) + inter(n2)
-    assert _cost.predict("hierarchical", BUCKETS, topo, prof) == pytest.approx(want, rel=1e-12)
+    assert _cost_ops.predict("hierarchical", BUCKETS, topo, prof) == pytest.approx(want, rel=1e-12)
 
 
 # --------------------------------------------------------------------------
@@ -172,7 +179,7 @@ def test_fit_recovers_known_parameters(p):
             t = _cost.collective_seconds(kind, n, p, true, "ring" if kind != "alltoall"
                                          else "pairwise")
             samples.append((kind, n, p, t * (1 + 0.01 * rng.standard_normal())))
-    got, report = _cost.fit_link(samples)
+    got, report = _cost_fit.fit_link(samples)
     for name in ("alpha", "beta", "gamma"):
         assert getattr(got, name) == pytest.approx(getattr(true, name), rel=0.05), name
     assert report["samples"] == 16 and report["median_rel_error"] < 0.02
@@ -189,7 +196,7 @@ def test_fit_recovers_the_cost_per_call():
                 t = true.call + m * _cost.collective_seconds(
                     kind, n / m, 2, true, "ring" if kind != "alltoall" else "pairwise")
                 samples.append((kind, n / m, 2, t * (1 + 0.01 * rng.standard_normal()), m))
-    got, _ = _cost.fit_link(samples)
+    got, _ = _cost_fit.fit_link(samples)
     for name in ("call", "alpha", "beta", "gamma"):
         assert getattr(got, name) == pytest.approx(getattr(true, name), rel=0.05), name
     # the call is paid once per op, however many messages it sends
@@ -202,19 +209,89 @@ def test_fit_recovers_the_cost_per_call():
 def test_fit_drops_noise_and_fits_copy():
     samples = [("allreduce", 1e3, 2, 2e-5), ("allreduce", 1e6, 2, 1e-3),
                ("allgather", 1e6, 2, -1e-5), ("allgather", 1e3, 2, 1e-5)]
-    _, report = _cost.fit_link(samples)
+    _, report = _cost_fit.fit_link(samples)
     assert report["dropped"] == 1 and report["samples"] == 3
     with pytest.raises(ValueError, match="no positive timing"):
-        _cost.fit_link([("allreduce", 1e3, 2, -1.0)])
-    assert _cost.fit_copy([(1e6, 2e-3), (4e6, 8e-3), (1e3, -1.0)]) == pytest.approx(2e-9)
+        _cost_fit.fit_link([("allreduce", 1e3, 2, -1.0)])
+    assert _cost_fit.fit_copy([(1e6, 2e-3), (4e6, 8e-3), (1e3, -1.0)]) == pytest.approx(2e-9)
+
+
+def test_fit_recovers_strategy_overheads():
+    # whole syncs generated from known overheads on top of the modelled time, 1% noise
+    rng = np.random.default_rng(3)
+    true = (12e-6, 0.4e-9)
+    rows = []
+    for leaves, nbytes in ((8, 2 * 2**20), (128, 128 * KB), (8, 8 * 2**20)):
+        model = 1e-4 + 1e-10 * nbytes
+        t = model + true[0] * leaves + true[1] * nbytes
+        rows.append((leaves, nbytes, t * (1 + 0.01 * rng.standard_normal()), model))
+    (leaf, byte), rep = _cost_fit.fit_overhead(rows)
+    assert leaf == pytest.approx(true[0], rel=0.05) and byte == pytest.approx(true[1], rel=0.05)
+    assert rep["median_rel_error"] < rep["median_rel_error_before"]
+    # negative overheads (the collectives' terms overcount) are recovered too
+    rows = [(k, n, m - 5e-6 * k, m) for k, n, m in ((8, 1e6, 1e-3), (128, 1e5, 2e-3),
+                                                      (8, 8e6, 4e-3))]
+    (leaf, byte), _ = _cost_fit.fit_overhead(rows)
+    assert leaf == pytest.approx(-5e-6, rel=1e-6) and abs(byte) < 1e-15
+    # two trees (one lost in noise): one term only, never a wild pair
+    (leaf, byte), rep = _cost_fit.fit_overhead(rows[:1] + [(8, 8e6, -1.0, 4e-3)] + rows[1:2])
+    assert rep["samples"] == 2 and rep["dropped"] == 1 and (leaf == 0.0 or byte == 0.0)
+
+
+def test_tune_sync_fit_closes_the_loop():
+    # timings generated by the model plus known overheads: fit_overheads finds them
+    topo = ModelTopology(processes=2, hosts=1, local_devices=2)
+    prof = Profile((("device", Link(2e-5, 1e-9, 3e-10)), ("host", Link(3e-5, 5e-10, 3e-10))),
+                   3e-10)
+    trees = _tune_sync.SYNC_TREES
+    true = {"naive": (-20e-6, 0.1e-9), "flat": (3e-6, 2e-9), "hierarchical": (5e-6, 0.0),
+            "two_dimensional": (1e-6, 0.3e-9)}
+    samples = []
+    for s, (a, b) in true.items():
+        for name, (k, m) in trees.items():
+            t = _tune_sync._modelled(s, k, m, topo, prof) + a * k + b * k * m * 4
+            samples.append((s, name, k, k * m * 4, t))
+    over, rep = _tune_sync.fit_overheads(samples, trees, topo, prof)
+    for s, (a, b) in over:
+        assert a == pytest.approx(true[s][0], rel=1e-6, abs=1e-12), s
+        assert b == pytest.approx(true[s][1], rel=1e-6, abs=1e-16), s
+    # and predict adds them: flat's prediction moves by exactly its overhead
+    with_over = dataclasses.replace(prof, overheads=over)
+    b = [BucketInfo("float32", 4 * 2**20, 16)]
+    assert _cost_ops.predict("flat", b, topo, with_over) == pytest.approx(
+        _cost_ops.predict("flat", b, topo, prof) + 16 * 3e-6 + 4 * 2**20 * 2e-9)
+
+
+def test_negative_overhead_never_makes_a_sync_free():
+    topo = ModelTopology(processes=2, hosts=1, local_devices=2)
+    prof = Profile((("device", L), ("host", L)), 1e-6)
+    b = [BucketInfo("float32", 1000, 10)]
+    base = _cost_ops.predict("naive", b, topo, prof)
+    cheap = dataclasses.replace(prof, overheads=(("naive", (-1e9, 0.0)),))
+    assert _cost_ops.predict("naive", b, topo, cheap) == pytest.approx(
+        _cost_ops.MIN_SHARE * base)
+
+
+def test_model_follows_what_sync_plans():
+    from jaxsync._transforms import make_config
+    for s in ("naive", "flat", "hierarchical", "two_dimensional"):
+        cfg = make_config("t", s, None, None)
+        assert _cost_ops.strategy_defaults(s) == (cfg.bucket_bytes, cfg.pack_threshold), s
+    # one device per process with the native target: flat hands leaves over too
+    alone = ModelTopology(processes=2, hosts=1, local_devices=1)
+    assert all(_cost_ops.per_leaf_plan(s, alone) for s in ("flat", "hierarchical"))
+    assert not _cost_ops.per_leaf_plan("flat", ModelTopology(2, 1, 2))
 
 
 def test_profile_json_round_trip():
     prof = Profile((("device", Link(1e-5, 1e-9, 2e-10, 1, "ring")),
                     ("network", Link(1e-5, 8e-11, 0.0, 8))), 3e-10,
-                   {"processes": 2, "hosts": 2, "local_devices": 1}, "x", {"a": 1})
+                   {"processes": 2, "hosts": 2, "local_devices": 1}, "x", {"a": 1},
+                   overheads=(("flat", (1e-6, -2e-10)), ("naive", (3e-6, 0.0))))
     back = Profile.from_json(json.loads(json.dumps(prof.to_json())), "file")
     assert back.links == prof.links and back.copy == prof.copy
+    assert back.overheads == prof.overheads and back.overhead("flat") == (1e-6, -2e-10)
+    assert back.overhead("two_dimensional") == (0.0, 0.0)
     assert back.digest() == prof.digest() and back.topology == prof.topology
     assert back.missing() == ["host"] and back.link("host") == _cost.DEFAULT_PROFILE.link("host")
     with pytest.raises(ValueError, match="not a jaxsync profile"):
@@ -353,11 +430,11 @@ def test_profile_for_another_topology_warns_at_trace_time():
 # --------------------------------------------------------------------------
 
 def test_projection_rows():
-    rows = _tune.project(hosts=(8, 1024))
+    rows = _project.project(hosts=(8, 1024))
     assert len(rows) == 2 * 2 * 2
     for r in rows:
         assert r["choice"] in r["ms"] and r["ms"][r["choice"]] == min(r["ms"].values())
-    table = _tune.projection_table(rows)
+    table = _project.projection_table(rows)
     assert table.count("\n") == len(rows) + 1 and "auto picks" in table
 
 

@@ -15,7 +15,7 @@ from _worker import Results, init, to_numpy
 
 
 def profile_for(rank):
-    from jaxsync import _cost
+    from jaxsync import _cost, _cost_ops
     if rank == 0:  # free messages, expensive copies: pack nothing
         link = _cost.Link(alpha=0.0, beta=1e-9, gamma=1e-10)
         copy = 1e-6
@@ -62,7 +62,7 @@ def main():
     res.add("result", to_numpy(out))
     res.add("replicas", size * D)
     res.add("describe", tx.describe())
-    topo = _cost.ModelTopology(processes=size, hosts=1, local_devices=D)
+    topo = _cost_ops.ModelTopology(processes=size, hosts=1, local_devices=D)
     want = [_auto.choose(tree, topo, profile_for(r)) for r in range(2)]
     res.add("want", [(c.strategy, c.bucket_bytes, c.pack_threshold) for c in want])
     got = _auto._recent[tx.update.config.auto.key][-1]
