@@ -197,7 +197,10 @@ def strategy_ops(strategy: str, buckets: Sequence[BucketInfo], topo: ModelTopolo
         if D > 1 and sizes:
             ops.append(Op("intra", kind, "device", D, tuple(sizes), 1, calls))
 
-    def inter(items_, flows=1):
+    def inter(items_, flows=1, chain=False):
+        # chain: one native call per buffer, in one ordered chain (naive): no
+        # grouping across buffers, and the wait for the slowest process is paid
+        # once per chain (calls=1), not per call; each message pays its alpha.
         if P <= 1 or not items_:
             return
         wide = [(d, n) for d, n, isz, _ in items_ if isz >= 4]
@@ -208,7 +211,7 @@ def strategy_ops(strategy: str, buckets: Sequence[BucketInfo], topo: ModelTopolo
             wide += [("2", n) for n in low]
             low = []
         if wide:
-            msgs, copied = (_native_messages(wide, group) if topo.native
+            msgs, copied = (_native_messages(wide, group) if topo.native and not chain
                             else ([n for _, n in wide], 0))
             calls = 1 if topo.native else len(wide)  # mpi4jax: one call per buffer
             ops.append(Op("inter", "allreduce", topo.link, P, tuple(msgs), flows, calls))
@@ -227,8 +230,14 @@ def strategy_ops(strategy: str, buckets: Sequence[BucketInfo], topo: ModelTopolo
     k = len(items)
     if strategy == "naive":
         intra("allreduce", [intra_bytes(n, isz) for _, n, isz, _ in items], calls=k)
-        for it in items:  # one call per leaf
-            inter([it])
+        if topo.native:  # one call per leaf, chained
+            inter([it for it in items if it[2] >= 4 or P == 2], chain=True)
+            for it in items:
+                if it[2] == 2 and P > 2:
+                    inter([it])
+        else:
+            for it in items:  # mpi4jax: one call per leaf
+                inter([it])
         if bcast:  # one psum per buffer
             intra("allreduce", [n for _, n, _, _ in items], calls=k)
     elif strategy in ("flat", "hierarchical", "single_node"):

@@ -144,8 +144,13 @@ def test_sixteen_bit_and_native_grouping():
     small = [BucketInfo("float32", KB, 1)] * 100
     assert _ops("hierarchical", small, local_devices=1)[0][4] == (100 * KB,)
     assert len(_ops("hierarchical", small, local_devices=1, native=False)[0][4]) == 100
-    # naive: one call per leaf, so no grouping across leaves
-    assert [o[4] for o in _ops("naive", small[:3], local_devices=1)] == [(KB,)] * 3
+    # naive: one native call per leaf, so no grouping across leaves; the calls are
+    # one ordered chain, which waits for the slowest process once (calls=1)
+    naive = [o for o in _cost_ops.strategy_ops("naive", small[:3], ModelTopology(2, 1, 1))
+             if o.stage == "inter"]
+    assert [(o.sizes, o.calls) for o in naive] == [((KB,) * 3, 1)]
+    assert [o[4] for o in _ops("naive", small[:3], local_devices=1, native=False)] == [
+        (KB,)] * 3
 
 
 def test_predict_is_the_sum_of_its_ops():
