@@ -111,10 +111,11 @@ class Choice:
         lines = [f"jaxsync auto: {self.strategy} (bucket_bytes {_fmt(self.bucket_bytes)}, "
                  f"pack_threshold {_fmt(self.pack_threshold)}), predicted "
                  f"{self.seconds * 1e3:.3f} ms; {t.processes} process(es) on {t.hosts} "
-                 f"host(s) x {t.local_devices} device(s), inter link {t.link if t.processes > 1 else '-'}; "
+                 f"host(s) x {t.local_devices} device(s), inter link "
+                 f"{t.link if t.processes > 1 else '-'}; "
                  f"{self.profile_note}"]
         lines += [f"  note: {w}" for w in self.warnings]
-        best = {}
+        best: dict = {}
         for s, b, th, sec in self.table:
             if s not in best or sec < best[s][2]:
                 best[s] = (b, th, sec)
@@ -177,7 +178,7 @@ def choose(tree, topo: ModelTopology, profile: Profile | None = None, *,
       >>> c == _auto.choose(tree, topo)
       True
     """
-    from ._plan import DEFAULT_BUCKET_BYTES, DEFAULT_PACK_THRESHOLD, make_plan
+    from ._plan import make_plan
     profile = profile or _cost.DEFAULT_PROFILE
     buckets_opts = CANDIDATE_BUCKETS if bucket_bytes == AUTO else (bucket_bytes,)
     thr_opts = CANDIDATE_THRESHOLDS if pack_threshold == AUTO else (pack_threshold,)

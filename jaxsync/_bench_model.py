@@ -193,8 +193,8 @@ def collect(out: Path) -> dict:
     if repeats:
         lines += ["", f"Noise floor: the same program measured twice in one run (auto's row "
                       f"and the strategy's, where auto chose that strategy's plan; "
-                      f"{len(repeats)} pairs) differs by {100 * noise['repeat_median_rel_diff']:.0f}% "
-                      f"(median), {100 * noise['repeat_max_rel_diff']:.0f}% (max). Of the "
+                      f"{len(repeats)} pairs) differs by {100 * float(np.median(repeats)):.0f}% "
+                      f"(median), {100 * float(np.max(repeats)):.0f}% (max). Of the "
                       f"{len(misses)} misses, {len(in_spread)} predict within 25% of the "
                       "interquartile range of their own measured rounds (noise could explain "
                       "them); the others are the model's."]

@@ -169,7 +169,8 @@ class Profile:
 
     def replace_link(self, name: str, link: Link) -> "Profile":
         links = tuple((k, v) for k, v in self.links if k != name) + ((name, link),)
-        return dataclasses.replace(self, links=tuple(sorted(links, key=lambda kv: LINKS.index(kv[0]))))
+        return dataclasses.replace(
+            self, links=tuple(sorted(links, key=lambda kv: LINKS.index(kv[0]))))
 
 
 DEFAULT_PROFILE = Profile(

@@ -114,8 +114,9 @@ class Op:
             per_leaf, per_byte = profile.overhead(self.link)
             return per_leaf * self.sizes[0] + per_byte * self.sizes[1]
         link = profile.link(self.link)
-        return self.calls * link.call + float(sum(collective_seconds(self.kind, s, self.members, link, "link",
-                                            flows=self.flows) for s in self.sizes))
+        return self.calls * link.call + float(sum(
+            collective_seconds(self.kind, s, self.members, link, "link", flows=self.flows)
+            for s in self.sizes))
 
 
 def _native_messages(sizes: Iterable[tuple[str, int]],

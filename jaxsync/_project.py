@@ -98,7 +98,7 @@ def project(hosts=PROJECT_HOSTS, devices: int = 8) -> list[dict]:
                 topo = ModelTopology(processes=h, hosts=h, local_devices=devices,
                                      native=False, broadcast=True)
                 c = _auto.choose(tree, topo, prof)
-                best = {}
+                best: dict = {}
                 for s, b, t, sec in c.table:
                     best[s] = min(best.get(s, math.inf), sec)
                 rows.append({"network": net, "tree": tname, "hosts": h, "devices": devices,

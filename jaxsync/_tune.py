@@ -95,7 +95,7 @@ def measure_device(devices: int, sizes, rounds: int, iters: int) -> list:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     mesh = Mesh(np.array(jax.local_devices()[:devices]), ("d",))
     D = devices
-    out = []
+    out: list = []
     for n in sizes:
         m = max(D * MULTI, (n // 4) // (D * MULTI) * (D * MULTI))
         x = jax.device_put(jnp.ones((D, m), jnp.float32), NamedSharding(mesh, P("d")))
@@ -139,7 +139,7 @@ def measure_process(comm, sizes, rounds: int, iters: int) -> list:
     P_ = comms.size
     handle = comms.world.py2f()
     dev = jax.local_devices()[0]
-    out = []
+    out: list = []
     for n in sizes:
         m = max(P_ * MULTI, (n // 4) // (P_ * MULTI) * (P_ * MULTI))
         x = jax.device_put(jnp.ones((m,), jnp.float32), dev)
@@ -181,7 +181,7 @@ def measure_copy(devices: int, sizes, rounds: int, iters: int, comm=None) -> lis
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     mesh = Mesh(np.array(jax.local_devices()[:devices]), ("d",))
     control = _control(comm)
-    out = []
+    out: list = []
     for n in sizes:
         k = 16
         m = max(1, (n // 4) // k)
@@ -224,7 +224,9 @@ def calibrate(comm=None, devices: int | None = None, quick: bool = False,
     sizes = QUICK_SIZES if quick else SIZES
     rounds = rounds or (3 if quick else 4)
     iters = 5 if quick else 7
-    links, fit, raw = [], {}, {}
+    links: list = []
+    fit: dict = {}
+    raw: dict = {}
     t0 = time.perf_counter()
     if D > 1:
         _log(rank, f"device link: {D} devices, sizes {[s // KiB for s in sizes]} KiB")
@@ -265,11 +267,12 @@ def calibrate(comm=None, devices: int | None = None, quick: bool = False,
 def print_fit(profile: Profile) -> None:
     fit = profile.fit or {}
     print(f"profile (measured on {profile.topology}, {fit.get('seconds')} s):")
-    for name, l in profile.links:
+    for name, lk in profile.links:
         rep = fit.get(name, {})
-        print(f"  {name:<8} call {l.call * 1e6:8.2f} us  alpha {l.alpha * 1e6:8.2f} us  "
-              f"beta {l.beta * 1e9:7.4f} ns/B ({1 / l.beta / 1e9 if l.beta else math.inf:7.2f} GB/s)  gamma "
-              f"{l.gamma * 1e9:7.4f} ns/B  | fit error median "
+        gbs = 1 / lk.beta / 1e9 if lk.beta else math.inf
+        print(f"  {name:<8} call {lk.call * 1e6:8.2f} us  alpha {lk.alpha * 1e6:8.2f} us  "
+              f"beta {lk.beta * 1e9:7.4f} ns/B ({gbs:7.2f} GB/s)  gamma "
+              f"{lk.gamma * 1e9:7.4f} ns/B  | fit error median "
               f"{100 * (rep.get('median_rel_error') or 0):.0f}%, max "
               f"{100 * (rep.get('max_rel_error') or 0):.0f}% over {rep.get('samples')} "
               "samples")
@@ -331,8 +334,8 @@ def main(argv: list[str]) -> int:
         if not args.json:
             for name, prof in projection_profiles().items():
                 print(f"\n{name}: " + "; ".join(
-                    f"{k} alpha {l.alpha * 1e6:g} us, {1 / l.beta / 1e9:g} GB/s per flow, "
-                    f"{l.flows} flow(s)" for k, l in prof.links) + ". GPU: mpi4jax, one "
+                    f"{k} alpha {lk.alpha * 1e6:g} us, {1 / lk.beta / 1e9:g} GB/s per flow, "
+                    f"{lk.flows} flow(s)" for k, lk in prof.links) + ". GPU: mpi4jax, one "
                     "MPI call per buffer; one process per host.")
         return 0
     comm = _mpi_world()

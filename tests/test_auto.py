@@ -163,9 +163,13 @@ def test_predict_is_the_sum_of_its_ops():
     # hierarchical, by hand: copy 200 KiB + intra sum and broadcast (Rabenseifner,
     # the fastest here: 2 log 4 alpha + the ring's bytes) + inter allreduce (p=2)
     n1, n2 = 1024 * KB, 100 * KB
-    ring4 = lambda n: 4 * 1.0 + 1.5 * n * 1e-3 + 0.75 * n * 1e-4
-    inter = lambda n: min(2 * 2.0 + n * 1e-4 + 0.5 * n * 1e-5,   # ring = rabenseifner
-                          1 * 2.0 + n * 1e-4 + n * 1e-5)          # recursive doubling
+    def ring4(n):
+        return 4 * 1.0 + 1.5 * n * 1e-3 + 0.75 * n * 1e-4
+
+    def inter(n):
+        return min(2 * 2.0 + n * 1e-4 + 0.5 * n * 1e-5,   # ring = rabenseifner
+                   1 * 2.0 + n * 1e-4 + n * 1e-5)          # recursive doubling
+
     want = 1e-6 * 200 * KB + 2 * (ring4(n1) + ring4(n2)) + inter(n1) + inter(n2)
     assert _cost_ops.predict("hierarchical", BUCKETS, topo, prof) == pytest.approx(want, rel=1e-12)
 
