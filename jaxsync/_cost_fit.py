@@ -121,10 +121,12 @@ def fit_overhead(samples: Sequence[tuple[float, float, float, float]]) -> tuple[
         leaves to bytes.
 
     Returns:
-      ``((per_leaf, per_byte), report)``: least squares on the relative error
-      of ``modelled + per_leaf * leaves + per_byte * bytes`` (either term may
-      be negative: the collectives' own terms may overcount); the report gives
-      the relative errors of the model before and after.
+      ``((per_leaf, per_byte), report)``: non-negative least squares on the
+      relative error of ``modelled + per_leaf * leaves + per_byte * bytes``
+      (non-negative: an overhead is work the collectives and copies do not
+      show; where the model already overpredicts, the terms stay 0 rather than
+      extrapolate a saving to trees of other sizes); the report gives the
+      relative errors of the model before and after.
 
     Example:
       >>> s = [(L, B, 1e-3 + 2e-6 * L + 1e-9 * B, 1e-3) for L, B in
@@ -144,18 +146,14 @@ def fit_overhead(samples: Sequence[tuple[float, float, float, float]]) -> tuple[
     scale[scale == 0] = 1.0
     # Two unknowns need three trees to be checked at all: with fewer (a tree's
     # marginal time lost in noise), fit the one term that explains them best.
-    subsets = [(0, 1)] if len(used) >= 3 else [(0,), (1,)]
-    best = None
-    for cols in subsets:
-        sub = (A / scale)[:, cols]
-        sol, *_ = np.linalg.lstsq(sub, y, rcond=None)
-        res = float(np.sum((sub @ sol - y) ** 2))
-        if best is None or res < best[0]:
-            x = np.zeros(2)
-            x[list(cols)] = sol
-            best = (res, x)
-    assert best is not None
-    x = best[1]
+    if len(used) >= 3:
+        x = _nnls3(A / scale, y)
+    else:
+        fits = [_nnls3((A / scale)[:, [c]], y) for c in (0, 1)]
+        res = [float(np.sum(((A / scale)[:, [c]] @ f - y) ** 2)) for c, f in enumerate(fits)]
+        c = int(np.argmin(res))
+        x = np.zeros(2)
+        x[c] = fits[c][0]
     per_leaf, per_byte = (x / scale).tolist()
     after = np.abs(m + A @ (x / scale) * t - t) / t
     return (per_leaf, per_byte), {

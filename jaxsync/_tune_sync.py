@@ -24,7 +24,7 @@ from ._cost_ops import ModelTopology
 
 KiB = 2**10
 
-SYNC_TREES = {"few": (8, 64 * KiB), "many": (128, 256), "big": (8, 256 * KiB)}
+SYNC_TREES = {"few": (8, 64 * KiB), "many": (128, 256), "big": (8, 512 * KiB)}
 QUICK_SYNC_TREES = {"few": (4, 16 * KiB), "many": (64, 256)}
 """Synthetic float32 trees: ``name: (leaves, elements per leaf)``."""
 SYNC_STRATEGIES = ("naive", "flat", "hierarchical", "two_dimensional")
