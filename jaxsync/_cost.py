@@ -92,9 +92,9 @@ class Profile:
         scaling, handing it to a call).
       overheads: ``((strategy, (per_leaf, per_byte)), ...)``: what a whole
         synchronisation with ``strategy`` costs beyond its collectives and
-        copies, per reduced leaf and per byte of the tree (seconds; either may
-        be negative in a hand-written profile; ``tune`` fits them non-negative),
-        fitted by ``tune`` on whole syncs of synthetic trees.
+        copies, per reduced leaf and per byte of the tree (seconds, either may
+        be negative: see ``jaxsync._cost_fit.fit_overhead``), fitted by
+        ``tune`` on whole syncs of synthetic trees.
       topology: ``{"processes", "hosts", "local_devices"}`` it was measured on
         (``None`` for the built-in default).
       source: where it came from (a path, or ``"built-in default"``).

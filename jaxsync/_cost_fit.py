@@ -110,8 +110,8 @@ def fit_copy(samples: Sequence[tuple[float, float]]) -> float:
     return float(max(0.0, np.sum(n * t * w * w) / max(np.sum(n * n * w * w), 1e-300)))
 
 
-def fit_overhead(samples: Sequence[tuple[float, float, float, float]]) -> tuple[
-        tuple[float, float], dict]:
+def fit_overhead(samples: Sequence[tuple[float, float, float, float]],
+                 signed_leaf: bool = False) -> tuple[tuple[float, float], dict]:
     """A strategy's overhead ``(seconds per leaf, seconds per byte)``.
 
     Args:
@@ -119,13 +119,16 @@ def fit_overhead(samples: Sequence[tuple[float, float, float, float]]) -> tuple[
         synchronisations of a few trees, where "modelled" is the prediction
         without the overhead. At least two trees that differ in their ratio of
         leaves to bytes.
+      signed_leaf: let the cost per leaf be negative too (``naive``: its one
+        native call per leaf is priced with the per-call terms fitted on
+        isolated calls, which overcount a chain of calls).
 
     Returns:
-      ``((per_leaf, per_byte), report)``: non-negative least squares on the
-      relative error of ``modelled + per_leaf * leaves + per_byte * bytes``
-      (non-negative: an overhead is work the collectives and copies do not
-      show; where the model already overpredicts, the terms stay 0 rather than
-      extrapolate a saving to trees of other sizes); the report gives the
+      ``((per_leaf, per_byte), report)``: least squares on the relative error
+      of ``modelled + per_leaf * leaves + per_byte * bytes``, ``per_leaf >= 0``
+      unless ``signed_leaf`` (a negative cost per leaf, extrapolated to a tree
+      of many more leaves, would predict a negative time), ``per_byte`` of
+      either sign (it rescales the bandwidth terms); the report gives the
       relative errors of the model before and after.
 
     Example:
@@ -140,22 +143,30 @@ def fit_overhead(samples: Sequence[tuple[float, float, float, float]]) -> tuple[
         return (0.0, 0.0), {"samples": 0, "dropped": len(samples)}
     t = np.asarray([s[2] for s in used], np.float64)
     m = np.asarray([s[3] for s in used], np.float64)
-    A = np.asarray([[s[0], s[1]] for s in used], np.float64) / t[:, None]
+    # columns: leaf, byte, -byte (and -leaf): non-negative least squares on them
+    # fits per_byte of either sign (a column and its negation are never both used)
+    A = np.asarray([[s[0], s[1], -s[1]] + ([-s[0]] if signed_leaf else []) for s in used],
+                   np.float64) / t[:, None]
     y = (t - m) / t
     scale = np.linalg.norm(A, axis=0)
     scale[scale == 0] = 1.0
     # Two unknowns need three trees to be checked at all: with fewer (a tree's
     # marginal time lost in noise), fit the one term that explains them best.
+    k = A.shape[1]
     if len(used) >= 3:
         x = _nnls3(A / scale, y)
     else:
-        fits = [_nnls3((A / scale)[:, [c]], y) for c in (0, 1)]
+        fits = [_nnls3((A / scale)[:, [c]], y) for c in range(k)]
         res = [float(np.sum(((A / scale)[:, [c]] @ f - y) ** 2)) for c, f in enumerate(fits)]
         c = int(np.argmin(res))
-        x = np.zeros(2)
+        x = np.zeros(k)
         x[c] = fits[c][0]
-    per_leaf, per_byte = (x / scale).tolist()
-    after = np.abs(m + A @ (x / scale) * t - t) / t
+    x = x / scale
+    per_leaf = float(x[0] - (x[3] if signed_leaf else 0.0))
+    per_byte = float(x[1] - x[2])
+    A = A[:, :2]
+    x = np.asarray([per_leaf, per_byte])
+    after = np.abs(m + A @ x * t - t) / t
     return (per_leaf, per_byte), {
         "samples": len(used), "dropped": len(samples) - len(used),
         "median_rel_error_before": float(np.median(np.abs(m - t) / t)),

@@ -91,7 +91,7 @@ def fit_overheads(samples: list, trees: dict, topo: ModelTopology,
     for s in SYNC_STRATEGIES:
         rows = [(k, n, t, _modelled(s, k, trees[name][1], topo, profile))
                 for s_, name, k, n, t in samples if s_ == s]
-        (per_leaf, per_byte), rep = _cost_fit.fit_overhead(rows)
+        (per_leaf, per_byte), rep = _cost_fit.fit_overhead(rows, signed_leaf=s == "naive")
         overheads.append((s, (per_leaf, per_byte)))
         report[s] = rep
     return tuple(sorted(overheads)), report

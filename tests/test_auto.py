@@ -237,11 +237,18 @@ def test_fit_recovers_strategy_overheads():
     (leaf, byte), rep = _cost_fit.fit_overhead(rows)
     assert leaf == pytest.approx(true[0], rel=0.05) and byte == pytest.approx(true[1], rel=0.05)
     assert rep["median_rel_error"] < rep["median_rel_error_before"]
-    # where the model already overpredicts, no saving is extrapolated: 0, 0
-    rows = [(k, n, m - 5e-6 * k, m) for k, n, m in ((8, 1e6, 1e-3), (128, 1e5, 2e-3),
+    # a negative cost per byte is recovered; a negative cost per leaf only when
+    # allowed (naive), else no saving per leaf is extrapolated
+    rows = [(k, n, m - 1e-10 * n, m) for k, n, m in ((8, 1e6, 1e-3), (128, 1e5, 2e-3),
                                                       (8, 8e6, 4e-3))]
     (leaf, byte), _ = _cost_fit.fit_overhead(rows)
-    assert (leaf, byte) == (0.0, 0.0)
+    assert leaf == 0.0 and byte == pytest.approx(-1e-10, rel=1e-6)
+    rows = [(k, n, m - 5e-6 * k, m) for k, n, m in ((8, 1e6, 1e-3), (128, 1e5, 2e-3),
+                                                      (8, 8e6, 4e-3))]
+    (leaf, byte), _ = _cost_fit.fit_overhead(rows, signed_leaf=True)
+    assert leaf == pytest.approx(-5e-6, rel=1e-6) and abs(byte) < 1e-15
+    (leaf, byte), _ = _cost_fit.fit_overhead(rows)
+    assert leaf == 0.0
     # two trees (one lost in noise): one term only, never a wild pair
     (leaf, byte), rep = _cost_fit.fit_overhead(rows[:1] + [(8, 8e6, -1.0, 4e-3)] + rows[1:2])
     assert rep["samples"] == 2 and rep["dropped"] == 1 and (leaf == 0.0 or byte == 0.0)
@@ -253,8 +260,8 @@ def test_tune_sync_fit_closes_the_loop():
     prof = Profile((("device", Link(2e-5, 1e-9, 3e-10)), ("host", Link(3e-5, 5e-10, 3e-10))),
                    3e-10)
     trees = _tune_sync.SYNC_TREES
-    true = {"naive": (20e-6, 0.1e-9), "flat": (3e-6, 2e-9), "hierarchical": (5e-6, 0.0),
-            "two_dimensional": (1e-6, 0.3e-9)}
+    true = {"naive": (-20e-6, 0.1e-9), "flat": (3e-6, 2e-9), "hierarchical": (5e-6, 0.0),
+            "two_dimensional": (1e-6, -0.3e-9)}
     samples = []
     for s, (a, b) in true.items():
         for name, (k, m) in trees.items():
