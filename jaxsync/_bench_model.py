@@ -196,8 +196,10 @@ def collect(out: Path) -> dict:
                       f"{len(repeats)} pairs) differs by {100 * float(np.median(repeats)):.0f}% "
                       f"(median), {100 * float(np.max(repeats)):.0f}% (max). Of the "
                       f"{len(misses)} misses, {len(in_spread)} predict within 25% of the "
-                      "interquartile range of their own measured rounds (noise could explain "
-                      "them); the others are the model's."]
+                      "interquartile range of their own measured rounds (noise within the "
+                      "run could explain them); the others lie outside their rounds' spread: "
+                      "the model's, or drift between calibration and measurement, which the "
+                      "same-program pairs above bound."]
     (out / "model.md").write_text("\n".join(lines) + "\n")
     try:
         plot(cases, out / "model.png")

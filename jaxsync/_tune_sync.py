@@ -86,11 +86,19 @@ def _modelled(strategy: str, leaves: int, elems: int, topo: ModelTopology,
 
 def fit_overheads(samples: list, trees: dict, topo: ModelTopology,
                   profile: Profile) -> tuple[tuple, dict]:
-    """Each strategy's overhead from :func:`measure_sync`'s samples."""
+    """Each strategy's overhead from :func:`measure_sync`'s samples.
+
+    Strategies that issue the same program here (``hierarchical`` and
+    ``two_dimensional`` with one device per process: the leaves go to the
+    native target as they are) are fitted together on their pooled samples, so
+    that the same program gets the same prediction.
+    """
     overheads, report = [], {}
+    same = {"hierarchical", "two_dimensional"} if topo.local_devices == 1 else set()
     for s in SYNC_STRATEGIES:
+        pool = same if s in same else {s}
         rows = [(k, n, t, _modelled(s, k, trees[name][1], topo, profile))
-                for s_, name, k, n, t in samples if s_ == s]
+                for s_, name, k, n, t in samples if s_ in pool]
         (per_leaf, per_byte), rep = _cost_fit.fit_overhead(rows, signed_leaf=s == "naive")
         overheads.append((s, (per_leaf, per_byte)))
         report[s] = rep

@@ -278,6 +278,22 @@ def test_tune_sync_fit_closes_the_loop():
         _cost_ops.predict("flat", b, topo, prof) + 16 * 3e-6 + 4 * 2**20 * 2e-9)
 
 
+def test_same_program_same_overhead():
+    # one device per process: hierarchical and two_dimensional issue the same
+    # program; their noisy samples are pooled and they get one overhead
+    topo = ModelTopology(processes=2, hosts=1, local_devices=1)
+    prof = Profile((("host", Link(3e-5, 5e-10, 3e-10)),), 3e-10)
+    trees = _tune_sync.SYNC_TREES
+    samples = []
+    for s, noise in (("hierarchical", 1.1), ("two_dimensional", 0.9), ("naive", 1.0),
+                     ("flat", 1.0)):
+        for name, (k, m) in trees.items():
+            t = (_tune_sync._modelled(s, k, m, topo, prof) + 2e-6 * k) * noise
+            samples.append((s, name, k, k * m * 4, t))
+    over = dict(_tune_sync.fit_overheads(samples, trees, topo, prof)[0])
+    assert over["hierarchical"] == over["two_dimensional"]
+
+
 def test_negative_overhead_never_makes_a_sync_free():
     topo = ModelTopology(processes=2, hosts=1, local_devices=2)
     prof = Profile((("device", L), ("host", L)), 1e-6)
