@@ -31,11 +31,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "demo":
-        from . import _demo
-        return _demo.main(rest)
+        from .bench import demo
+        return demo.main(rest)
     if command == "bench":
-        from . import _bench
-        return _bench.main(rest)
+        from .bench import cli
+        return cli.main(rest)
     if command == "tune":
         from . import _tune
         return _tune.main(rest)

@@ -18,13 +18,18 @@ every process runs them in the same order. A mismatch raises the same
 ``JaxRuntimeError`` whose message holds the ``ValueError``).
 
 It uses a communicator of its own (``Comms.agreement``) and plain mpi4py, so it
-is independent of how the MPI calls of the step itself are bound.
+is independent of how the MPI calls of the step itself are bound. On CPU the
+native calls check the same texts themselves (``_mpi_load.register_agreement``);
+both, and ``broadcast_params``, report a mismatch with ``_disagreement`` (below).
+
+Imports: jax, ``_ordering`` and ``_invariance`` only.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
+from typing import Sequence
 
 import numpy as np
 
@@ -32,12 +37,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import _ordering
+from ._invariance import _varying, _vma
+
 # One exchange at a time on a process (device threads, several executables).
 _LOCK = threading.Lock()
 
 # Agreement callbacks entered and left (every synchronised step runs one per
-# device): the drain at exit watches them (see _mpi.wait_until_quiet).
+# device): the drain at exit watches them (see _quiet.wait_until_quiet).
 ACTIVITY = [0, 0]
+
 
 class Agreement:
     """One trace's check: exchanges once, remembers the verdict."""
@@ -82,9 +91,8 @@ def agreement_dep(comm, text: str, what: str, disagreement):
     step form one chain (kept per trace, like the MPI token chain), so every
     process runs them in the same order.
     """
-    from . import _mpi
     agreement = Agreement(comm, text, what, disagreement)
-    prev = _mpi.chain_value("agreement", lambda: None)
+    prev = _ordering.chain_value("agreement", lambda: None)
     # A pure_callback, not an io_callback: any effect in a step puts jit's
     # dispatch on its slow path (tens of microseconds per output: +12 ms on a
     # step returning 500 leaves). Its result feeds the MPI calls, so JAX cannot
@@ -93,7 +101,7 @@ def agreement_dep(comm, text: str, what: str, disagreement):
     dep = jax.pure_callback(agreement.host, jax.ShapeDtypeStruct((), jnp.uint8),
                             *(() if prev is None else (prev,)),
                             vmap_method="broadcast_all")
-    _mpi.set_chain_value("agreement", dep)
+    _ordering.set_chain_value("agreement", dep)
     return dep
 
 
@@ -123,7 +131,6 @@ def _foldable(x) -> bool:
 
 def fold(x, dep):
     """``x`` unchanged bit for bit, but computed after ``dep`` (a uint8 zero)."""
-    from ._backends import _varying, _vma
     if not _foldable(x):
         return x
     width = _UINT[x.dtype.itemsize]
@@ -131,3 +138,27 @@ def fold(x, dep):
     d = _varying(lax.convert_element_type(dep, width), _vma(head))
     head = lax.bitcast_convert_type(head ^ d, x.dtype)
     return lax.dynamic_update_slice(x, head, (0,))
+
+
+_FIXES = {
+    "gradient tree": "make every process build the same gradient tree (same structure, "
+                     "shapes and dtypes), drive the same number of devices, and create "
+                     "the transform with the same options",
+    "parameter tree": "call broadcast_params on every process with a tree of the same "
+                      "structure, shapes and dtypes (only the values may differ)",
+}
+
+
+def _disagreement(texts: Sequence[str], what: str) -> str:
+    """Name the first two ranks that differ and their first differing line."""
+    base = texts[0]
+    other = next(r for r, t in enumerate(texts) if t != base)
+    a, b = base.splitlines(), texts[other].splitlines()
+    for la, lb in zip(a + [""] * (len(b) - len(a)), b + [""] * (len(a) - len(b))):
+        if la != lb:
+            break
+    w = len(f"rank {other}:")
+    return (f"jaxsync: the {what} differs between rank 0 and rank {other}, so the "
+            f"processes would issue different collectives (a hang or wrong results).\n"
+            f"  {'rank 0:':<{w}} {la or '<nothing>'}\n  {f'rank {other}:':<{w}} "
+            f"{lb or '<nothing>'}\nFix: {_FIXES.get(what, 'make every process agree')}.")

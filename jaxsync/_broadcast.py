@@ -10,7 +10,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from . import _backends
+from ._agree import _disagreement
+from ._axis_backend import AxisComm
 from ._plan import structure_text
 from ._topology import Comms, default_comm
 
@@ -35,6 +36,10 @@ def broadcast_params(tree: PyTree, root: int = 0, comm: Any = "auto") -> PyTree:
         ``jax.distributed`` processes are used and ``root`` must be 0), ``None``
         (a single process: returns ``tree``) or ``"auto"``.
 
+    Returns:
+      a tree of the same structure, dtypes, shapes and shardings holding the
+      root's values, the same on every process.
+
     Example:
       >>> import jax.numpy as jnp, jaxsync
       >>> jaxsync.broadcast_params({"w": jnp.ones(2)}, comm=None)
@@ -50,7 +55,7 @@ def broadcast_params(tree: PyTree, root: int = 0, comm: Any = "auto") -> PyTree:
             raise ValueError(f"broadcast_params: root={root} but there is one process "
                              "(comm=None). Fix: root=0.")
         return tree
-    if isinstance(comm, _backends.AxisComm):
+    if isinstance(comm, AxisComm):
         if root != 0:
             raise ValueError("broadcast_params with AxisComm broadcasts from process 0; "
                              f"got root={root}. Fix: root=0.")
@@ -69,8 +74,7 @@ def broadcast_params(tree: PyTree, root: int = 0, comm: Any = "auto") -> PyTree:
     # A 32-byte digest per process; the texts travel only on a mismatch.
     digests = world.allgather(hashlib.sha256(plan_text.encode()).digest())
     if len(set(digests)) > 1:
-        raise ValueError(_backends._disagreement(world.allgather(plan_text),
-                                                 "parameter tree"))
+        raise ValueError(_disagreement(world.allgather(plan_text), "parameter tree"))
     out = []
     for leaf in leaves:
         host = np.array(leaf, copy=True)
@@ -92,7 +96,8 @@ def _describe(tree) -> str:
     # Shapes and dtypes from the leaf itself: no copy to host.
     lines = [f"leaf {jax.tree_util.keystr(path)} {np.shape(leaf)} "
              f"{_dtype(leaf)}" for path, leaf in with_paths]
-    lines.append(f"treedef {structure_text(treedef)}")  # last: the first differing line names a leaf
+    # Last: the first differing line names a leaf.
+    lines.append(f"treedef {structure_text(treedef)}")
     return "\n".join(lines)
 
 

@@ -37,10 +37,10 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from . import _backends, _mpi, _transforms
+from . import _config, _intra, _invariance, _mpi_backend, _native_prim, _ordering, _sync
 
 PyTree = Any
-AUTO = _transforms.AUTO
+AUTO = _config.AUTO
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 # Gram-Schmidt: a column whose norm is below this (relative to nothing: the data
 # are gradients) is left (near) zero instead of dividing by zero.
@@ -124,7 +124,7 @@ def state_specs(state: PyTree, axis_name) -> PyTree:
 
 def _check_int(fn, name, value, low, fix):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise _transforms._bad_type(fn, name, f"an int >= {low}", value, fix)
+        raise _config._bad_type(fn, name, f"an int >= {low}", value, fix)
     if value < low:
         raise ValueError(f"{fn}: {name} must be >= {low}, got {value}. Fix: {fix}.")
     return int(value)
@@ -132,14 +132,14 @@ def _check_int(fn, name, value, low, fix):
 
 def _check_bool(fn, name, value):
     if not isinstance(value, (bool, np.bool_)):
-        raise _transforms._bad_type(fn, name, "a bool", value,
+        raise _config._bad_type(fn, name, "a bool", value,
                                     f"pass {name}=True or {name}=False")
     return bool(value)
 
 
 def _check_float(fn, name, value, low, fix):
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
-        raise _transforms._bad_type(fn, name, f"a float >= {low}", value, fix)
+        raise _config._bad_type(fn, name, f"a float >= {low}", value, fix)
     if not (value >= low and math.isfinite(value)):
         raise ValueError(f"{fn}: {name} must be a finite float >= {low}, got {value}. "
                          f"Fix: {fix}.")
@@ -198,10 +198,10 @@ def _select_phase(pred, early, late, operand, cfg):
     batched: both branches run (every collective of both, on every process)
     and the results are selected.
     """
-    if _backends._is_batched(pred):
+    if _intra._is_batched(pred):
         a, b = early(operand), late(operand)
         return jax.tree_util.tree_map(lambda x, y: jnp.where(pred, x, y), a, b)
-    threaded = isinstance(cfg.backend, _backends.MPIBackend) and cfg.backend.native
+    threaded = isinstance(cfg.backend, _mpi_backend.MPIBackend) and cfg.backend.native
     if not threaded:
         return lax.cond(pred, early, late, operand)
     # A token cannot cross lax.cond under shard_map, so the chain crosses it as
@@ -211,30 +211,30 @@ def _select_phase(pred, early, late, operand, cfg):
     size = cfg.backend.comms.size
 
     def tie(token, value):
-        token, (value,) = _mpi.native_call("allreduce", [value], token, world,
-                                           jnp.int32(0), size)
+        token, (value,) = _native_prim.native_call("allreduce", [value], token, world,
+                                                   jnp.int32(0), size)
         return token, value
 
-    _, dep = tie(_mpi.chain_token(), jnp.zeros((1,), jnp.float32))
+    _, dep = tie(_ordering.chain_token(), jnp.zeros((1,), jnp.float32))
 
     def wrap(f):
         def branch(args):
             dep, x = args
             token, dep = tie(lax.create_token(), dep)
-            _mpi.set_chain_token(token)
+            _ordering.set_chain_token(token)
             y = f(x)
-            _, dep = tie(_mpi.chain_token(), dep)
+            _, dep = tie(_ordering.chain_token(), dep)
             return dep, y
         return branch
 
     dep, out = lax.cond(pred, wrap(early), wrap(late), (dep, operand))
-    token, _ = tie(_mpi.chain_token(), dep)
-    _mpi.set_chain_token(token)
+    token, _ = tie(_ordering.chain_token(), dep)
+    _ordering.set_chain_token(token)
     return out
 
 
 def _check_phase_backend(fn, cfg, start_step):
-    if start_step > 0 and isinstance(cfg.backend, _backends.MPIBackend) \
+    if start_step > 0 and isinstance(cfg.backend, _mpi_backend.MPIBackend) \
             and not cfg.backend.native:
         raise ValueError(
             f"{fn}: start_step={start_step} chooses between two sets of collectives "
@@ -353,7 +353,7 @@ def powersgd_mean(axis_name, comm=AUTO, *, rank: int = 4, start_step: int = 0,
     error_feedback = _check_bool(fn, "error_feedback", error_feedback)
     warm_start = _check_bool(fn, "warm_start", warm_start)
     seed = _check_int(fn, "seed", seed, 0, "pass e.g. seed=0")
-    cfg = _transforms.make_config(fn, "hierarchical", axis_name, comm, staging=staging,
+    cfg = _config.make_config(fn, "hierarchical", axis_name, comm, staging=staging,
                                   timeout=timeout)
     _check_phase_backend(fn, cfg, start_step)
     key = jax.random.PRNGKey(seed)
@@ -378,7 +378,7 @@ def powersgd_mean(axis_name, comm=AUTO, *, rank: int = 4, start_step: int = 0,
 
     def exact(args):
         updates, state = args
-        synced, _ = _transforms._sync(updates, cfg)
+        synced, _ = _sync.sync(updates, cfg)
         return synced, PowerSGDState(state.count + 1, state.q, state.residual)
 
     def compressed(args):
@@ -389,8 +389,8 @@ def powersgd_mean(axis_name, comm=AUTO, *, rank: int = 4, start_step: int = 0,
         rest = [k for k, lay in enumerate(layout) if lay is None]
         # A gradient that autodiff already summed over some axes (shard_map,
         # replicated parameters) takes part once, as in hierarchical_mean.
-        shared = _backends.share_invariant([leaves[k] for k in idx],
-                                           cfg.axes + cfg.backend.mesh_axes)
+        shared = _invariance.share_invariant([leaves[k] for k in idx],
+                                             cfg.axes + cfg.backend.mesh_axes)
         ms, qs = [], []
         for j, (k, g) in enumerate(zip(idx, shared)):
             n, m, r = layout[k]
@@ -402,11 +402,11 @@ def powersgd_mean(axis_name, comm=AUTO, *, rank: int = 4, start_step: int = 0,
             qs.append(q.astype(mat.dtype))
         ps = [_mm(mat, q) for mat, q in zip(ms, qs)]
         # Round 1: the P matrices and every uncompressed leaf.
-        (ps, exact_leaves), _ = _transforms._sync(
+        (ps, exact_leaves), _ = _sync.sync(
             (tuple(ps), tuple(leaves[k] for k in rest)), cfg)
         ps = [_orthogonalise(p) for p in ps]
         # Round 2: the Q matrices.
-        qs, _ = _transforms._sync(tuple(_mm(mat.T, p) for mat, p in zip(ms, ps)), cfg)
+        qs, _ = _sync.sync(tuple(_mm(mat.T, p) for mat, p in zip(ms, ps)), cfg)
         out = list(leaves)
         new_res = []
         for j, k in enumerate(idx):
@@ -473,11 +473,11 @@ def _gather_bytes(buf, cfg, text):
     backend's all-gather, by local device 0, broadcast back); the row of
     replica ``d`` of process ``p`` is ``p * local + d``.
     """
-    _backends.check_axes(cfg.axes)
-    _transforms._check_unsynced_devices(cfg)
-    intra = _backends.AxisOps(cfg.axes)
+    _intra.check_axes(cfg.axes)
+    _sync._check_unsynced_devices(cfg)
+    intra = _intra.AxisOps(cfg.axes)
     if intra.size == 1 and getattr(cfg.backend, "native", False):
-        intra = _backends.AxisOps((), unit_axes=cfg.axes)
+        intra = _intra.AxisOps((), unit_axes=cfg.axes)
     (buf,) = cfg.backend.agree(text, "gradient tree", [buf])
     local = intra.allgather(buf)                               # (D, L)
     flat = local.reshape(-1)
@@ -539,7 +539,7 @@ def sign_mean(axis_name, comm=AUTO, *, error_feedback: bool = True,
     fn = "sign_mean"
     error_feedback = _check_bool(fn, "error_feedback", error_feedback)
     min_size = _check_int(fn, "min_size", min_size, 1, "pass e.g. min_size=256")
-    cfg = _transforms.make_config(fn, "hierarchical", axis_name, comm, staging=staging,
+    cfg = _config.make_config(fn, "hierarchical", axis_name, comm, staging=staging,
                                   timeout=timeout)
 
     def init_fn(params):
@@ -561,14 +561,14 @@ def sign_mean(axis_name, comm=AUTO, *, error_feedback: bool = True,
             raise _tree_error(fn, "compressed leaves", len(idx), len(state.residual))
         out = list(leaves)
         if rest:
-            exact, _ = _transforms._sync(tuple(leaves[k] for k in rest), cfg)
+            exact, _ = _sync.sync(tuple(leaves[k] for k in rest), cfg)
             for j, k in enumerate(rest):
                 out[k] = exact[j]
         if not idx:
             return jax.tree_util.tree_unflatten(treedef, out), SignState(
                 state.count + 1, state.residual)
-        shared = _backends.share_invariant([leaves[k] for k in idx],
-                                           cfg.axes + cfg.backend.mesh_axes)
+        shared = _invariance.share_invariant([leaves[k] for k in idx],
+                                             cfg.axes + cfg.backend.mesh_axes)
         ps, scales, packed = [], [], []
         for j, g in enumerate(shared):
             p = g.astype(_wide(g.dtype)).reshape(-1)

@@ -33,6 +33,7 @@ import dataclasses
 import hashlib
 import json
 import math
+
 LINKS = ("device", "host", "network")
 KINDS = ("allreduce", "reduce_scatter", "allgather", "alltoall", "broadcast")
 ALGORITHMS = {
@@ -131,46 +132,74 @@ class Profile:
         return [n for n in LINKS if not self.has(n)]
 
     def to_json(self) -> dict:
-        return {"format": "jaxsync-profile-1",
-                "links": {k: v.as_dict() for k, v in self.links},
-                "copy": self.copy, "leaf": self.leaf, "topology": self.topology,
-                "overheads": {k: list(v) for k, v in self.overheads},
-                "fit": self.fit}
+        return {
+            "format": "jaxsync-profile-1",
+            "links": {k: v.as_dict() for k, v in self.links},
+            "copy": self.copy,
+            "leaf": self.leaf,
+            "topology": self.topology,
+            "overheads": {k: list(v) for k, v in self.overheads},
+            "fit": self.fit,
+        }
 
     @classmethod
-    def from_json(cls, data: dict, source: str = "<dict>") -> "Profile":
+    def from_json(cls, data: dict, source: str = "<dict>") -> Profile:
         if not isinstance(data, dict) or data.get("format") != "jaxsync-profile-1":
-            raise ValueError(f"{source}: not a jaxsync profile (expected a JSON object "
-                             "with format 'jaxsync-profile-1'); write one with "
-                             "`python -m jaxsync tune --out FILE`.")
+            raise ValueError(
+                f"{source}: not a jaxsync profile (expected a JSON object "
+                "with format 'jaxsync-profile-1'); write one with "
+                "`python -m jaxsync tune --out FILE`."
+            )
         links = []
         for name in LINKS:
             if name in data.get("links", {}):
                 d = data["links"][name]
-                links.append((name, Link(float(d["alpha"]), float(d["beta"]),
-                                         float(d.get("gamma", 0.0)),
-                                         int(d.get("flows", 1)),
-                                         str(d.get("algorithm", "auto")),
-                                         float(d.get("call", 0.0)))))
-        over = tuple(sorted((str(k), (float(v[0]), float(v[1])))
-                            for k, v in (data.get("overheads") or {}).items()))
-        return cls(tuple(links), float(data.get("copy", DEFAULT_PROFILE.copy)),
-                   data.get("topology"), source, data.get("fit"),
-                   float(data.get("leaf", 0.0)), over)
+                links.append(
+                    (
+                        name,
+                        Link(
+                            float(d["alpha"]),
+                            float(d["beta"]),
+                            float(d.get("gamma", 0.0)),
+                            int(d.get("flows", 1)),
+                            str(d.get("algorithm", "auto")),
+                            float(d.get("call", 0.0)),
+                        ),
+                    )
+                )
+        over = tuple(
+            sorted(
+                (str(k), (float(v[0]), float(v[1])))
+                for k, v in (data.get("overheads") or {}).items()
+            )
+        )
+        return cls(
+            tuple(links),
+            float(data.get("copy", DEFAULT_PROFILE.copy)),
+            data.get("topology"),
+            source,
+            data.get("fit"),
+            float(data.get("leaf", 0.0)),
+            over,
+        )
 
     def digest(self) -> str:
         """Short hash of the parameters (not the source): equal profiles, equal digest."""
-        body: dict = {"links": {k: v.as_dict() for k, v in self.links},
-                "copy": self.copy, "leaf": self.leaf}
+        body: dict = {
+            "links": {k: v.as_dict() for k, v in self.links},
+            "copy": self.copy,
+            "leaf": self.leaf,
+        }
         if self.overheads:  # (profiles without them keep their digest)
             body["overheads"] = {k: list(v) for k, v in self.overheads}
         text = json.dumps(body, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
-    def replace_link(self, name: str, link: Link) -> "Profile":
+    def replace_link(self, name: str, link: Link) -> Profile:
         links = tuple((k, v) for k, v in self.links if k != name) + ((name, link),)
         return dataclasses.replace(
-            self, links=tuple(sorted(links, key=lambda kv: LINKS.index(kv[0]))))
+            self, links=tuple(sorted(links, key=lambda kv: LINKS.index(kv[0])))
+        )
 
 
 DEFAULT_PROFILE = Profile(
@@ -191,6 +220,7 @@ DEFAULT_PROFILE = Profile(
 # --------------------------------------------------------------------------
 # Closed forms
 # --------------------------------------------------------------------------
+
 
 def _pow2_floor(p: int) -> int:
     return 1 << (int(p).bit_length() - 1)
@@ -249,8 +279,9 @@ def coefficients(kind: str, nbytes: float, p: int, algorithm: str) -> tuple[floa
     raise ValueError(f"unknown collective {kind!r}; expected one of {KINDS}")
 
 
-def collective_seconds(kind: str, nbytes: float, members: int, link: Link,
-                       algorithm: str = "auto", flows: int = 1) -> float:
+def collective_seconds(
+    kind: str, nbytes: float, members: int, link: Link, algorithm: str = "auto", flows: int = 1
+) -> float:
     """Predicted seconds of one collective.
 
     Args:

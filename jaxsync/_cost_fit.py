@@ -13,12 +13,11 @@ May import: the standard library, numpy and ``jaxsync._cost`` (no JAX).
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from ._cost import Link, coefficients, collective_seconds
-
 
 
 def fit_link(samples: Sequence[tuple], algorithm: dict | None = None) -> tuple[Link, dict]:
@@ -48,8 +47,14 @@ def fit_link(samples: Sequence[tuple], algorithm: dict | None = None) -> tuple[L
       ...                                  (true.alpha, true.beta, true.gamma))]
       [1.0, 1.0, 1.0]
     """
-    algorithm = {"allreduce": "ring", "allgather": "ring", "reduce_scatter": "ring",
-                 "alltoall": "pairwise", "broadcast": "binomial", **(algorithm or {})}
+    algorithm = {
+        "allreduce": "ring",
+        "allgather": "ring",
+        "reduce_scatter": "ring",
+        "alltoall": "pairwise",
+        "broadcast": "binomial",
+        **(algorithm or {}),
+    }
     used = [tuple(s) + (1,) * (5 - len(s)) for s in samples if s[3] > 0]  # noise: <= 0
     if not used:
         raise ValueError("fit_link: no positive timing to fit")
@@ -68,11 +73,16 @@ def fit_link(samples: Sequence[tuple], algorithm: dict | None = None) -> tuple[L
     x = _nnls3(A / scale, np.asarray(y))
     alpha, beta, gamma, *call = (x / scale).tolist()
     link = Link(alpha, beta, gamma, algorithm="ring", call=call[0] if call else 0.0)
-    errs = [abs(link.call + m * collective_seconds(k, n, p, link, algorithm[k]) - t) / t
-            for k, n, p, t, m in used]
-    return link, {"median_rel_error": float(np.median(errs)),
-                  "max_rel_error": float(np.max(errs)), "samples": len(used),
-                  "dropped": len(samples) - len(used)}
+    errs = [
+        abs(link.call + m * collective_seconds(k, n, p, link, algorithm[k]) - t) / t
+        for k, n, p, t, m in used
+    ]
+    return link, {
+        "median_rel_error": float(np.median(errs)),
+        "max_rel_error": float(np.max(errs)),
+        "samples": len(used),
+        "dropped": len(samples) - len(used),
+    }
 
 
 def _nnls3(A, y):
@@ -110,8 +120,9 @@ def fit_copy(samples: Sequence[tuple[float, float]]) -> float:
     return float(max(0.0, np.sum(n * t * w * w) / max(np.sum(n * n * w * w), 1e-300)))
 
 
-def fit_overhead(samples: Sequence[tuple[float, float, float, float]],
-                 signed_leaf: bool = False) -> tuple[tuple[float, float], dict]:
+def fit_overhead(
+    samples: Sequence[tuple[float, float, float, float]], signed_leaf: bool = False
+) -> tuple[tuple[float, float], dict]:
     """A strategy's overhead ``(seconds per leaf, seconds per byte)``.
 
     Args:
@@ -145,8 +156,12 @@ def fit_overhead(samples: Sequence[tuple[float, float, float, float]],
     m = np.asarray([s[3] for s in used], np.float64)
     # columns: leaf, byte, -byte (and -leaf): non-negative least squares on them
     # fits per_byte of either sign (a column and its negation are never both used)
-    A = np.asarray([[s[0], s[1], -s[1]] + ([-s[0]] if signed_leaf else []) for s in used],
-                   np.float64) / t[:, None]
+    A = (
+        np.asarray(
+            [[s[0], s[1], -s[1]] + ([-s[0]] if signed_leaf else []) for s in used], np.float64
+        )
+        / t[:, None]
+    )
     y = (t - m) / t
     scale = np.linalg.norm(A, axis=0)
     scale[scale == 0] = 1.0
@@ -168,6 +183,9 @@ def fit_overhead(samples: Sequence[tuple[float, float, float, float]],
     x = np.asarray([per_leaf, per_byte])
     after = np.abs(m + A @ x * t - t) / t
     return (per_leaf, per_byte), {
-        "samples": len(used), "dropped": len(samples) - len(used),
+        "samples": len(used),
+        "dropped": len(samples) - len(used),
         "median_rel_error_before": float(np.median(np.abs(m - t) / t)),
-        "median_rel_error": float(np.median(after)), "max_rel_error": float(np.max(after))}
+        "median_rel_error": float(np.median(after)),
+        "max_rel_error": float(np.max(after)),
+    }

@@ -2,7 +2,7 @@
 
 What it is for: :func:`strategy_ops` lists the collectives, local copies and
 per-leaf work that each of jaxsync's strategies issues for a packing plan (its
-buckets) and a topology, following ``_strategies.run``, ``_transforms._sync``
+buckets) and a topology, following ``_strategies.run``, ``_sync.sync``
 (which plans leaves one buffer each when one device per process hands them to
 the native MPI target) and the native target itself (it copies buffers under
 64 KiB of one dtype - for ``flat`` alone, under ``bucket_bytes`` - into one
@@ -23,18 +23,25 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
-from ._cost import (DEFAULT_PROFILE, NATIVE_GROUP_BYTES, NATIVE_SMALL_BYTES, STRATEGY_NAMES,
-                    Profile, collective_seconds)
+from ._cost import (
+    DEFAULT_PROFILE,
+    NATIVE_GROUP_BYTES,
+    NATIVE_SMALL_BYTES,
+    STRATEGY_NAMES,
+    Profile,
+    collective_seconds,
+)
 
 FLAT_GROUP_BYTES = 16 << 20
 """``flat_mean``'s default ``bucket_bytes``: with one device per process the
 native target packs every leaf into messages of up to this size."""
 
+
 def strategy_defaults(strategy: str) -> tuple[int | None, int | None]:
     """``(bucket_bytes, pack_threshold)`` of the strategy's factory (its defaults
-    in ``_transforms.make_config``: ``flat`` packs everything into 16 MiB
+    in ``_config.make_config``: ``flat`` packs everything into 16 MiB
     buckets, the others leave leaves of 256 KiB and more unpacked in 64 MiB)."""
     if strategy == "flat":
         return FLAT_GROUP_BYTES, None
@@ -44,7 +51,6 @@ def strategy_defaults(strategy: str) -> tuple[int | None, int | None]:
 MIN_SHARE = 0.1
 """A prediction is never below this share of its collectives and copies (a
 negative fitted overhead must not make a sync free)."""
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +63,7 @@ class BucketInfo:
 
     @property
     def itemsize(self) -> int:
-        return 2 if self.dtype in ("float16", "bfloat16") else (
-            8 if self.dtype == "float64" else 4)
+        return 2 if self.dtype in ("float16", "bfloat16") else (8 if self.dtype == "float64" else 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,13 +102,13 @@ class ModelTopology:
 class Op:
     """Collectives of one kind issued at one stage (one message per size)."""
 
-    stage: str       # "intra", "inter", "local"
-    kind: str        # a collective, "copy", "leaf" or "strategy" (its overhead)
-    link: str        # for "strategy": the strategy's name
+    stage: str  # "intra", "inter", "local"
+    kind: str  # a collective, "copy", "leaf" or "strategy" (its overhead)
+    link: str  # for "strategy": the strategy's name
     members: int
-    sizes: tuple     # bytes of each message (whole buffer per member)
+    sizes: tuple  # bytes of each message (whole buffer per member)
     flows: int = 1
-    calls: int = 1   # separate calls (ops) that send these messages
+    calls: int = 1  # separate calls (ops) that send these messages
 
     def seconds(self, profile: Profile) -> float:
         if self.kind == "copy":
@@ -114,13 +119,17 @@ class Op:
             per_leaf, per_byte = profile.overhead(self.link)
             return per_leaf * self.sizes[0] + per_byte * self.sizes[1]
         link = profile.link(self.link)
-        return self.calls * link.call + float(sum(
-            collective_seconds(self.kind, s, self.members, link, "link", flows=self.flows)
-            for s in self.sizes))
+        return self.calls * link.call + float(
+            sum(
+                collective_seconds(self.kind, s, self.members, link, "link", flows=self.flows)
+                for s in self.sizes
+            )
+        )
 
 
-def _native_messages(sizes: Iterable[tuple[str, int]],
-                     group: int = NATIVE_SMALL_BYTES) -> tuple[list[int], int]:
+def _native_messages(
+    sizes: Iterable[tuple[str, int]], group: int = NATIVE_SMALL_BYTES
+) -> tuple[list[int], int]:
     """Messages of one native allreduce call, and the bytes it copies into (and
     out of) its scratch buffers: buffers of at least ``group`` bytes alone, the
     smaller ones of a dtype grouped, in order, into messages of up to
@@ -146,8 +155,9 @@ def _native_messages(sizes: Iterable[tuple[str, int]],
 
 def per_leaf_plan(strategy: str, topo: ModelTopology) -> bool:
     """Whether ``_sync`` plans this strategy one buffer per leaf."""
-    return strategy == "naive" or (_alone(topo) and strategy in (
-        "hierarchical", "two_dimensional", "flat"))
+    return strategy == "naive" or (
+        _alone(topo) and strategy in ("hierarchical", "two_dimensional", "flat")
+    )
 
 
 def _alone(topo: ModelTopology) -> bool:
@@ -155,9 +165,13 @@ def _alone(topo: ModelTopology) -> bool:
     return topo.local_devices == 1 and topo.native and topo.processes > 1
 
 
-def strategy_ops(strategy: str, buckets: Sequence[BucketInfo], topo: ModelTopology,
-                 comm_itemsize: int | None = None,
-                 bucket_bytes: int | None = FLAT_GROUP_BYTES) -> list[Op]:
+def strategy_ops(
+    strategy: str,
+    buckets: Sequence[BucketInfo],
+    topo: ModelTopology,
+    comm_itemsize: int | None = None,
+    bucket_bytes: int | None = FLAT_GROUP_BYTES,
+) -> list[Op]:
     """The collectives and copies ``strategy`` issues for ``buckets``.
 
     ``buckets`` is the plan ``_sync`` makes for this strategy (see
@@ -182,8 +196,7 @@ def strategy_ops(strategy: str, buckets: Sequence[BucketInfo], topo: ModelTopolo
     leaves = sum(b.leaves for b in buckets)
     if leaves:
         ops.append(Op("local", "leaf", "", 1, (leaves,)))
-        ops.append(Op("local", "strategy", strategy, 1,
-                      (leaves, sum(b.nbytes for b in buckets))))
+        ops.append(Op("local", "strategy", strategy, 1, (leaves, sum(b.nbytes for b in buckets))))
     group = NATIVE_SMALL_BYTES
     if strategy == "flat" and _alone(topo):
         group = bucket_bytes if bucket_bytes is not None else 1 << 62
@@ -212,8 +225,11 @@ def strategy_ops(strategy: str, buckets: Sequence[BucketInfo], topo: ModelTopolo
             wide += [("2", n) for n in low]
             low = []
         if wide:
-            msgs, copied = (_native_messages(wide, group) if topo.native and not chain
-                            else ([n for _, n in wide], 0))
+            msgs, copied = (
+                _native_messages(wide, group)
+                if topo.native and not chain
+                else ([n for _, n in wide], 0)
+            )
             calls = 1 if topo.native else len(wide)  # mpi4jax: one call per buffer
             ops.append(Op("inter", "allreduce", topo.link, P, tuple(msgs), flows, calls))
             if copied:  # the target's memcpy into its scratch buffer and back
@@ -254,9 +270,14 @@ def strategy_ops(strategy: str, buckets: Sequence[BucketInfo], topo: ModelTopolo
     return ops
 
 
-def predict(strategy: str, buckets: Sequence[BucketInfo], topo: ModelTopology,
-            profile: Profile | None = None, comm_itemsize: int | None = None,
-            bucket_bytes: int | None = FLAT_GROUP_BYTES) -> float:
+def predict(
+    strategy: str,
+    buckets: Sequence[BucketInfo],
+    topo: ModelTopology,
+    profile: Profile | None = None,
+    comm_itemsize: int | None = None,
+    bucket_bytes: int | None = FLAT_GROUP_BYTES,
+) -> float:
     """Predicted seconds of one synchronisation with ``strategy``.
 
     The sum of :func:`strategy_ops` priced with ``profile`` (default

@@ -24,12 +24,25 @@ def tune_host_allocator(mmap_threshold: int = 32 * 2**20,
     heap rather than returned to the system. Call it once, early, on every
     process. No effect (returns False) where the C library is not glibc.
 
-    Example (once, early, on every process; returns True with glibc)::
+    Args:
+      mmap_threshold: bytes; allocations at least this large are mapped afresh
+        (glibc's ``M_MMAP_THRESHOLD``; its ceiling is 32 MiB on 64-bit).
+      trim_threshold: bytes of free heap top kept before it is returned to the
+        system (``M_TRIM_THRESHOLD``).
+      top_pad: extra bytes requested from the system on each heap growth
+        (``M_TOP_PAD``).
+
+    Returns:
+      ``True`` when glibc took the settings, ``False`` where the C library is
+      not glibc (nothing changed).
+
+    Example:
+      Once, early, on every process (returns ``True`` with glibc)::
 
         import jaxsync
         jaxsync.tune_host_allocator()
 
-    The arguments are checked before anything changes:
+      The arguments are checked before anything changes:
 
       >>> import jaxsync
       >>> jaxsync.tune_host_allocator(mmap_threshold=0)

@@ -31,8 +31,8 @@ def collect(comm="auto") -> dict:
     except PackageNotFoundError:
         info["mpi4jax"] = None
     info["mpi4jax_bridges"] = mpi4jax_bridges()
-    from . import _mpi
-    native = _mpi.native_status()
+    from . import _mpi_load
+    native = _mpi_load.native_status()
     if native["built"]:
         native["links"] = linked_mpi(native["path"])
     info["native_mpi"] = native
@@ -41,7 +41,7 @@ def collect(comm="auto") -> dict:
                                else f"unavailable: {native['error']}")
     else:
         try:
-            _mpi._load_mpi4jax()
+            _mpi_load._load_mpi4jax()
             info["mpi_backend"] = "ok: mpi4jax's targets"
         except Exception as e:  # report, do not fail: info is a diagnostic
             info["mpi_backend"] = f"unavailable: {e}"
@@ -143,8 +143,8 @@ def main(argv: list[str]) -> int:
     con.print(f"{'native MPI target':>19}: {text}", soft_wrap=True)
     bridges = first.get("mpi4jax_bridges") or {}
     for kind in ("cpu", "cuda"):
-        con.print(f"{'mpi4jax ' + kind.upper() + ' bridge':>19}: "
-                  f"{('built, links ' + bridges[kind]) if kind in bridges else 'not built'}", soft_wrap=True)
+        state = ("built, links " + bridges[kind]) if kind in bridges else "not built"
+        con.print(f"{'mpi4jax ' + kind.upper() + ' bridge':>19}: {state}", soft_wrap=True)
     t = Table(title="topology")
     for col in ("rank", "size", "host", "hosts", "local_rank", "local_size",
                 "local_devices", "platform"):

@@ -24,10 +24,10 @@ from ._cost import Link, Profile
 from ._cost_ops import ModelTopology
 
 
-
 def _spec(shape, dtype="float32"):
     import jax
     import jax.numpy as jnp
+
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
 
 
@@ -36,8 +36,10 @@ def resnet50_tree() -> dict:
     tree = {}
 
     def conv(name, k, cin, cout):
-        tree[name] = {"kernel": _spec((k, k, cin, cout)),
-                      "bn": {"scale": _spec((cout,)), "bias": _spec((cout,))}}
+        tree[name] = {
+            "kernel": _spec((k, k, cin, cout)),
+            "bn": {"scale": _spec((cout,)), "bias": _spec((cout,))},
+        }
 
     conv("stem", 7, 3, 64)
     cin = 64
@@ -60,26 +62,38 @@ def transformer_1b_tree() -> dict:
     def dense(a, b):
         return {"kernel": _spec((a, b)), "bias": _spec((b,))}
 
-    tree = {f"layer{i:02d}": {"qkv": dense(d, 3 * d), "out": dense(d, d),
-                              "mlp_in": dense(d, ff), "mlp_out": dense(ff, d),
-                              "ln1": {"scale": _spec((d,)), "bias": _spec((d,))},
-                              "ln2": {"scale": _spec((d,)), "bias": _spec((d,))}}
-            for i in range(18)}
+    tree = {
+        f"layer{i:02d}": {
+            "qkv": dense(d, 3 * d),
+            "out": dense(d, d),
+            "mlp_in": dense(d, ff),
+            "mlp_out": dense(ff, d),
+            "ln1": {"scale": _spec((d,)), "bias": _spec((d,))},
+            "ln2": {"scale": _spec((d,)), "bias": _spec((d,))},
+        }
+        for i in range(18)
+    }
     tree["embed"] = _spec((50304, d))
     return tree
 
 
 def projection_profiles() -> dict[str, Profile]:
     """Stated link figures for the projection (GPU hosts with 8 devices each)."""
-    nvlink = Link(alpha=5e-6, beta=1 / 150e9, gamma=1 / 1000e9)   # NVLink-class, GPU sums
-    copy = 2 / 1000e9                                              # HBM read + write
+    nvlink = Link(alpha=5e-6, beta=1 / 150e9, gamma=1 / 1000e9)  # NVLink-class, GPU sums
+    copy = 2 / 1000e9  # HBM read + write
     return {
         "100 Gb/s, 1 NIC/host": Profile(
             (("device", nvlink), ("network", Link(10e-6, 1 / 12.5e9, 1 / 1000e9, 1))),
-            copy, None, "projection"),
+            copy,
+            None,
+            "projection",
+        ),
         "400 Gb/s, 1 NIC/GPU (8 rails)": Profile(
             (("device", nvlink), ("network", Link(10e-6, 1 / 50e9, 1 / 1000e9, 8))),
-            copy, None, "projection"),
+            copy,
+            None,
+            "projection",
+        ),
     }
 
 
@@ -89,32 +103,50 @@ PROJECT_HOSTS = (8, 64, 512, 1024)
 def project(hosts=PROJECT_HOSTS, devices: int = 8) -> list[dict]:
     """Predicted sync time per strategy and auto's choice, hosts x ``devices``."""
     from . import _auto
-    trees = {"ResNet-50 (25.6 M f32, 161 leaves)": resnet50_tree(),
-             "1 B-param transformer (f32, 217 leaves)": transformer_1b_tree()}
+
+    trees = {
+        "ResNet-50 (25.6 M f32, 161 leaves)": resnet50_tree(),
+        "1 B-param transformer (f32, 217 leaves)": transformer_1b_tree(),
+    }
     rows = []
     for net, prof in projection_profiles().items():
         for tname, tree in trees.items():
             for h in hosts:
-                topo = ModelTopology(processes=h, hosts=h, local_devices=devices,
-                                     native=False, broadcast=True)
+                topo = ModelTopology(
+                    processes=h, hosts=h, local_devices=devices, native=False, broadcast=True
+                )
                 c = _auto.choose(tree, topo, prof)
                 best: dict = {}
-                for s, b, t, sec in c.table:
+                for s, _b, _t, sec in c.table:
                     best[s] = min(best.get(s, math.inf), sec)
-                rows.append({"network": net, "tree": tname, "hosts": h, "devices": devices,
-                             "ms": {s: round(v * 1e3, 3) for s, v in best.items()},
-                             "choice": c.strategy, "bucket_bytes": c.bucket_bytes,
-                             "pack_threshold": c.pack_threshold})
+                rows.append(
+                    {
+                        "network": net,
+                        "tree": tname,
+                        "hosts": h,
+                        "devices": devices,
+                        "ms": {s: round(v * 1e3, 3) for s, v in best.items()},
+                        "choice": c.strategy,
+                        "bucket_bytes": c.bucket_bytes,
+                        "pack_threshold": c.pack_threshold,
+                    }
+                )
     return rows
 
 
 def projection_table(rows) -> str:
     strategies = list(rows[0]["ms"]) if rows else []
-    head = "| network | tree | hosts x 8 | " + " | ".join(f"`{s}`" for s in strategies) + \
-        " | auto picks |"
+    head = (
+        "| network | tree | hosts x 8 | "
+        + " | ".join(f"`{s}`" for s in strategies)
+        + " | auto picks |"
+    )
     lines = [head, "|" + "---|" * (4 + len(strategies))]
     for r in rows:
         cells = [f"{r['ms'][s]:.2f} ms" for s in strategies]
-        lines.append(f"| {r['network']} | {r['tree']} | {r['hosts']} | " + " | ".join(cells)
-                     + f" | `{r['choice']}` |")
+        lines.append(
+            f"| {r['network']} | {r['tree']} | {r['hosts']} | "
+            + " | ".join(cells)
+            + f" | `{r['choice']}` |"
+        )
     return "\n".join(lines)

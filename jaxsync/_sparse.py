@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from . import _backends
+from . import _intra, _invariance, _mpi_backend
 
 PyTree = Any
 _MODES = ("auto", "sparse", "dense")
@@ -266,7 +266,7 @@ def wire_bytes(mode: str, replicas: int, g: RowSparse) -> int:
 
 
 # --------------------------------------------------------------------------
-# The synchronisation: a hook of ``_transforms._sync``.
+# The synchronisation: a hook of ``_sync.sync``.
 
 
 @jax.tree_util.register_pytree_node_class
@@ -288,13 +288,13 @@ def has_row_sparse(tree) -> bool:
 def sync_mixed(tree, cfg, dense_sync: Callable):
     """Sync dense leaves with ``dense_sync(tree, cfg)`` and RowSparse leaves by gathers."""
     opts = cfg.sparse if cfg.sparse is not None else SparseOptions()
-    _backends.check_axes(cfg.axes)
-    intra = _backends.AxisOps(cfg.axes)
+    _intra.check_axes(cfg.axes)
+    intra = _intra.AxisOps(cfg.axes)
     replicas = intra.size * cfg.backend.size()
     if cfg.axes and intra.size == 1 and getattr(cfg.backend, "native", False):
         # As the dense path: no local stage; results typed invariant over the
         # size-1 local axes by the MPI call itself.
-        intra = _backends.AxisOps((), unit_axes=cfg.axes)
+        intra = _intra.AxisOps((), unit_axes=cfg.axes)
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_rs)
     sparse_at = [i for i, (_, x) in enumerate(with_paths) if _is_rs(x)]
     paths = {i: path_str(with_paths[i][0]) for i in sparse_at}
@@ -357,7 +357,7 @@ def _sync_sparse(gs: list, cfg, intra, replicas: int, opts: SparseOptions):
     # (L*m,): the inter stage takes 1-D buffers (host staging ties them by
     # their first element); a reshape of a contiguous array is free.
     got = [intra.allgather(b).reshape(-1) for b in bufs]
-    if isinstance(cfg.backend, _backends.MPIBackend) and not cfg.backend.native:
+    if isinstance(cfg.backend, _mpi_backend.MPIBackend) and not cfg.backend.native:
         # Host staging and mpi4jax choose the leader with lax.cond, whose branches
         # must keep shapes: the input is padded to the gathered size.
         procs, sizes = cfg.backend.size(), [b.shape[0] for b in got]
@@ -427,12 +427,12 @@ def _share(g: RowSparse, axes):
     """As ``share_invariant``: a gradient autodiff already summed counts once."""
     if not axes:
         return g
-    typed = set(_backends._vma(lax.axis_index(axes)))
+    typed = set(_invariance._vma(lax.axis_index(axes)))
     if not typed:  # vmap, pmap or check_vma=False: no axis types
         return g
-    values = _backends.share_invariant(g.values, axes)
-    values = _backends._varying(values, tuple(a for a in axes if a in typed))
-    indices = _backends._varying(g.indices, tuple(a for a in axes if a in typed))
+    values = _invariance.share_invariant(g.values, axes)
+    values = _invariance._varying(values, tuple(a for a in axes if a in typed))
+    indices = _invariance._varying(g.indices, tuple(a for a in axes if a in typed))
     return RowSparse.tree_unflatten(g.num_rows, (indices, values))
 
 

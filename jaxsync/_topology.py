@@ -41,12 +41,15 @@ class LaunchError(RuntimeError):
     """An MPI launcher started several processes but MPI sees only one."""
 
 
-def default_comm():
+def default_comm() -> Any:
     """``MPI.COMM_WORLD`` when MPI is in use with more than one process, else None.
 
-    mpi4py is imported only when this process was started by an MPI launcher
-    (or mpi4py is already imported), so a notebook never initialises MPI by
-    accident.
+    This is the communicator ``comm="auto"`` resolves to. mpi4py is imported only
+    when this process was started by an MPI launcher (or mpi4py is already
+    imported), so a notebook never initialises MPI by accident.
+
+    Returns:
+      ``mpi4py.MPI.COMM_WORLD``, or ``None`` (not launched by MPI, or one process).
 
     Raises:
       LaunchError: the launcher says there are several processes (``PMI_SIZE``,
@@ -54,6 +57,11 @@ def default_comm():
         ``COMM_WORLD`` has a single process (mpi4py built against another MPI
         than the launcher's, PMI not wired): every process would otherwise train
         alone without a word. ``mpirun -n 1`` is fine (size 1 both ways).
+
+    Example:
+      >>> import jaxsync
+      >>> jaxsync.default_comm() is None  # one process, not under mpirun
+      True
     """
     if not launched_by_mpi():
         return None
@@ -118,6 +126,10 @@ def topology(comm: Any = "auto") -> Topology:
     Args:
       comm: an mpi4py communicator, ``None`` for a single process, or ``"auto"``
         (``MPI.COMM_WORLD`` when launched by MPI with several processes).
+
+    Returns:
+      a :class:`jaxsync.Topology`: rank and size, the host index and count, the
+      rank and size on this host, the local device count and the platform.
 
     Example:
       >>> import jaxsync
@@ -281,12 +293,12 @@ def _drain() -> None:
     """Let computations in flight finish their MPI calls.
 
     Waits until jaxsync's MPI calls and agreement callbacks have been quiet for a
-    moment (``_mpi.wait_until_quiet``: a default synchronised step has no effect,
+    moment (``_quiet.wait_until_quiet``: a default synchronised step has no effect,
     which keeps jit's fast dispatch, so ``jax.effects_barrier`` does not see it),
     for steps with effects (a watchdog, host staging), and for every live array.
     """
-    from . import _mpi
-    _mpi.wait_until_quiet()
+    from . import _quiet
+    _quiet.wait_until_quiet()
     try:
         jax.effects_barrier()
     except Exception:  # noqa: BLE001 - a failed step: its error was reported

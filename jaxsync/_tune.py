@@ -26,7 +26,7 @@ profile (JSON) goes to ``--out`` (default ``$JAXSYNC_PROFILE`` or
 ``~/.cache/jaxsync/profile.json``, where ``strategy="auto"`` looks for it).
 
 May import: the standard library, numpy, JAX, mpi4py and ``jaxsync._cost``,
-``_cost_ops``, ``_cost_fit``, ``_auto``, ``_topology``, ``_backends`` (the native
+``_cost_ops``, ``_cost_fit``, ``_auto``, ``_topology``, ``_mpi_backend`` (the native
 MPI ops), ``_project``, ``_tune_sync`` (the whole-sync part of the calibration).
 """
 
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -61,12 +62,13 @@ def _time_rounds(fns: dict, base_key, rounds: int, iters: int, comm=None) -> dic
     """Marginal seconds of each fn against ``fns[base_key]``: median over rounds
     of (median of ``iters`` calls); the slowest process's per round."""
     import jax
+
     keys = list(fns)
     samples = np.zeros((rounds, len(keys)))
     for k in keys:  # warm up
         jax.block_until_ready(fns[k]())
     for r in range(rounds):
-        order = keys[r % len(keys):] + keys[:r % len(keys)]
+        order = keys[r % len(keys) :] + keys[: r % len(keys)]
         for k in order:
             if comm is not None:
                 comm.Barrier()
@@ -78,10 +80,14 @@ def _time_rounds(fns: dict, base_key, rounds: int, iters: int, comm=None) -> dic
             samples[r, keys.index(k)] = statistics.median(ts)
     if comm is not None:
         from mpi4py import MPI
+
         comm.Allreduce(MPI.IN_PLACE, samples, op=MPI.MAX)
     b = keys.index(base_key)
-    return {k: float(np.median(samples[:, i] - samples[:, b])) for i, k in enumerate(keys)
-            if k != base_key}
+    return {
+        k: float(np.median(samples[:, i] - samples[:, b]))
+        for i, k in enumerate(keys)
+        if k != base_key
+    }
 
 
 MULTI = 8  # buffers in one call, to tell the cost per call from the cost per message
@@ -92,7 +98,9 @@ def measure_device(devices: int, sizes, rounds: int, iters: int) -> list:
     import jax
     import jax.numpy as jnp
     from jax import lax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     mesh = Mesh(np.array(jax.local_devices()[:devices]), ("d",))
     D = devices
     out: list = []
@@ -104,27 +112,32 @@ def measure_device(devices: int, sizes, rounds: int, iters: int) -> list:
             def body(xs):
                 y = xs[0] * 1.0001 + 1.0
                 return op(y)[None] if op is not None else y[None]
-            return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"),
-                                         out_specs=P("d"), check_vma=False))
+
+            return jax.jit(
+                jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=False)
+            )
 
         # reduce_scatter and allgather compute a slice: their base step too.
         part = {"reduce_scatter", "allgather"}
         ops = {
             "base": None,
-            "base part": lambda y: y[:m // D],
+            "base part": lambda y: y[: m // D],  # noqa: B023
             "allreduce": lambda y: lax.psum(y, "d"),
             "reduce_scatter": lambda y: lax.psum_scatter(y, "d", tiled=True),
-            "allgather": lambda y: lax.all_gather(y[:m // D], "d", tiled=True),
-            "alltoall": lambda y: lax.all_to_all(y.reshape(D, -1), "d", 0, 0,
-                                                 tiled=True).reshape(-1),
+            "allgather": lambda y: lax.all_gather(y[: m // D], "d", tiled=True),  # noqa: B023
+            "alltoall": lambda y: lax.all_to_all(y.reshape(D, -1), "d", 0, 0, tiled=True).reshape(
+                -1
+            ),
             # one psum of MULTI buffers (one op, as sum_buffers issues it)
-            "allreduce x": lambda y: jnp.concatenate(lax.psum(
-                list(y.reshape(MULTI, -1)), "d")),
+            "allreduce x": lambda y: jnp.concatenate(lax.psum(list(y.reshape(MULTI, -1)), "d")),
         }
-        fns = {k: (lambda f=step(op): f(x)) for k, op in ops.items()}
+        fns = {k: functools.partial(step(op), x) for k, op in ops.items()}
         got = _time_rounds(fns, "base", rounds, iters)
-        out += [(k, m * 4, D, t - (got["base part"] if k in part else 0.0))
-                for k, t in got.items() if k not in ("base part", "allreduce x")]
+        out += [
+            (k, m * 4, D, t - (got["base part"] if k in part else 0.0))
+            for k, t in got.items()
+            if k not in ("base part", "allreduce x")
+        ]
         out.append(("allreduce", m * 4 // MULTI, D, got["allreduce x"], MULTI))
     return out
 
@@ -133,8 +146,10 @@ def measure_process(comm, sizes, rounds: int, iters: int) -> list:
     """``(kind, nbytes, processes, seconds)``: jaxsync's native MPI calls in jit."""
     import jax
     import jax.numpy as jnp
-    from . import _backends
+
+    from . import _mpi_backend
     from ._topology import Comms
+
     comms = Comms.of(comm)
     P_ = comms.size
     handle = comms.world.py2f()
@@ -146,26 +161,32 @@ def measure_process(comm, sizes, rounds: int, iters: int) -> list:
 
         def step(kind):
             def body(x):
-                y = x * 1.0001 + 1.0
-                ops = _backends._NativeOps(jnp.int32(handle), jnp.int32(1), P_)
+                y = x * 1.0001 + 1.0  # noqa: B023
+                ops = _mpi_backend._NativeOps(jnp.int32(handle), jnp.int32(1), P_)
                 if kind == "allreduce":
                     return ops.allreduce([y])[0]
                 if kind == "alltoall":
                     return ops.alltoall(y.reshape(P_, -1)).reshape(-1)
                 if kind == "allgather":
-                    return ops.allgather(y[:m // P_]).reshape(-1)
+                    return ops.allgather(y[: m // P_]).reshape(-1)  # noqa: B023
                 if kind == "base part":
-                    return y[:m // P_]
+                    return y[: m // P_]  # noqa: B023
                 if kind == "allreduce x":  # one native call, MULTI buffers
                     return jnp.concatenate(ops.allreduce(list(y.reshape(MULTI, -1))))
                 return y
+
             return jax.jit(body)
 
-        fns = {k: (lambda f=step(k): f(x)) for k in ("base", "base part", "allreduce",
-                                                     "alltoall", "allgather", "allreduce x")}
+        fns = {
+            k: functools.partial(step(k), x)
+            for k in ("base", "base part", "allreduce", "alltoall", "allgather", "allreduce x")
+        }
         got = _time_rounds(fns, "base", rounds, iters, comms.control)
-        out += [(k, m * 4, P_, t - (got["base part"] if k == "allgather" else 0.0))
-                for k, t in got.items() if k not in ("base part", "allreduce x")]
+        out += [
+            (k, m * 4, P_, t - (got["base part"] if k == "allgather" else 0.0))
+            for k, t in got.items()
+            if k not in ("base part", "allreduce x")
+        ]
         # the native call sums buffers under 64 KiB together: count its messages
         msgs, _ = _cost_ops._native_messages([("f32", m * 4 // MULTI)] * MULTI)
         out.append(("allreduce", msgs[0], P_, got["allreduce x"], len(msgs)))
@@ -178,7 +199,9 @@ def measure_copy(devices: int, sizes, rounds: int, iters: int, comm=None) -> lis
     import jax
     import jax.numpy as jnp
     from jax import lax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     mesh = Mesh(np.array(jax.local_devices()[:devices]), ("d",))
     control = _control(comm)
     out: list = []
@@ -194,14 +217,19 @@ def measure_copy(devices: int, sizes, rounds: int, iters: int, comm=None) -> lis
         def packed(xs):
             ys = base(xs)
             (buf,) = lax.optimization_barrier((jnp.concatenate(ys, axis=1),))
-            return [lax.slice_in_dim(buf, i * m, (i + 1) * m, axis=1) for i in range(k)]
+            return [lax.slice_in_dim(buf, i * m, (i + 1) * m, axis=1) for i in range(k)]  # noqa: B023
 
         def mapped(f):
             return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
 
         fb, fp = mapped(base), mapped(packed)
-        got = _time_rounds({"base": lambda: fb(xs), "copy": lambda: fp(xs)}, "base",
-                           rounds, iters, control)
+        got = _time_rounds(
+            {"base": functools.partial(fb, xs), "copy": functools.partial(fp, xs)},
+            "base",
+            rounds,
+            iters,
+            control,
+        )
         out.append((2 * k * m * 4, got["copy"]))
     return out
 
@@ -210,14 +238,18 @@ def _control(comm):
     if comm is None:
         return None
     from ._topology import Comms
+
     return Comms.of(comm).control
 
 
-def calibrate(comm=None, devices: int | None = None, quick: bool = False,
-              rounds: int | None = None) -> Profile:
+def calibrate(
+    comm=None, devices: int | None = None, quick: bool = False, rounds: int | None = None
+) -> Profile:
     """Measure and fit a profile for this run's links (collective over ``comm``)."""
     import jax
+
     from ._topology import topology
+
     D = devices or jax.local_device_count()
     topo = topology(comm)
     rank = topo.rank
@@ -250,17 +282,22 @@ def calibrate(comm=None, devices: int | None = None, quick: bool = False,
     prof = Profile(tuple(links), copy, hw, "calibrated", fit, 0.0)
     if D * topo.size > 1:
         from ._tune_sync import QUICK_SYNC_TREES, SYNC_TREES, fit_overheads, measure_sync
+
         trees = QUICK_SYNC_TREES if quick else SYNC_TREES
         _log(rank, f"whole syncs of {len(trees)} synthetic trees per strategy")
         s = measure_sync(comm, D, trees, max(2, rounds - 1), iters)
-        model_topo = ModelTopology(processes=topo.size, hosts=topo.hosts, local_devices=D,
-                                   native=comm is not None, broadcast=comm is not None)
+        model_topo = ModelTopology(
+            processes=topo.size,
+            hosts=topo.hosts,
+            local_devices=D,
+            native=comm is not None,
+            broadcast=comm is not None,
+        )
         over, fit["overheads"] = fit_overheads(s, trees, model_topo, prof)
         raw["sync"] = s
         prof = dataclasses.replace(prof, overheads=over)
     fit["seconds"] = round(time.perf_counter() - t0, 1)
-    fit["raw"] = {k: [list(x) for x in v] for k, v in raw.items()} | {
-        "copy": [list(x) for x in c]}
+    fit["raw"] = {k: [list(x) for x in v] for k, v in raw.items()} | {"copy": [list(x) for x in c]}
     return prof
 
 
@@ -270,73 +307,100 @@ def print_fit(profile: Profile) -> None:
     for name, lk in profile.links:
         rep = fit.get(name, {})
         gbs = 1 / lk.beta / 1e9 if lk.beta else math.inf
-        print(f"  {name:<8} call {lk.call * 1e6:8.2f} us  alpha {lk.alpha * 1e6:8.2f} us  "
-              f"beta {lk.beta * 1e9:7.4f} ns/B ({gbs:7.2f} GB/s)  gamma "
-              f"{lk.gamma * 1e9:7.4f} ns/B  | fit error median "
-              f"{100 * (rep.get('median_rel_error') or 0):.0f}%, max "
-              f"{100 * (rep.get('max_rel_error') or 0):.0f}% over {rep.get('samples')} "
-              "samples")
+        print(
+            f"  {name:<8} call {lk.call * 1e6:8.2f} us  alpha {lk.alpha * 1e6:8.2f} us  "
+            f"beta {lk.beta * 1e9:7.4f} ns/B ({gbs:7.2f} GB/s)  gamma "
+            f"{lk.gamma * 1e9:7.4f} ns/B  | fit error median "
+            f"{100 * (rep.get('median_rel_error') or 0):.0f}%, max "
+            f"{100 * (rep.get('max_rel_error') or 0):.0f}% over {rep.get('samples')} "
+            "samples"
+        )
     print(f"  copy     {profile.copy * 1e9:.4f} ns/B per device (all devices at once)")
     for name, (per_leaf, per_byte) in profile.overheads:
         rep = fit.get("overheads", {}).get(name, {})
-        print(f"  {name:<16} overhead {per_leaf * 1e6:+8.2f} us/leaf {per_byte * 1e9:+8.4f} ns/B"
-              f" | whole-sync error median {100 * rep.get('median_rel_error_before', 0):.0f}%"
-              f" -> {100 * rep.get('median_rel_error', 0):.0f}% over {rep.get('samples')} trees")
+        print(
+            f"  {name:<16} overhead {per_leaf * 1e6:+8.2f} us/leaf {per_byte * 1e9:+8.4f} ns/B"
+            f" | whole-sync error median {100 * rep.get('median_rel_error_before', 0):.0f}%"
+            f" -> {100 * rep.get('median_rel_error', 0):.0f}% over {rep.get('samples')} trees"
+        )
 
 
 # --------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------
 
+
 def _mpi_world():
     """``MPI.COMM_WORLD`` when started by an MPI launcher with several processes."""
     from ._topology import launched_by_mpi
+
     if not launched_by_mpi():
         return None
     from mpi4py import MPI
+
     return MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
 
 
 def _set_devices(n: int) -> None:
     """Ask for ``n`` CPU devices; must happen before JAX initialises its backends."""
     import jax
+
     try:
         jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError:
         if jax.local_device_count() != n:
             raise SystemExit(
                 f"jaxsync tune: JAX is already initialised with {jax.local_device_count()} "
-                f"device(s), --devices asks for {n}. Start a fresh process.")
+                f"device(s), --devices asks for {n}. Start a fresh process."
+            ) from None
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="python -m jaxsync tune",
         description="Calibrate jaxsync's cost model on this machine (a micro-benchmark "
-                    "of each collective on each link; under a minute) and write the "
-                    "profile that strategy='auto' uses. Run alone (one process, "
-                    "--devices fake CPU devices) or under mpirun for the process link.")
-    p.add_argument("--out", type=Path, default=None,
-                   help="profile file (default: $JAXSYNC_PROFILE or "
-                        "~/.cache/jaxsync/profile.json)")
-    p.add_argument("--devices", type=int, default=None,
-                   help="fake CPU devices per process (default: 8 alone, 1 under mpirun)")
+        "of each collective on each link; under a minute) and write the "
+        "profile that strategy='auto' uses. Run alone (one process, "
+        "--devices fake CPU devices) or under mpirun for the process link.",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="profile file (default: $JAXSYNC_PROFILE or ~/.cache/jaxsync/profile.json)",
+    )
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="fake CPU devices per process (default: 8 alone, 1 under mpirun)",
+    )
     p.add_argument("--quick", action="store_true", help="two sizes, three rounds")
-    p.add_argument("--project", action="store_true",
-                   help="print predicted sync times and auto's choice for 8..1024 hosts x 8 "
-                        "devices on ResNet-50 and a 1 B-parameter tree (no measurement)")
+    p.add_argument(
+        "--project",
+        action="store_true",
+        help="print predicted sync times and auto's choice for 8..1024 hosts x 8 "
+        "devices on ResNet-50 and a 1 B-parameter tree (no measurement)",
+    )
     p.add_argument("--json", action="store_true", help="with --project: JSON rows")
     args = p.parse_args(argv)
     if args.project:
         from ._project import project, projection_profiles, projection_table
+
         rows = project()
         print(json.dumps(rows, indent=1) if args.json else projection_table(rows))
         if not args.json:
             for name, prof in projection_profiles().items():
-                print(f"\n{name}: " + "; ".join(
-                    f"{k} alpha {lk.alpha * 1e6:g} us, {1 / lk.beta / 1e9:g} GB/s per flow, "
-                    f"{lk.flows} flow(s)" for k, lk in prof.links) + ". GPU: mpi4jax, one "
-                    "MPI call per buffer; one process per host.")
+                print(
+                    f"\n{name}: "
+                    + "; ".join(
+                        f"{k} alpha {lk.alpha * 1e6:g} us, {1 / lk.beta / 1e9:g} GB/s per flow, "
+                        f"{lk.flows} flow(s)"
+                        for k, lk in prof.links
+                    )
+                    + ". GPU: mpi4jax, one "
+                    "MPI call per buffer; one process per host."
+                )
         return 0
     comm = _mpi_world()
     _set_devices(args.devices or (1 if comm is not None else 8))
@@ -344,6 +408,7 @@ def main(argv: list[str]) -> int:
     if comm is not None and comm.Get_rank() != 0:
         return 0
     from ._auto import default_profile_path
+
     out = args.out or default_profile_path()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(prof.to_json(), indent=1))

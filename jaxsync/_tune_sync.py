@@ -16,6 +16,8 @@ May import: the standard library, numpy, JAX, jaxsync's public API and
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from . import _cost_fit, _cost_ops
@@ -32,9 +34,13 @@ SYNC_STRATEGIES = ("naive", "flat", "hierarchical", "two_dimensional")
 
 def _factory(strategy):
     import jaxsync
-    return {"naive": jaxsync.naive_mean, "flat": jaxsync.flat_mean,
-            "hierarchical": jaxsync.hierarchical_mean,
-            "two_dimensional": jaxsync.two_dimensional_mean}[strategy]
+
+    return {
+        "naive": jaxsync.naive_mean,
+        "flat": jaxsync.flat_mean,
+        "hierarchical": jaxsync.hierarchical_mean,
+        "two_dimensional": jaxsync.two_dimensional_mean,
+    }[strategy]
 
 
 def measure_sync(comm, devices: int, trees: dict, rounds: int, iters: int) -> list:
@@ -43,8 +49,11 @@ def measure_sync(comm, devices: int, trees: dict, rounds: int, iters: int) -> li
     step over the local devices, marginal to the same step without the sync."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     from ._tune import _control, _time_rounds
+
     mesh = Mesh(np.array(jax.local_devices()[:devices]), ("local",))
     sh = NamedSharding(mesh, P("local"))
     txs = {s: _factory(s)(axis_name="local", comm=comm) for s in SYNC_STRATEGIES}
@@ -55,37 +64,45 @@ def measure_sync(comm, devices: int, trees: dict, rounds: int, iters: int) -> li
             if tx is not None:
                 g = tx.update(g, tx.init(g))[0]
             return jax.tree.map(lambda x: x[None], g)
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("local"),
-                                     out_specs=P("local")))
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("local"), out_specs=P("local")))
 
     out = []
     for name, (k, m) in trees.items():
-        tree = {f"l{i:03d}": jax.device_put(jnp.ones((devices, m), jnp.float32), sh)
-                for i in range(k)}
-        fns = {"base": (lambda f=step(None): f(tree))}
-        fns |= {s: (lambda f=step(tx): f(tree)) for s, tx in txs.items()}
+        tree = {
+            f"l{i:03d}": jax.device_put(jnp.ones((devices, m), jnp.float32), sh) for i in range(k)
+        }
+        fns = {"base": functools.partial(step(None), tree)}
+        fns |= {s: functools.partial(step(tx), tree) for s, tx in txs.items()}
         got = _time_rounds(fns, "base", rounds, iters, _control(comm))
         out += [(s, name, k, k * m * 4, got[s]) for s in SYNC_STRATEGIES]
     return out
 
 
-def _modelled(strategy: str, leaves: int, elems: int, topo: ModelTopology,
-              profile: Profile) -> float:
+def _modelled(
+    strategy: str, leaves: int, elems: int, topo: ModelTopology, profile: Profile
+) -> float:
     """The model's seconds of a sync of ``leaves`` float32 leaves, without overhead."""
     import jax
     import jax.numpy as jnp
+
     from ._auto import buckets_of
     from ._plan import make_plan
+
     tree = {f"l{i:03d}": jax.ShapeDtypeStruct((elems,), jnp.float32) for i in range(leaves)}
     bucket_bytes, threshold = _cost_ops.strategy_defaults(strategy)
-    plan = make_plan(tree, bucket_bytes=bucket_bytes, pack_threshold=threshold,
-                     per_leaf=_cost_ops.per_leaf_plan(strategy, topo))
-    return _cost_ops.predict(strategy, buckets_of(plan), topo, profile,
-                             bucket_bytes=bucket_bytes)
+    plan = make_plan(
+        tree,
+        bucket_bytes=bucket_bytes,
+        pack_threshold=threshold,
+        per_leaf=_cost_ops.per_leaf_plan(strategy, topo),
+    )
+    return _cost_ops.predict(strategy, buckets_of(plan), topo, profile, bucket_bytes=bucket_bytes)
 
 
-def fit_overheads(samples: list, trees: dict, topo: ModelTopology,
-                  profile: Profile) -> tuple[tuple, dict]:
+def fit_overheads(
+    samples: list, trees: dict, topo: ModelTopology, profile: Profile
+) -> tuple[tuple, dict]:
     """Each strategy's overhead from :func:`measure_sync`'s samples.
 
     Strategies that issue the same program here (``hierarchical`` and
@@ -97,8 +114,11 @@ def fit_overheads(samples: list, trees: dict, topo: ModelTopology,
     same = {"hierarchical", "two_dimensional"} if topo.local_devices == 1 else set()
     for s in SYNC_STRATEGIES:
         pool = same if s in same else {s}
-        rows = [(k, n, t, _modelled(s, k, trees[name][1], topo, profile))
-                for s_, name, k, n, t in samples if s_ in pool]
+        rows = [
+            (k, n, t, _modelled(s, k, trees[name][1], topo, profile))
+            for s_, name, k, n, t in samples
+            if s_ in pool
+        ]
         (per_leaf, per_byte), rep = _cost_fit.fit_overhead(rows, signed_leaf=s == "naive")
         overheads.append((s, (per_leaf, per_byte)))
         report[s] = rep

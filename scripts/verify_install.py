@@ -42,8 +42,8 @@ def main(checkout: str) -> int:
             problems.append(f"import jaxsync gives {js.__file__}, not the checkout "
                             f"{checkout}: reinstall with pip install -e {checkout}")
     if js is not None:
-        from jaxsync import _mpi
-        status = _mpi.native_status()
+        from jaxsync import _mpi_load
+        status = _mpi_load.native_status()
         if not status["loaded"]:
             problems.append(f"jaxsync's native MPI target: {status['error']}")
     mpirun = pathlib.Path(sys.executable).parent / "mpirun"

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jaxsync import _bench_compress as bc
+from jaxsync.bench import compress as bc
 
 ROOT = Path(__file__).resolve().parents[1]
 _MPI_ENV = ("PMI_", "PMIX_", "OMPI_", "HYDI_", "HYDRA_", "MPI_LOCAL", "MV2_")
@@ -28,7 +28,7 @@ def test_ring_model_closed_form():
 
 
 def test_payloads_of_resnet_like_tree():
-    from jaxsync._bench import resnet18_like
+    from jaxsync.bench.trees import resnet18_like
     tree = resnet18_like()
     full = sum(b for _, b in bc.payloads("hierarchical", tree))
     psgd = sum(b for _, b in bc.payloads("powersgd r4", tree))
@@ -41,10 +41,9 @@ def test_payloads_of_resnet_like_tree():
 def test_quick_compress_suite_writes_json(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k != "XLA_FLAGS" and not k.startswith(_MPI_ENV)}
-    code = ("import sys, jaxsync._bench as b; "
-            f"sys.exit(b.main(['--suite', 'compress', '--quick', '--out', {str(tmp_path)!r}]))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT, env=env)
+    proc = subprocess.run([sys.executable, "-m", "jaxsync", "bench", "--suite", "compress",
+                           "--quick", "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "compress-local.json").read_text())
     rows = {r["sync"]: r for r in result["rows"]}

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxsync
-from jaxsync import _backends, _topology, _transforms
+from jaxsync import _config, _mpi_backend, _sync, _topology
 from jaxsync._plan import make_plan, structure_text
 from jaxsync._reduce16 import UNROLL, rows_sum_f32
 
@@ -112,26 +112,26 @@ def test_sync_gradients_returns_the_finite_flag():
 
 
 def _fake_mpi_backend():
-    be = object.__new__(_backends.MPIBackend)
+    be = object.__new__(_mpi_backend.MPIBackend)
     be.comm, be.staging, be.timeout = None, "device", None
     return be
 
 
 @pytest.mark.parametrize("axis_name", [None, "local"])
 def test_unsynced_device_axis_raises_with_the_fix(axis_name):
-    cfg = _transforms.make_config("t", "hierarchical", axis_name, None)
+    cfg = _config.make_config("t", "hierarchical", axis_name, None)
     cfg = dataclasses.replace(cfg, backend=_fake_mpi_backend())
     mesh, spec = (MESH1, P("i")) if axis_name is None else (MESH2, P(("host", "local")))
 
     def body(x):
-        return _transforms._sync({"w": x}, cfg)[0]["w"]
+        return _sync.sync({"w": x}, cfg)[0]["w"]
 
     f = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
     with pytest.raises(ValueError, match="every device would run MPI") as info:
         jax.eval_shape(f, jnp.ones(8))
     assert "axis_name=" in str(info.value)
     # vmap axes are fine (one message, every replica a row): no error at trace time
-    ok = _transforms.make_config("t", "hierarchical", None, None)
+    ok = _config.make_config("t", "hierarchical", None, None)
     assert ok.backend.name == "none"
 
 
@@ -156,7 +156,7 @@ def test_structure_text_ignores_aux_data():
 
 
 def test_options_text_includes_staging_and_check_finite():
-    d = _transforms.make_config("t", "flat", "i", None, check_finite=True).describe()
+    d = _config.make_config("t", "flat", "i", None, check_finite=True).describe()
     assert "check_finite True" in d and "staging" in d
 
 
@@ -332,7 +332,7 @@ def test_watchdog_ignores_replies_of_an_earlier_round(fake_mpi_status):
 def test_mpi_side_effects_are_io_callbacks():
     """Host-staged MPI calls and watchdog hooks are effects JAX keeps, once each."""
     from jaxsync._watchdog import _tie
-    ops = _backends._HostOps(_FakeComm(size=2))
+    ops = _mpi_backend._HostOps(_FakeComm(size=2))
     jaxpr = str(jax.make_jaxpr(lambda x: ops.allgather(ops.allreduce([x])[0]))(jnp.ones(3)))
     jaxpr += str(jax.make_jaxpr(lambda x: _tie(lambda h: h, x))(jnp.ones(3)))
     assert "io_callback" in jaxpr and "pure_callback" not in jaxpr, jaxpr

@@ -253,16 +253,16 @@ def test_agreement_text_names_k_and_num_rows():
     """The text every process compares holds k and num_rows of each sparse leaf."""
     seen = []
 
-    class Recorder(jaxsync._backends.LocalBackend):
+    class Recorder(jaxsync._axis_backend.LocalBackend):
         def agree(self, text, what, bufs):
             seen.append(text)
             return bufs
 
-    cfg = jaxsync._transforms.make_config("t", "hierarchical", "i", None)
+    cfg = jaxsync._config.make_config("t", "hierarchical", "i", None)
     import dataclasses
     cfg = dataclasses.replace(cfg, backend=Recorder())
     tree = stacked_tree()
-    jax.vmap(lambda t: jaxsync._transforms._sync(t, cfg)[0], axis_name="i")(tree)
+    jax.vmap(lambda t: jaxsync._sync.sync(t, cfg)[0], axis_name="i")(tree)
     assert f"row-sparse leaf emb: k {K} num_rows {V} row_shape ({D},)" in seen[0]
     assert "-> sparse" in seen[0]
 

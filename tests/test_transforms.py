@@ -79,6 +79,33 @@ def test_factory_names_and_sync_gradients_default_strategy():
     assert np.array_equal(np.asarray(out["w"]), np.full(N, 3.5, np.float32))
 
 
+
+# Every public callable taking options spells them out: explicit keyword arguments
+# with a type and a default (what IDEs, help() and type checkers show), and an
+# optax-style docstring (Args / Returns / Example).
+PUBLIC_FUNCTIONS = ["naive_mean", "flat_mean", "hierarchical_mean", "two_dimensional_mean",
+                    "single_node_mean", "auto_mean", "sync_gradients", "powersgd_mean",
+                    "sign_mean", "sparse_sgd", "sparse_adagrad", "densify",
+                    "row_sparse_grad", "apply_sparse_updates", "broadcast_params",
+                    "state_specs", "make_plan", "topology", "default_comm", "tune_host_allocator",
+                    "free_communicators"]
+
+
+@pytest.mark.parametrize("name", PUBLIC_FUNCTIONS)
+def test_public_signatures_are_explicit_and_typed(name):
+    import inspect
+    fn = getattr(jaxsync, name)
+    sig = inspect.signature(fn)
+    kinds = {p.kind for p in sig.parameters.values()}
+    assert inspect.Parameter.VAR_KEYWORD not in kinds, f"{name} takes **kwargs"
+    assert inspect.Parameter.VAR_POSITIONAL not in kinds, f"{name} takes *args"
+    untyped = [p.name for p in sig.parameters.values() if p.annotation is p.empty]
+    assert not untyped, f"{name}: parameters without a type: {untyped}"
+    assert sig.return_annotation is not sig.empty, f"{name}: no return type"
+    doc = inspect.getdoc(fn) or ""
+    for part in (["Args:"] if sig.parameters else []) + ["Returns:", "Example:"]:
+        assert part in doc, f"{name}'s docstring has no {part!r} section"
+
 # ----------------------------------------------------------------------------
 # row 17: NaN/Inf on one replica; check_finite
 # ----------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def main():
 
     if ns.mode == "trace_alone":
         tx = jaxsync.hierarchical_mean(axis_name="d")  # comm="auto"
-        from jaxsync._transforms import make_config
+        from jaxsync._config import make_config
         res.add("backend", repr(make_config("t", "hierarchical", "d", "auto").backend))
         step = step_of(tx, lambda v: {"w": jnp.full((5,), v)})
         res.write()

@@ -29,14 +29,14 @@ def main():
     from jax.sharding import Mesh, PartitionSpec as P
 
     import jaxsync
-    from jaxsync import _mpi
+    from jaxsync import _mpi_load, _native_prim
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     D = jax.local_device_count()
     res = Results(ns.out, rank)
     res.add("meta", dict(rank=rank, size=size, devices=D))
-    res.add("status", _mpi.native_status())
+    res.add("status", _mpi_load.native_status())
 
     def tree(r):
         return {name: (jnp.ones(shape, jnp.float32) * (r + k)).astype(jnp.dtype(dt))
@@ -71,8 +71,8 @@ def main():
     handle = comm.py2f()
 
     def direct(a, b, c):
-        tok, ys = _mpi.native_call("allreduce", [a, b, c], jax.lax.create_token(),
-                                   jnp.int32(handle), jnp.int32(1), size)
+        tok, ys = _native_prim.native_call("allreduce", [a, b, c], jax.lax.create_token(),
+                                           jnp.int32(handle), jnp.int32(1), size)
         return ys
 
     bufs = (jnp.full((4,), rank + 1.0, jnp.float32), jnp.full((3,), rank + 0.5, jnp.float64),
@@ -80,8 +80,8 @@ def main():
     attempt("direct", lambda: to_numpy(jax.jit(direct)(*bufs)))
 
     def bad(a):
-        tok, ys = _mpi.native_call("allreduce", [a], jax.lax.create_token(),
-                                   jnp.int32(handle), jnp.int32(1), size)
+        tok, ys = _native_prim.native_call("allreduce", [a], jax.lax.create_token(),
+                                           jnp.int32(handle), jnp.int32(1), size)
         return ys[0]
 
     try:
@@ -110,8 +110,8 @@ def main():
     mine.append(jnp.full((3,), rank + 0.25, jnp.float32))
 
     def direct16(*xs):
-        tok, ys = _mpi.native_call("allreduce", list(xs), jax.lax.create_token(),
-                                   jnp.int32(handle), jnp.int32(1), size)
+        tok, ys = _native_prim.native_call("allreduce", list(xs), jax.lax.create_token(),
+                                           jnp.int32(handle), jnp.int32(1), size)
         return ys
 
     def reference():

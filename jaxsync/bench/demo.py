@@ -6,6 +6,10 @@ digits (1797 8x8 images, shipped inside the wheel: no download). Every step
 draws one global batch with a shared seed; process ``p`` takes its slice and
 shards it over its devices. After training, rank 0 trains the same model on
 one device over the whole batches and compares.
+
+What it may import: numpy, jax, optax, mpi4py, scikit-learn, rich and ``jaxsync``
+(its public API only: this is an example of using it); nothing else of
+``jaxsync.bench``.
 """
 
 from __future__ import annotations
@@ -91,14 +95,14 @@ def _load_digits():
 def _worker(args) -> int:
     import jax
     jax.config.update("jax_num_cpu_devices", args.devices)
-    from ._host import tune_host_allocator
-    tune_host_allocator()
     import jax.numpy as jnp
     import numpy as np
     import optax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import jaxsync
+    jaxsync.tune_host_allocator()
 
     comm = None
     rank, nproc = 0, 1

@@ -1,6 +1,6 @@
 """Benchmark of the compressed transforms: ``python -m jaxsync bench --suite compress``.
 
-For the ResNet-like and transformer-like trees of ``jaxsync._bench`` it reports,
+For the ResNet-like and transformer-like trees of ``jaxsync.bench.trees`` it reports,
 per synchroniser (``hierarchical_mean``, ``powersgd_mean`` rank 4 and rank 1,
 ``sign_mean``):
 
@@ -21,6 +21,13 @@ per synchroniser (``hierarchical_mean``, ``powersgd_mean`` rank 4 and rank 1,
   algorithm on a link of the stated bandwidth; constants below).
 
 Figures on a shared machine are noisy: read ratios from one run.
+
+What it may import: numpy, jax, mpi4py, ``jaxsync`` (public API), the other
+``jaxsync.bench`` modules, and three private pieces of jaxsync for want of a public
+API: ``jaxsync._compress``'s leaf layouts (``_powersgd_layout``, ``_sign_layout``:
+the payload is counted by the functions that decide what is compressed) and
+``jaxsync._cost`` (``Link``, ``collective_seconds``: the ring model is jaxsync's
+cost model).
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ def ring_time(kind: str, nbytes: float, members: int, gbps: float,
     ``allgather``: ``P-1`` steps of ``nbytes`` (every member's payload reaches
     every other member).
     """
-    from . import _cost
+    from jaxsync import _cost  # private: see the module docstring
     if members <= 1 or nbytes == 0:
         return 0.0
     if kind not in ("allreduce", "allgather"):
@@ -66,7 +73,8 @@ def payloads(name: str, tree) -> list[tuple[str, int]]:
     """``[(collective kind, bytes per replica)]`` of one step of synchroniser ``name``."""
     import jax
     import numpy as np
-    from . import _compress
+
+    from jaxsync import _compress  # private: see the module docstring
     leaves = jax.tree.leaves(tree)
     nbytes = [math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves]
     if name == "hierarchical":
@@ -100,7 +108,7 @@ def make_sync(name: str, comm):
 
 
 def _trees(quick: bool):
-    from ._bench import resnet18_like, transformer_like
+    from .trees import resnet18_like, transformer_like
     if quick:
         return {"transformer_tiny": lambda: transformer_like(2, 64, 256)}
     return {"resnet18": resnet18_like, "transformer": transformer_like}
@@ -119,7 +127,8 @@ class _Steps:
     def base(self, tree):
         import jax
         from jax.sharding import PartitionSpec as P
-        from ._bench import fake_grads
+
+        from .methods import fake_grads
 
         def body(p):
             g = fake_grads(p)
@@ -130,8 +139,10 @@ class _Steps:
     def synced(self, tree, name, params):
         import jax
         from jax.sharding import PartitionSpec as P
+
         import jaxsync
-        from ._bench import fake_grads
+
+        from .methods import fake_grads
         tx = make_sync(name, self.comm)
         specs = jaxsync.state_specs(jax.eval_shape(tx.init, params), "local")
         state = jax.jit(jax.shard_map(tx.init, mesh=self.mesh, in_specs=P(),
@@ -242,8 +253,9 @@ def _parse(argv):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
-    from ._bench import _mpi_world, tree_info
-    comm = _mpi_world()
+    from .trees import tree_info
+    from .world import mpi_world
+    comm = mpi_world()
     import jax
     rank = 0 if comm is None else comm.Get_rank()
     procs = 1 if comm is None else comm.Get_size()

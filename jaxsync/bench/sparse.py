@@ -1,5 +1,8 @@
 """Benchmark suite ``sparse``: a row-sparse embedding gradient, gathered or reduced.
 
+What it may import: numpy, jax, mpi4py, ``jaxsync`` (public API) and
+``jaxsync.bench.world``.
+
 ``mpirun -n 2 python -m jaxsync bench --suite sparse`` times, inside the README's
 step (``jit(shard_map)`` over the local devices, ``axis_name="local"``,
 ``comm=MPI.COMM_WORLD``), the synchronisation of the gradient of a
@@ -70,16 +73,16 @@ def _parse(argv):
 def main(argv=None) -> int:
     """``python -m jaxsync bench --suite sparse [options]``; returns the exit status."""
     args = _parse(sys.argv[1:] if argv is None else argv)
-    from ._bench import _mpi_world, _set_devices
-    comm = _mpi_world()
-    _set_devices(1)
-    import numpy as np
+    from .world import mpi_world, set_devices
+    comm = mpi_world()
+    set_devices(1)
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, PartitionSpec as P
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
     import jaxsync
-    from . import _sparse
 
     procs = 1 if comm is None else comm.Get_size()
     rank = 0 if comm is None else comm.Get_rank()
@@ -114,10 +117,10 @@ def main(argv=None) -> int:
         """(step with sync, base step) for one mode, jitted and compiled."""
         sync = None if mode is None else jaxsync.hierarchical_mean(
             axis_name="local", comm=comm,
-            sparse=_sparse.SparseOptions(mode=mode))
+            sparse=jaxsync.SparseOptions(mode=mode))
 
         def local(idx, vals, dense_base):
-            g = _sparse.RowSparse.tree_unflatten(V, (idx[0], vals[0] + 1.0))
+            g = jaxsync.RowSparse(idx[0], vals[0] + 1.0, num_rows=V)
             if sync is None:
                 out = g.todense() if dense_base else g
             else:
@@ -136,8 +139,6 @@ def main(argv=None) -> int:
 
     def measure(k, modes, with_bare):
         idx, vals = inputs(k)
-        g0 = _sparse.RowSparse.tree_unflatten(V, (idx[0], vals[0]))
-        chosen = {m: _sparse.choose(m, procs, g0) for m in modes}
         cases = {}
         for m in modes:
             cases[m] = make(m, k)(False).lower(idx, vals).compile()
@@ -146,10 +147,13 @@ def main(argv=None) -> int:
         # Correctness: the gathered rows scatter to the dense mean, bitwise.
         res = {m: jax.block_until_ready(cases[m](idx, vals)) for m in modes}
         dense_of = lambda r: (r if not isinstance(r, jaxsync.RowSparse)  # noqa: E731
-                              else _sparse.RowSparse.tree_unflatten(
-                                  V, (r.indices[0], r.values[0])).todense()[None])
+                              else jaxsync.RowSparse(
+                                  r.indices[0], r.values[0], num_rows=V).todense()[None])
         ref = np.asarray(dense_of(res[modes[0]]))
         correct = all(np.array_equal(np.asarray(dense_of(res[m])), ref) for m in modes)
+        # The side each mode took (what auto picks): a RowSparse comes back gathered.
+        chosen = {m: "sparse" if isinstance(res[m], jaxsync.RowSparse) else "dense"
+                  for m in modes}
         del res
         bare = {}
         if with_bare and comm is not None:

@@ -1,20 +1,21 @@
-"""Collectives: XLA mesh axes inside a process, MPI or a mesh axis across them.
+"""The MPI inter-process stage: ``MPIBackend`` and the ops it hands to a strategy.
 
-Everything here runs inside a mapped context (``shard_map``, ``pmap`` or
-``vmap(axis_name=...)``), or under plain ``jit`` when a process has a single
-device and no intra axes. Strategies see only two kinds of objects:
+``MPIBackend.run(program, bufs, intra, leader_only)`` runs ``program(ops,
+bufs)`` with ``ops`` reducing across processes: jaxsync's native FFI targets on
+CPU (``_NativeOps``), mpi4jax's elsewhere (``_MPIOps``), or host staging through
+mpi4py (``_HostOps``), with a token (or host dependency) that fixes the order of
+every call. It picks the leader device, the communicators (``_topology.Comms``),
+the stall watchdog and the cross-process agreement check.
 
-* :class:`AxisOps` - sum / all-to-all / all-gather over XLA axes;
-* a backend - ``run(program, bufs, intra, leader_only)`` runs ``program(ops,
-  bufs)`` with ``ops`` reducing *across processes* (over MPI with a token that
-  fixes the order of every call, over a mesh axis, or not at all).
+Imports: the collective modules below it (``_intra``, ``_invariance``,
+``_ordering``, ``_mpi_load``, ``_native_prim``, ``_mpi4jax_prim``, ``_quiet``),
+``_agree`` and ``_topology``; none of those imports it (the transforms, compression,
+sparse sync, ``auto`` and ``tune`` do).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any, Sequence
 
 import numpy as np
 
@@ -22,181 +23,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import io_callback
-from jax._src import core as _core
-from jax._src.interpreters import batching as _batching
 
-from . import _mpi
+from . import _mpi4jax_prim, _mpi_load, _native_prim, _ordering, _quiet
+from ._agree import _disagreement, agreement_dep, tie_buffers
+from ._intra import AxisOps, _is_batched, bound_axes
+from ._invariance import _varying, _vma
+from ._ordering import _after
 from ._topology import Comms
-
-Axes = tuple
-
-try:  # typed as replicated over the axes (shard_map check_vma); jax >= 0.7
-    from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
-except ImportError:  # pragma: no cover
-    _all_gather_invariant = None
-
-
-def _is_batched(x) -> bool:
-    return isinstance(x, _batching.BatchTracer)
-
-
-def bound_axes() -> dict:
-    """The axis names bound where this is traced, with their sizes."""
-    return dict(_core.get_axis_env().axis_sizes)
-
-
-def check_axes(axes: Axes, what: str = "axis_name") -> None:
-    """Raise a NameError at trace time when an axis is not bound."""
-    bound = bound_axes()
-    missing = [a for a in axes if a not in bound]
-    if missing:
-        raise NameError(
-            f"jaxsync: {what} {missing[0]!r} is not bound here; bound axes: "
-            f"{bound or 'none (not inside shard_map, pmap or vmap)'}. Fix: call the "
-            "transform inside jax.shard_map / jax.pmap / jax.vmap with "
-            f"axis_name={missing[0]!r}, or pass the axis names that are bound.")
-
-
-def axes_size(axes: Axes) -> int:
-    n = 1
-    for a in axes:
-        n *= lax.axis_size(a)
-    return n
-
-
-class AxisOps:
-    """Collectives over XLA axes (the intra-process stage, or a mesh backend)."""
-
-    def __init__(self, axes: Axes, wire16: bool = False, unit_axes: Axes = ()):
-        self.axes = tuple(axes)
-        # Axes of size 1 left out of ``axes`` (nothing to reduce over them); the
-        # inter-process stage types its results invariant over them.
-        self.unit_axes = tuple(unit_axes)
-        # False: 16-bit data is summed as float32 by one all-reduce (in-process
-        # traffic). True: it travels as 16-bit payloads (see sum_buffers).
-        self.wire16 = wire16
-
-    @property
-    def size(self) -> int:
-        return axes_size(self.axes)
-
-    def allreduce(self, bufs: list) -> list:
-        if not self.axes or not bufs:
-            return list(bufs)
-        return list(lax.psum(list(bufs), self.axes))
-
-    def alltoall(self, x):
-        """``x`` has shape (size, m): row j goes to peer j; returns rows from peers."""
-        if not self.axes:
-            return x
-        return lax.all_to_all(x, self.axes, 0, 0, tiled=True)
-
-    def allgather(self, x):
-        """``x`` of shape (m,) -> (size, m); the result is replicated."""
-        if not self.axes:
-            return x[None]
-        if _all_gather_invariant is not None and not _is_batched(x):
-            return _all_gather_invariant(x, self.axes, axis=0, tiled=False)
-        return lax.all_gather(x, self.axes, axis=0, tiled=False)
-
-    def reduce_scatter(self, x):
-        if not self.axes:
-            return x
-        return lax.psum_scatter(x, self.axes, scatter_dimension=0, tiled=True)
-
-    def allgather_tiled(self, x):
-        """Concatenate the slices of all members; the result is replicated."""
-        if not self.axes:
-            return x
-        if _all_gather_invariant is not None and not _is_batched(x):
-            return _all_gather_invariant(x, self.axes, axis=0, tiled=True)
-        return lax.all_gather(x, self.axes, axis=0, tiled=True)
-
-    def broadcast(self, bufs: list, root: int = 0) -> list:
-        if not self.axes:
-            return bufs
-        idx = lax.axis_index(self.axes)
-        return [lax.psum(jnp.where(idx == root, b, jnp.zeros_like(b)), self.axes)
-                for b in bufs]
-
-
-class LocalBackend:
-    """No inter-process stage: one process."""
-
-    name = "none"
-    mesh_axes: tuple = ()
-
-    def size(self) -> int:
-        return 1
-
-    def run(self, program, bufs, intra: AxisOps, leader_only: bool, group_bytes=None):
-        del intra, leader_only, group_bytes
-        return program(AxisOps(()), bufs)
-
-    def agree(self, text: str, what: str, bufs: list) -> list:
-        del text, what
-        return bufs
-
-    def __repr__(self):
-        return "LocalBackend()"
-
-
-@dataclasses.dataclass(frozen=True)
-class AxisComm:
-    """Use a mesh axis, reduced by XLA, as the inter-process stage.
-
-    Pass it as ``comm=jaxsync.AxisComm("host")`` and run the step under
-    ``shard_map`` over a mesh with axes ``("host", "local")``: in one process
-    that simulates hosts on fake devices; after ``jax.distributed.initialize``
-    the same code spans real processes (gloo collectives on CPU, NCCL on GPU).
-
-    Example:
-      >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxsync
-      >>> from jax.sharding import Mesh, PartitionSpec as P
-      >>> mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("host", "local"))
-      >>> tx = jaxsync.hierarchical_mean(axis_name="local",
-      ...                                comm=jaxsync.AxisComm("host"))
-      >>> def f(g):
-      ...     out, _ = tx.update({"g": g}, tx.init({"g": g}))
-      ...     return out["g"]
-      >>> g = jnp.arange(8.0)  # replica i holds the value i
-      >>> jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(("host", "local")),
-      ...                       out_specs=P(("host", "local"))))(g)
-      Array([3.5, 3.5, 3.5, 3.5, 3.5, 3.5, 3.5, 3.5], dtype=float32)
-    """
-
-    axis_name: Any
-
-    def __post_init__(self):
-        if not isinstance(self.axis_name, str):
-            raise TypeError(
-                f"AxisComm got unexpected type for argument 'axis_name' (expected: "
-                f"str, got: {type(self.axis_name).__name__}). Fix: AxisComm('host').")
-
-
-class AxisBackend:
-    """Inter-process stage over a mesh axis, reduced by XLA."""
-
-    name = "axis"
-
-    def __init__(self, axis: AxisComm):
-        self.axis = axis.axis_name
-        self.mesh_axes = (axis.axis_name,)
-
-    def size(self) -> int:
-        check_axes((self.axis,), "comm axis")
-        return lax.axis_size(self.axis)
-
-    def run(self, program, bufs, intra: AxisOps, leader_only: bool, group_bytes=None):
-        del intra, leader_only  # XLA runs the collective on every device
-        return program(AxisOps((self.axis,), wire16=True), bufs)
-
-    def agree(self, text: str, what: str, bufs: list) -> list:
-        del text, what  # one program, traced once: nothing can disagree
-        return bufs
-
-    def __repr__(self):
-        return f"AxisBackend({self.axis!r})"
 
 
 class _NativeOps:
@@ -211,7 +44,7 @@ class _NativeOps:
     # 16-bit payload, float32 sums in rank order, one rounding, all-gather.
     sum16 = True
 
-    def __init__(self, comm, active, size, invariant=(), group=_mpi.GROUP_BYTES):
+    def __init__(self, comm, active, size, invariant=(), group=_native_prim.GROUP_BYTES):
         self.comm = comm
         self.active = active
         self.size = size
@@ -219,10 +52,10 @@ class _NativeOps:
         self.group = group
 
     def _call(self, kind, xs):
-        token, ys = _mpi.native_call(kind, xs, _mpi.chain_token(), self.comm,
-                                     self.active, self.size, self.invariant,
-                                     group=self.group)
-        _mpi.set_chain_token(token)
+        token, ys = _native_prim.native_call(kind, xs, _ordering.chain_token(), self.comm,
+                                             self.active, self.size, self.invariant,
+                                             group=self.group)
+        _ordering.set_chain_token(token)
         return ys
 
     def allreduce(self, bufs):
@@ -243,8 +76,8 @@ class _MPIOps:
         self.size = comm.Get_size()
 
     def _call(self, kind, x):
-        y, token = _mpi.call(kind, x, _mpi.chain_token(), self.comm)
-        _mpi.set_chain_token(token)
+        y, token = _mpi4jax_prim.call(kind, x, _ordering.chain_token(), self.comm)
+        _ordering.set_chain_token(token)
         return y
 
     def allreduce(self, bufs):
@@ -280,10 +113,10 @@ class _HostOps:
             return (*outs, np.zeros((), np.uint8))
 
         # One dependency chain per traced step, across synchronisations too.
-        dep = _mpi.chain_value("host", lambda: jnp.zeros((), jnp.uint8))
+        dep = _ordering.chain_value("host", lambda: jnp.zeros((), jnp.uint8))
         structs = (*out_structs, jax.ShapeDtypeStruct((), jnp.uint8))
         *ys, dep = io_callback(host, structs, dep, *xs, ordered=False)
-        _mpi.set_chain_value("host", dep)
+        _ordering.set_chain_value("host", dep)
         return ys
 
     def allreduce(self, bufs):
@@ -325,7 +158,7 @@ class _HostOps:
 
 
 def _check_host_mpi() -> None:
-    """What ``_mpi._load`` checks for the device path, for host staging.
+    """What ``_mpi_load._load`` checks for the device path, for host staging.
 
     Host callbacks of several local devices call MPI from their own threads, so
     MPI must provide ``MPI_THREAD_MULTIPLE``; computations still in flight at
@@ -334,7 +167,7 @@ def _check_host_mpi() -> None:
     try:
         from mpi4py import MPI
     except ImportError as e:  # pragma: no cover - depends on install
-        raise _mpi.MPIUnavailableError(
+        raise _mpi_load.MPIUnavailableError(
             "jaxsync needs mpi4py for inter-process communication (comm=...); "
             "install it with `pip install 'jaxsync[mpi]'`, or pass comm=None.") from e
     _register_drain()
@@ -349,73 +182,7 @@ def _check_host_mpi() -> None:
 def _register_drain() -> None:
     import atexit
     # Registered after mpi4py's MPI_Finalize handler, so it runs before it.
-    atexit.register(_mpi._drain)
-
-
-def share_invariant(tree, axes: Axes):
-    """Gradients that autodiff already summed over some axes take part once.
-
-    Under ``shard_map`` (with ``check_vma``), the gradient of a parameter that
-    entered replicated (``in_specs=P()``) comes out *invariant* over the mesh
-    axes: autodiff already summed the per-device gradients. Summing it again
-    would multiply it by the axis size. Such a leaf keeps its value on device 0
-    of the axes it is invariant over and becomes zero on the others, so the
-    usual sum counts it exactly once and the mean stays right (bit-exact: adding
-    zeros changes only the sign of a zero).
-    """
-    if not axes:
-        return tree
-    typed = set(_vma(lax.axis_index(axes)))
-    if not typed:  # vmap, pmap, or check_vma=False: values carry no axis types
-        return tree
-
-    def share(x):
-        if str(x.dtype) not in ("float16", "bfloat16", "float32", "float64"):
-            return x
-        have = _vma(x)
-        inv = tuple(a for a in axes if a in typed and a not in have)
-        if not inv:
-            return x
-        if axes_size(inv) == 1:  # one member: it is counted once as it is
-            return _varying(x, inv)
-        first = lax.axis_index(inv) == 0
-        return jnp.where(first, _varying(x, inv), jnp.zeros_like(x))
-
-    return jax.tree.map(share, tree)
-
-
-def _after(x, prev):
-    """``x`` with a data dependency on ``prev`` that XLA cannot remove.
-
-    The first element of ``x`` is XOR-ed with (first element of ``prev`` AND a
-    zero that comes from a host callback): the value is unchanged bit for bit.
-    """
-    if x.size == 0 or prev.size == 0:
-        return x
-    uint = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
-    width, pwidth = uint[x.dtype.itemsize], uint[prev.dtype.itemsize]
-    zero = jax.pure_callback(lambda: np.zeros((), width), jax.ShapeDtypeStruct((), width),
-                             vmap_method="broadcast_all")
-    head = lax.bitcast_convert_type(lax.slice(x, (0,), (1,)), width)
-    dep = lax.bitcast_convert_type(lax.slice(prev.reshape(-1), (0,), (1,)), pwidth)
-    dep = lax.convert_element_type(dep, width) & zero
-    head = lax.bitcast_convert_type(head ^ _varying(dep, _vma(head)), x.dtype)
-    return lax.dynamic_update_slice(x, head, (0,))
-
-
-def _vma(x) -> tuple:
-    """The shard_map axes over which ``x`` is typed as varying."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    vma = mat.varying if mat is not None else getattr(aval, "vma", ())
-    return tuple(sorted(vma or (), key=str))
-
-
-def _varying(x, axes):
-    """Mark ``x`` as varying over ``axes`` (shard_map's manual-axis types)."""
-    have = _vma(x)
-    missing = tuple(a for a in axes if a not in have)
-    return lax.pcast(x, missing, to="varying") if missing else x
+    atexit.register(_quiet._drain)
 
 
 class MPIBackend:
@@ -439,9 +206,9 @@ class MPIBackend:
     def __init__(self, comm, staging: str = "device", timeout: float | None = None):
         self.native = staging == "device" and jax.default_backend() == "cpu"
         if self.native:
-            _mpi.require_native()  # a clear error now, never a slow fallback
+            _mpi_load.require_native()  # a clear error now, never a slow fallback
         elif staging == "device":
-            _mpi._load_mpi4jax()
+            _mpi_load._load_mpi4jax()
         else:
             _check_host_mpi()
         self.comm = comm
@@ -484,7 +251,7 @@ class MPIBackend:
 
     def _run_native(self, program, bufs, intra: AxisOps, leader_only: bool, group_bytes):
         comms = self.comms
-        group = _mpi.GROUP_BYTES if group_bytes is None else group_bytes
+        group = _native_prim.GROUP_BYTES if group_bytes is None else group_bytes
         size = comms.size
         one = jnp.int32(1)
         world = jnp.int32(comms.world.py2f())
@@ -524,13 +291,13 @@ class MPIBackend:
             return self._watched(program, True)(self._ops(comms.world), bufs)
         # Tokens (and the chain inside a branch) cannot leave lax.cond: the
         # previous synchronisation of this trace is tied to this one by data.
-        prev = _mpi.chain_value("cond", lambda: None)
+        prev = _ordering.chain_value("cond", lambda: None)
         if prev is not None:
             bufs = [_after(bufs[0], prev), *bufs[1:]]
         out = self._run_cond(program, bufs, intra, leader_only, idx)
         head = next((y.reshape(-1)[:1] for y in out if y.size), None)
         if head is not None:  # one element: all the next tie needs
-            _mpi.set_chain_value("cond", head)
+            _ordering.set_chain_value("cond", head)
         return out
 
     def _run_cond(self, program, bufs, intra, leader_only, idx):
@@ -555,7 +322,7 @@ class MPIBackend:
         Returns ``bufs`` tied to a check that, the first time the compiled step
         runs, exchanges a digest of ``text`` (the full texts only on a
         mismatch) and fails the step with the same message on every process
-        when they differ: a native call on CPU (``_mpi.register_agreement``),
+        when they differ: a native call on CPU (``_mpi_load.register_agreement``),
         a host callback elsewhere (``_agree``). Tracing alone never blocks.
         """
         if not bufs:
@@ -566,44 +333,19 @@ class MPIBackend:
             # dispatch on its slow path. It comes first in the token chain, and
             # an optimization barrier makes every buffer (so every local and MPI
             # collective of this synchronisation) wait for it, without a copy.
-            key = _mpi.register_agreement(self.comms.agreement, text, what, _disagreement)
+            key = _mpi_load.register_agreement(self.comms.agreement, text, what, _disagreement)
             # How many devices of this process run the check (vmap: one program).
             devices = int(np.prod([n for a, n in bound_axes().items()
                                    if not _is_batched(lax.axis_index(a))], dtype=np.int64))
-            token, (dep,) = _mpi.native_call(
-                "agree", [jnp.zeros((1,), jnp.uint8)], _mpi.chain_token(),
+            token, (dep,) = _native_prim.native_call(
+                "agree", [jnp.zeros((1,), jnp.uint8)], _ordering.chain_token(),
                 jnp.int32(self.comms.world.py2f()), jnp.int32(1), self.comms.size,
                 agree=(*key, devices))  # (comm, id, instance, devices)
-            _mpi.set_chain_token(token)
+            _ordering.set_chain_token(token)
             return list(lax.optimization_barrier((dep, *bufs))[1:])
-        from ._agree import agreement_dep, tie_buffers
         return tie_buffers(bufs, agreement_dep(self.comms.agreement, text, what,
                                                _disagreement))
 
     def __repr__(self):
         return (f"MPIBackend(size={self.size()}, staging={self.staging!r}, "
                 f"timeout={self.timeout})")
-
-
-_FIXES = {
-    "gradient tree": "make every process build the same gradient tree (same structure, "
-                     "shapes and dtypes), drive the same number of devices, and create "
-                     "the transform with the same options",
-    "parameter tree": "call broadcast_params on every process with a tree of the same "
-                      "structure, shapes and dtypes (only the values may differ)",
-}
-
-
-def _disagreement(texts: Sequence[str], what: str) -> str:
-    """Name the first two ranks that differ and their first differing line."""
-    base = texts[0]
-    other = next(r for r, t in enumerate(texts) if t != base)
-    a, b = base.splitlines(), texts[other].splitlines()
-    for la, lb in zip(a + [""] * (len(b) - len(a)), b + [""] * (len(a) - len(b))):
-        if la != lb:
-            break
-    w = len(f"rank {other}:")
-    return (f"jaxsync: the {what} differs between rank 0 and rank {other}, so the "
-            f"processes would issue different collectives (a hang or wrong results).\n"
-            f"  {'rank 0:':<{w}} {la or '<nothing>'}\n  {f'rank {other}:':<{w}} "
-            f"{lb or '<nothing>'}\nFix: {_FIXES.get(what, 'make every process agree')}.")

@@ -1,0 +1,108 @@
+"""Collectives over XLA mesh axes: the intra-process stage (and a mesh-axis inter stage).
+
+Everything here runs inside a mapped context (``shard_map``, ``pmap`` or
+``vmap(axis_name=...)``), or under plain ``jit`` when a process has a single
+device and no intra axes. :class:`AxisOps` sums, all-to-alls and all-gathers
+over XLA axes; ``bound_axes``, ``check_axes`` and ``axes_size`` ask which axes
+are bound where a synchronisation is traced.
+
+Imports: jax only (no jaxsync module); every other collective module builds on it.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax._src import core as _core
+from jax._src.interpreters import batching as _batching
+
+Axes = tuple
+
+try:  # typed as replicated over the axes (shard_map check_vma); jax >= 0.7
+    from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
+except ImportError:  # pragma: no cover
+    _all_gather_invariant = None  # type: ignore[assignment]
+
+
+def _is_batched(x) -> bool:
+    return isinstance(x, _batching.BatchTracer)
+
+
+def bound_axes() -> dict:
+    """The axis names bound where this is traced, with their sizes."""
+    return dict(_core.get_axis_env().axis_sizes)
+
+
+def check_axes(axes: Axes, what: str = "axis_name") -> None:
+    """Raise a NameError at trace time when an axis is not bound."""
+    bound = bound_axes()
+    missing = [a for a in axes if a not in bound]
+    if missing:
+        raise NameError(
+            f"jaxsync: {what} {missing[0]!r} is not bound here; bound axes: "
+            f"{bound or 'none (not inside shard_map, pmap or vmap)'}. Fix: call the "
+            "transform inside jax.shard_map / jax.pmap / jax.vmap with "
+            f"axis_name={missing[0]!r}, or pass the axis names that are bound.")
+
+
+def axes_size(axes: Axes) -> int:
+    n = 1
+    for a in axes:
+        n *= lax.axis_size(a)
+    return n
+
+
+class AxisOps:
+    """Collectives over XLA axes (the intra-process stage, or a mesh backend)."""
+
+    def __init__(self, axes: Axes, wire16: bool = False, unit_axes: Axes = ()):
+        self.axes = tuple(axes)
+        # Axes of size 1 left out of ``axes`` (nothing to reduce over them); the
+        # inter-process stage types its results invariant over them.
+        self.unit_axes = tuple(unit_axes)
+        # False: 16-bit data is summed as float32 by one all-reduce (in-process
+        # traffic). True: it travels as 16-bit payloads (see sum_buffers).
+        self.wire16 = wire16
+
+    @property
+    def size(self) -> int:
+        return axes_size(self.axes)
+
+    def allreduce(self, bufs: list) -> list:
+        if not self.axes or not bufs:
+            return list(bufs)
+        return list(lax.psum(list(bufs), self.axes))
+
+    def alltoall(self, x):
+        """``x`` has shape (size, m): row j goes to peer j; returns rows from peers."""
+        if not self.axes:
+            return x
+        return lax.all_to_all(x, self.axes, 0, 0, tiled=True)
+
+    def allgather(self, x):
+        """``x`` of shape (m,) -> (size, m); the result is replicated."""
+        if not self.axes:
+            return x[None]
+        if _all_gather_invariant is not None and not _is_batched(x):
+            return _all_gather_invariant(x, self.axes, axis=0, tiled=False)
+        return lax.all_gather(x, self.axes, axis=0, tiled=False)
+
+    def reduce_scatter(self, x):
+        if not self.axes:
+            return x
+        return lax.psum_scatter(x, self.axes, scatter_dimension=0, tiled=True)
+
+    def allgather_tiled(self, x):
+        """Concatenate the slices of all members; the result is replicated."""
+        if not self.axes:
+            return x
+        if _all_gather_invariant is not None and not _is_batched(x):
+            return _all_gather_invariant(x, self.axes, axis=0, tiled=True)
+        return lax.all_gather(x, self.axes, axis=0, tiled=True)
+
+    def broadcast(self, bufs: list, root: int = 0) -> list:
+        if not self.axes:
+            return bufs
+        idx = lax.axis_index(self.axes)
+        return [lax.psum(jnp.where(idx == root, b, jnp.zeros_like(b)), self.axes)
+                for b in bufs]

@@ -1,0 +1,148 @@
+"""The native primitive: ordered MPI collectives inside multi-device computations.
+
+``native_p`` binds jaxsync's own XLA FFI targets (loaded by ``_mpi_load``), on CPU:
+
+* ``jaxsync_allreduce`` sums any number of buffers in one call, in place
+  (results aliased to inputs, ``MPI_IN_PLACE``);
+* ``jaxsync_allgather`` and ``jaxsync_alltoall`` move one buffer each;
+* ``jaxsync_agree`` checks the processes agree (see ``_mpi_load.register_agreement``).
+
+Every call takes and returns an XLA token as a regular operand and result, the
+communicator as an int32 operand (a Fortran handle, ``comm.py2f()``, so each
+local device can use its own communicator without a ``lax.switch``) and an
+``active`` int32 operand: 0 returns at once and leaves the buffers untouched
+(the non-leader devices of a process, with no ``lax.cond`` and no copies). The
+token is created inside the computation with ``lax.create_token()``, so no
+effect escapes and multi-device ``shard_map`` and ``pmap`` accept it. One token
+chain runs through every inter-process call of a traced step (see
+``_ordering.chain_token``), so every process issues its calls in the same order.
+
+Imports: jax and ``_mpi_load`` only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+import jax
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+from jax._src.interpreters import batching
+
+from jax._src import core as _core
+from jax._src import dispatch as _dispatch
+
+from ._mpi_load import _NATIVE_KINDS, require_native
+
+# (token, comm, active, *xs) -> (token, *ys)
+
+native_p = Primitive("jaxsync_native")
+native_p.multiple_results = True
+
+
+def _drop_varying(aval, axes):
+    """``aval`` typed invariant over ``axes`` (shard_map axes of size 1)."""
+    mat = getattr(aval, "manual_axis_type", None)
+    if not axes or mat is None or not (mat.varying & set(axes)):
+        return aval
+    return aval.update(manual_axis_type=_core.ManualAxisType(
+        varying=mat.varying - set(axes), unreduced=mat.unreduced, reduced=mat.reduced))
+
+
+def _native_abstract_eval(token, comm, active, *xs, kind, size, invariant, agree, group):
+    del agree, group
+    del token, comm, active
+    outs = []
+    for x in xs:
+        if kind == "allgather":
+            spec = x.sharding.spec
+            sharding = x.sharding.update(spec=type(spec)(None, *spec))
+            out = x.update(shape=(size, *x.shape), sharding=sharding)
+        else:
+            out = x.update(shape=x.shape)
+        outs.append(out if kind == "alltoall" else _drop_varying(out, invariant))
+    return (_core.abstract_token, *outs)
+
+
+native_p.def_abstract_eval(_native_abstract_eval)
+native_p.def_impl(functools.partial(_dispatch.apply_primitive, native_p))
+
+
+def _native_lowering(ctx, token, comm, active, *xs, kind, size, invariant, agree, group):
+    del size, invariant
+    if kind == "allreduce":  # in place: result i is operand 3 + i
+        aliases = {3 + i: 1 + i for i in range(len(xs))}
+    else:
+        aliases = None
+    rule = jax.ffi.ffi_lowering(f"jaxsync_{kind}", operand_output_aliases=aliases)
+    if kind == "allreduce":
+        return rule(ctx, token, comm, active, *xs, group_bytes=np.int64(group))
+    if kind != "agree":
+        return rule(ctx, token, comm, active, *xs)
+    return rule(ctx, token, comm, active, *xs, agree_comm=np.int64(agree[0]),
+                agree_id=np.int64(agree[1]), agree_instance=np.int64(agree[2]),
+                agree_devices=np.int64(agree[3]))
+
+
+mlir.register_lowering(native_p, _native_lowering, platform="cpu")
+
+
+def _native_batching(args, dims, *, kind, size, invariant, agree, group):
+    # Under vmap every mapped replica takes part as a slice of one larger message.
+    token, comm, active, *xs = args
+    nm = None  # not mapped
+    if any(d is not nm for d in dims[:3]):
+        raise NotImplementedError(
+            "jaxsync: the communicator and the active flag of an MPI call cannot "
+            "be batched (vmap them outside the synchronisation)")
+    xdims = dims[3:]
+    if kind == "alltoall":  # the leading (peer) axis must stay first
+        xs = [x if d is nm else jax.numpy.moveaxis(x, d, 1) for x, d in zip(xs, xdims)]
+        xdims = [d if d is nm else 1 for d in xdims]
+    outs = native_p.bind(token, comm, active, *xs, kind=kind, size=size,
+                         invariant=invariant, agree=agree, group=group)
+    if kind == "allgather":
+        xdims = [d if d is nm else d + 1 for d in xdims]
+    return outs, (nm, *xdims)
+
+
+batching.primitive_batchers[native_p] = _native_batching
+
+
+GROUP_BYTES = 64 * 2**10
+"""Default of ``native_call``'s ``group``: buffers under it are summed together."""
+
+
+def native_call(kind, xs, token, comm, active, size, invariant=(), agree=(0, 0, 1),
+                group=GROUP_BYTES):
+    """Bind one native collective: returns ``(token, [results])``.
+
+    Args:
+      kind: ``"allreduce"`` (sum of every buffer of ``xs``, in place),
+        ``"allgather"`` (one buffer; stacks along a new leading axis of size
+        ``size``) or ``"alltoall"`` (one buffer whose leading axis has size
+        ``size``).
+      xs: the local arrays.
+      token: the previous call's token (see ``_ordering.chain_token``).
+      comm: int32 scalar: the communicator's Fortran handle (``comm.py2f()``).
+      active: int32 scalar: 0 returns the inputs untouched (allreduce) or zeros.
+      size: the communicator's size.
+      invariant: shard_map axes of size 1 over which the results are typed
+        invariant (allreduce, allgather): the sum over one member is that
+        member's value, so no collective over them is needed for the type.
+      agree: for ``kind="agree"``, ``(communicator handle, digest id, instance,
+        devices of this process that run the check)`` (see
+        ``_mpi_load.register_agreement``).
+      group: for ``kind="allreduce"``, buffers (of one dtype, in order) under
+        this many bytes are copied into one scratch buffer of at most
+        ``max(group, 4 MiB)`` bytes and summed by one MPI call (``flat`` passes
+        its ``bucket_bytes``: one message per bucket, packed by the target).
+    """
+    assert kind in _NATIVE_KINDS, kind
+    require_native()
+    token, *ys = native_p.bind(token, comm, active, *xs, kind=kind, size=int(size),
+                               invariant=tuple(invariant),
+                               agree=tuple(int(a) for a in agree), group=int(group))
+    return token, ys

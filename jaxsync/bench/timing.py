@@ -1,0 +1,242 @@
+"""Timing of the benchmark's cases: compile, check, time interleaved, slowest rank.
+
+What it is for: a ``Case`` is one timed thing on one tree (a jitted step, or a
+host-side callable); ``run_tree`` compiles a bench's cases for one tree, checks
+that every method gives the mean, times every case once per round (rounds
+interleaved, order rotated), takes every sample as the slowest rank's, and makes
+one ``Row`` per case: the *marginal* cost, the case minus its base case, per round.
+What it may import: numpy, jax, mpi4py (only through the bench's communicator),
+the standard library, and ``jaxsync.bench.trees`` / ``jaxsync.bench.hlo``.
+
+Example:
+  >>> from jaxsync.bench import timing
+  >>> seconds, faults = timing.time_calls(lambda: None, iters=3)
+  >>> seconds >= 0
+  True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .hlo import collective_stats, hlo_collectives
+from .trees import SWEEP_TREES, MiB, tree_info
+
+
+@dataclasses.dataclass
+class Case:
+    """One timed thing on one tree: a jitted step, or a host-side callable."""
+
+    method: str
+    kind: str                  # "base", "jaxsync", "peer", "bare", "limit", "sweep"
+    base: str | None           # the case whose time is subtracted (None: raw time)
+    step: Any = None           # a jitted step, compiled by compile_cases ...
+    arg: Any = None            # ... and called on this argument
+    run: Callable[[], Any] | None = None
+    arrays: int = 0            # arrays handed to collectives (jaxpr)
+    ops: int = 0               # collective instructions (compiled HLO)
+    wire_bytes: float = 0.0
+    compile_s: float = 0.0
+    program: str = ""          # hash of the lowered program: equal hash, same program
+
+
+def _compile(lowered):
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    return compiled, time.perf_counter() - t0
+
+
+def compile_cases(cases: list[Case], axis_size: int, procs: int) -> None:
+    """Trace every jitted step in order (under MPI, tracing is collective),
+    count its collectives, and compile each distinct program once, in threads.
+
+    Steps with ordered effects (mpi4jax's primitives) cannot be called through
+    the ahead-of-time API: their first ``jit`` call compiles them, in order on
+    every process, after the others.
+    """
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jax
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        futures = {}
+        for c in cases:
+            if c.step is None:
+                continue
+            traced = c.step.trace(c.arg)
+            c.arrays, c.wire_bytes = collective_stats(traced.jaxpr, axis_size, procs)
+            lowered = traced.lower()
+            text = lowered.as_text()
+            c.program = hashlib.sha1(text.encode()).hexdigest()[:8]
+            if traced.jaxpr.effects:
+                c.ops = hlo_collectives(text)  # MPI custom calls are never combined
+            elif c.program not in futures:
+                futures[c.program] = pool.submit(_compile, lowered)
+        for c in cases:
+            if c.step is None:
+                continue
+            if c.program in futures:
+                compiled, c.compile_s = futures[c.program].result()
+                c.ops = hlo_collectives(compiled.as_text())
+                c.run = functools.partial(compiled, c.arg)
+            else:
+                c.run = functools.partial(c.step, c.arg)
+                t0 = time.perf_counter()
+                jax.block_until_ready(c.run())
+                c.compile_s = time.perf_counter() - t0
+
+
+def time_calls(fn: Callable[[], Any], iters: int, barrier=None) -> tuple[float, float]:
+    """Median seconds of ``iters`` calls of ``fn`` (each blocked until ready) and
+    the minor page faults per call. ``barrier`` synchronises processes first."""
+    import jax
+    if barrier is not None:
+        barrier()
+    faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / iters
+    return statistics.median(times), faults
+
+
+@dataclasses.dataclass
+class Row:
+    """One result: the marginal cost of one method on one tree."""
+
+    mode: str
+    tree: str
+    method: str
+    kind: str
+    leaves: int
+    params: int
+    tree_bytes: int
+    wire_bytes: int
+    arrays: int
+    ops: int
+    median_ms: float
+    q25_ms: float
+    q75_ms: float
+    min_ms: float
+    max_ms: float
+    ratio_to_bare: float
+    faults_per_call: float
+    compile_s: float
+    program: str
+    iters: int
+    correct: bool | None       # the result is the mean (None: not a mean)
+    samples_ms: list[float]
+
+
+def check_results(cases: list[Case]) -> dict[str, bool]:
+    """Whether each method averaging the base tree's gradients gives their mean.
+
+    Every replica computes the same gradients (from the same input), so the
+    mean is each replica's own value: a wrong divisor, a lost or mixed-up leaf
+    shows. Tolerance: a few ULP of the travelling dtype (bfloat16 for the
+    ``bf16`` methods). Runs collectives: every process checks, in case order.
+    """
+    import jax
+
+    def result(c: Case):
+        assert c.run is not None, c.method  # compiled by compile_cases
+        return jax.tree.map(np.asarray, jax.block_until_ready(c.run()))
+    bases = {c.method: result(c) for c in cases
+             if c.method in ("base tree", "base tree (jit)")}
+    out = {}
+    for c in cases:
+        if c.base not in bases or c.kind == "base":
+            continue
+        want = bases[c.base]
+        got = result(c)
+        ok = str(jax.tree.structure(got)) == str(jax.tree.structure(want))
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)) if ok else ():
+            g64, w64 = np.asarray(g, np.float64), np.asarray(w, np.float64)
+            bits = 8 if "bf16" in c.method or str(w.dtype) == "bfloat16" else (
+                11 if str(w.dtype) == "float16" else 24)
+            ok = ok and g.shape == w.shape and bool(np.all(
+                np.abs(g64 - w64) <= 4.0 * 2.0 ** -bits * np.abs(w64)))
+        out[c.method] = ok
+    return out
+
+
+def make_rows(mode, tree_name, info, cases, iters, samples, faults,
+              correct=None) -> list[Row]:
+    """Marginal statistics per case; ``samples[r, i]``: round r, case i (seconds)."""
+    index = {c.method: i for i, c in enumerate(cases)}
+    samples = np.asarray(samples) * 1e3
+    faults = np.median(np.asarray(faults), axis=0)
+
+    def marginal(c):
+        i, j = index[c.method], index.get(c.base)
+        if j is None:
+            return samples[:, i], faults[i]
+        return samples[:, i] - samples[:, j], faults[i] - faults[j]
+
+    bare = next(float(np.median(marginal(c)[0])) for c in cases if c.kind == "bare")
+    leaves, params, nbytes = info
+    rows = []
+    for c in cases:
+        if c.kind == "base":
+            continue
+        m, f = marginal(c)
+        med = float(np.median(m))
+        rows.append(Row(
+            mode, tree_name, c.method, c.kind, leaves, params, nbytes, int(c.wire_bytes),
+            c.arrays, c.ops, med, float(np.quantile(m, .25)), float(np.quantile(m, .75)),
+            float(m.min()), float(m.max()), med / bare if bare > 0 else float("nan"),
+            float(f), round(c.compile_s, 3), c.program, int(iters[index[c.method]]),
+            (correct or {}).get(c.method), [round(float(x), 4) for x in m]))
+    return rows
+
+
+
+
+def _log(bench, msg):
+    if bench.rank == 0:
+        print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def run_tree(bench, tree_name: str, tree, repeats: int, min_sample_s: float,
+             max_iters: int) -> tuple[list[Row], dict]:
+    """Compile, warm up, calibrate and time every case of one tree, interleaved."""
+    info = tree_info(tree)
+    _log(bench, f"{tree_name}: {info[0]} leaves, {info[1] / 1e6:.2f}M params, "
+                f"{info[2] / MiB:.1f} MiB; compiling")
+    t0 = time.perf_counter()
+    cases, skipped = bench.cases(tree, bench.sweeps and tree_name in SWEEP_TREES)
+    t1 = time.perf_counter()
+    correct = check_results(cases)
+    # Warm up (first runs, allocator) and calibrate: a sample is the median of
+    # enough calls to last about min_sample_s; every process uses the same counts.
+    warm = np.array([time_calls(c.run, 2, bench.barrier)[0] for c in cases])
+    if bench.comm is not None:
+        from mpi4py import MPI
+        bench.comm.Allreduce(MPI.IN_PLACE, warm, op=MPI.MAX)
+    iters = np.clip(np.ceil(min_sample_s / np.maximum(warm, 1e-6)), 1, max_iters).astype(int)
+    _log(bench, f"{tree_name}: {len(cases)} cases ({len({c.program for c in cases})} "
+                f"programs) compiled in {t1 - t0:.0f} s; timing {repeats} rounds")
+    samples = np.zeros((repeats, len(cases)))
+    faults = np.zeros((repeats, len(cases)))
+    for r in range(repeats):
+        k = r % len(cases)  # rotate the order so no case always follows the same one
+        for i in [*range(k, len(cases)), *range(k)]:
+            samples[r, i], faults[r, i] = time_calls(cases[i].run, iters[i], bench.barrier)
+    if bench.comm is not None:  # a step is done when the slowest process is
+        from mpi4py import MPI
+        bench.comm.Allreduce(MPI.IN_PLACE, samples, op=MPI.MAX)
+    return make_rows(bench.mode, tree_name, info, cases, iters, samples, faults,
+                     correct), skipped
+

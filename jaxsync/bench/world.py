@@ -1,0 +1,41 @@
+"""Where the bench runs: the MPI communicator (if any) and the CPU device count.
+
+What it is for: every suite's first two calls. ``mpi_world`` is the communicator
+``comm="auto"`` picks (``MPI.COMM_WORLD`` when launched by MPI with several
+processes, else ``None``): the bench's mode switch, taken before JAX starts.
+``set_devices`` asks for the fake CPU devices, which must happen before JAX
+initialises its backends.
+What it may import: jax, the standard library, and ``jaxsync.default_comm``.
+
+Example:
+  >>> from jaxsync.bench import world
+  >>> world.mpi_world() is None  # run alone, not under mpirun
+  True
+  >>> world.set_devices(8)  # what the doctests already have: no error
+"""
+
+from __future__ import annotations
+
+
+def mpi_world():
+    """``MPI.COMM_WORLD`` when started by an MPI launcher with several processes.
+
+    Raises:
+      jaxsync's ``LaunchError`` (a ``RuntimeError``): the launcher says there are
+        several processes but MPI sees one (mpi4py built against another MPI).
+    """
+    import jaxsync
+    return jaxsync.default_comm()
+
+
+def set_devices(n: int) -> None:
+    """Ask for ``n`` CPU devices; must happen before JAX initialises its backends."""
+    import jax
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:
+        if jax.local_device_count() != n:
+            raise SystemExit(
+                f"jaxsync bench: JAX is already initialised with {jax.local_device_count()} "
+                f"device(s), --devices asks for {n}. Start a fresh process, or set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before JAX starts.")
