@@ -16,7 +16,8 @@ jax.config.update("jax_num_cpu_devices", 8)  # fake devices; drop this on GPUs
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxsync
 
@@ -47,7 +48,7 @@ opt_state = tx.init(params)
 
 rng = np.random.default_rng(0)
 true_w = np.array([[1.0], [-2.0], [3.0], [0.5]], np.float32)
-for step in range(200):
+for _step in range(200):
     x = rng.normal(size=(64, 4)).astype(np.float32)  # this process's part of the batch
     y = x @ true_w + 1.0
     params, opt_state, loss = train_step(params, opt_state, x, y)

@@ -11,16 +11,23 @@ own XLA FFI targets on CPU, mpi4jax's on GPU) or a mesh axis, and unpack. Each s
 from ._auto import auto_mean
 from ._axis_backend import AxisComm
 from ._broadcast import broadcast_params
-from ._compress import (PowerSGDState, SignState, powersgd_mean, sign_mean,
-                        state_specs)
+from ._compress import PowerSGDState, SignState, state_specs
 from ._host import tune_host_allocator
 from ._plan import Bucket, LeafSpec, Plan, make_plan
-from ._sparse import (RowSparse, SparseOptions, apply_sparse_updates, densify,
-                      row_sparse_grad, sparse_adagrad, sparse_sgd)
-from ._topology import Topology, default_comm, free_communicators, topology
+from ._powersgd import powersgd_mean
+from ._sign import sign_mean
+from ._sparse import RowSparse, SparseOptions
+from ._sparse_grad import row_sparse_grad
+from ._sparse_optim import apply_sparse_updates, densify, sparse_adagrad, sparse_sgd
 from ._sync import SyncState, sync_gradients
-from ._transforms import (flat_mean, hierarchical_mean, naive_mean, single_node_mean,
-                          two_dimensional_mean)
+from ._topology import Topology, default_comm, free_communicators, topology
+from ._transforms import (
+                        flat_mean,
+                        hierarchical_mean,
+                        naive_mean,
+                        single_node_mean,
+                        two_dimensional_mean,
+)
 
 __version__ = "0.1.0"
 

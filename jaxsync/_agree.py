@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from typing import Sequence
-
-import numpy as np
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import _ordering

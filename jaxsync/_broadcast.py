@@ -5,10 +5,9 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._agree import _disagreement
 from ._axis_backend import AxisComm

@@ -5,14 +5,17 @@ over ``replicas`` replicas under ``jax.vmap(axis_name="i")`` in one process
 (``comm=None``), Adam on top of the synchronisation. The same seeds give the
 same initial parameters and the same batches for every synchroniser, so runs
 differ only by how the gradients are averaged.
+
+May import: JAX, optax, numpy and (lazily) scikit-learn; no jaxsync module (the
+synchroniser comes in as an argument). Only tests/test_compress.py and
+notebooks/compression.ipynb use it.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 

@@ -13,14 +13,12 @@ import dataclasses
 import sys
 from typing import TYPE_CHECKING, Any, Final, Literal, Union
 
-import numpy as np
-
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import DTypeLike
 
 from . import _axis_backend, _mpi_backend, _sparse, _strategies
-from ._plan import (DEFAULT_BUCKET_BYTES, DEFAULT_PACK_THRESHOLD, REDUCED_DTYPES,
-                    _check_bytes)
+from ._plan import DEFAULT_BUCKET_BYTES, DEFAULT_PACK_THRESHOLD, REDUCED_DTYPES, _check_bytes
 from ._topology import default_comm
 
 # flat packs every leaf: its default buckets stay below glibc's largest mmap
@@ -34,16 +32,16 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
 #: The replicas' mesh axis name(s) in this process; ``None``: no mapped axis.
-AxisName = Union[str, tuple[str, ...], None]
+AxisName = str | tuple[str, ...] | None
 #: The inter-process stage: an mpi4py ``Intracomm``, a :class:`jaxsync.AxisComm`,
 #: ``None`` (one process) or ``"auto"``.
-Comm = Union["MPI.Intracomm", "_axis_backend.AxisComm", None, str]
+Comm = Union["MPI.Intracomm", "_axis_backend.AxisComm", None, str]  # noqa: UP007 (quoted)
 #: ``"mean"`` or ``"sum"``.
 Reduce = Literal["mean", "sum"]
 #: A byte count, ``None`` (no cap / pack everything) or ``"auto"`` (the default).
-Bytes = Union[int, None, Literal["auto"]]
+Bytes = int | None | Literal["auto"]
 #: ``False``, ``True`` (a flag in the state) or ``"raise"``.
-CheckFinite = Union[bool, Literal["raise"]]
+CheckFinite = bool | Literal["raise"]
 #: ``"device"`` or ``"host"`` (MPI through host memory).
 Staging = Literal["device", "host"]
 #: ``strategy="auto"``'s profile: a path, its JSON as a dict, a profile, or None.

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
-
 import jax
-from jax.extend.core import Primitive
-from jax.interpreters import mlir
-from jax._src.interpreters import batching
-
+import numpy as np
 from jax._src import core as _core
 from jax._src import dispatch as _dispatch
+from jax._src.interpreters import batching
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
 
 from ._mpi_load import _load_mpi4jax
 

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import io_callback
 
@@ -178,7 +177,7 @@ def _check_host_mpi() -> None:
             "Do not set mpi4py.rc.thread_level to a lower level.")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _register_drain() -> None:
     import atexit
     # Registered after mpi4py's MPI_Finalize handler, so it runs before it.

@@ -96,7 +96,7 @@ _MISMATCH_CB = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
                                 ctypes.c_void_p, ctypes.c_int)(_on_mismatch)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _native():
     """Load the native library once and register its FFI targets for CPU."""
     path = native_path()
@@ -152,7 +152,7 @@ def native_status() -> dict:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load():
     """Import mpi4py, check MPI's thread level, return the MPI module."""
     try:
@@ -180,7 +180,7 @@ def _load():
     return MPI
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load_mpi4jax():
     """mpi4jax's FFI targets: the lowering on non-CPU platforms only."""
     MPI = _load()

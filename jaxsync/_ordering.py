@@ -21,10 +21,9 @@ from __future__ import annotations
 import threading
 import weakref
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax._src import core as _core
 from jax._src.interpreters import batching

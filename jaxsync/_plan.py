@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any, Sequence
-
-import numpy as np
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PyTree = Any
 
@@ -142,7 +142,7 @@ class Plan:
     def describe(self) -> str:
         """A canonical text form of the plan (what the fingerprint hashes)."""
         # Leaves first, so the first differing line names a leaf path.
-        lines = [f"leaf {l.path} {l.shape} {l.dtype} {l.reduced}" for l in self.leaves]
+        lines = [f"leaf {s.path} {s.shape} {s.dtype} {s.reduced}" for s in self.leaves]
         lines += [f"treedef {structure_text(self.treedef)}", f"bucket_bytes {self.bucket_bytes}",
                   f"pack_threshold {self.pack_threshold}"]
         lines += [f"bucket {b.dtype} {b.leaves} {b.size}" for b in self.buckets]
@@ -258,7 +258,7 @@ def make_plan(tree: PyTree, *, bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
         cur_size = 0
         itemsize = np.dtype(jnp.dtype(dt)).itemsize
 
-        def flush():
+        def flush(dt=dt):
             nonlocal cur, cur_size
             if cur:
                 offs = tuple(int(x) for x in np.cumsum([0] + [specs[j].size for j in cur])[:-1])

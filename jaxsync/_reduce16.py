@@ -3,6 +3,8 @@
 ``rows_sum_f32`` replaces ``_strategies._rows_sum_f32``, which unrolls ``k - 1``
 adds: with ``k`` = the number of processes (or local devices) the traced graph,
 and the compile time, grew with the job size.
+
+May import: JAX only (``_strategies`` imports it).
 """
 
 from __future__ import annotations

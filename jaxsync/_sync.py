@@ -9,17 +9,27 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from . import _intra, _invariance, _mpi_backend, _sparse, _strategies
-from ._sparse import SparseOptions
-from ._config import (AUTO, AxisName, Bytes, CheckFinite, Comm, DTypeLike, ProfileLike, Reduce,
-                      Staging, SyncConfig, make_config)
+from . import _intra, _invariance, _mpi_backend, _sparse, _sparse_sync, _strategies
+from ._config import (
+    AUTO,
+    AxisName,
+    Bytes,
+    CheckFinite,
+    Comm,
+    DTypeLike,
+    ProfileLike,
+    Reduce,
+    Staging,
+    SyncConfig,
+    make_config,
+)
 from ._plan import make_plan
+from ._sparse import SparseOptions
 
 PyTree = Any
 
@@ -27,7 +37,7 @@ PyTree = Any
 def sync(tree: PyTree, cfg: SyncConfig):
     """Reduce ``tree`` per ``cfg``; returns (tree, all_finite or None)."""
     if _sparse.has_row_sparse(tree):  # RowSparse leaves are all-gathered
-        return _sparse.sync_mixed(tree, cfg, sync)
+        return _sparse_sync.sync_mixed(tree, cfg, sync)
     _intra.check_axes(cfg.axes)
     if cfg.strategy == AUTO:  # chosen now, from the tree (jaxsync._auto)
         from . import _auto

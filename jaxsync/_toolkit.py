@@ -23,7 +23,7 @@ import os
 import re
 import shutil
 import sys
-from typing import Callable, Mapping, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 HEADER = os.path.join("include", "cuda_runtime.h")
 ENV_VARS = ("CUDA_HOME", "CUDA_PATH", "CUDA_ROOT")
@@ -62,7 +62,7 @@ def _nvcc_targets(nvcc: str) -> list[str]:
     return out
 
 
-def candidates(env: Mapping[str, str], nvcc: Optional[str],
+def candidates(env: Mapping[str, str], nvcc: str | None,
                glob_fn: Callable[[str], Sequence[str]] = glob.glob,
                usual_link: str = USUAL_LINK) -> list[tuple[str, str]]:
     """Candidate toolkit roots as ``(folder, why)``, in the order they are tried."""
@@ -86,7 +86,7 @@ def candidates(env: Mapping[str, str], nvcc: Optional[str],
     return unique
 
 
-def find_cuda_root(env: Optional[Mapping[str, str]] = None, nvcc: Optional[str] = None,
+def find_cuda_root(env: Mapping[str, str] | None = None, nvcc: str | None = None,
                    glob_fn: Callable[[str], Sequence[str]] = glob.glob,
                    usual_link: str = USUAL_LINK) -> str:
     """Return the CUDA toolkit folder that holds ``include/cuda_runtime.h``.

@@ -183,7 +183,7 @@ class Comms:
         _register_atexit()
 
     @classmethod
-    def of(cls, comm) -> "Comms":
+    def of(cls, comm) -> Comms:
         key = id(comm)
         got = cls._cache.get(key)
         if got is None or got.user is not comm:
@@ -310,7 +310,7 @@ def _drain() -> None:
         pass
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _register_atexit() -> None:
     import atexit
     # Registered after mpi4py.MPI was imported (a Comms exists), so it runs

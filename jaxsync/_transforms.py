@@ -9,8 +9,17 @@ from __future__ import annotations
 
 import optax
 
-from ._config import (AUTO, AxisName, Bytes, CheckFinite, Comm, DTypeLike, Reduce, Staging,
-                      make_config)
+from ._config import (
+    AUTO,
+    AxisName,
+    Bytes,
+    CheckFinite,
+    Comm,
+    DTypeLike,
+    Reduce,
+    Staging,
+    make_config,
+)
 from ._sparse import SparseOptions
 from ._sync import transform_fns
 

@@ -17,9 +17,8 @@ import sys
 import threading
 import time
 
-import numpy as np
-
 import jax
+import numpy as np
 from jax import lax
 from jax.experimental import io_callback
 

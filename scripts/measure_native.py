@@ -26,10 +26,11 @@ def main():
     p.add_argument("--trees", default="resnet18,small500")
     ns = p.parse_args()
 
-    from mpi4py import MPI
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+    from mpi4py import MPI
 
     import jaxsync
     from jaxsync._bench import fake_grads, resnet18_like, small_leaves
@@ -85,7 +86,7 @@ def main():
     for name in ns.trees.split(",") * ns.repeats:
         spec = trees[name]()
         leaves = jax.tree.leaves(spec)
-        nbytes = sum(int(np.prod(l.shape)) * 4 for l in leaves)
+        nbytes = sum(int(np.prod(leaf.shape)) * 4 for leaf in leaves)
         x = jax.tree.map(lambda s: jnp.ones((1, *s.shape), s.dtype), spec)
         x1 = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), spec)
 

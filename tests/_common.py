@@ -35,9 +35,8 @@ row   requirement                                                 tests
 ====  ==========================================================  =========================
 """
 
-import numpy as np
-
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 N = 8

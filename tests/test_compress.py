@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import io
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+import pytest
+from _common import MESH2, bits
 from jax.sharding import PartitionSpec as P
 
 import jaxsync
-from jaxsync import _compress, _compress_digits
-from _common import MESH2, bits
+from jaxsync import _compress, _compress_digits, _sign
 
 R = 4  # replicas
 
@@ -217,10 +216,10 @@ def test_powersgd_warm_start_keeps_q():
 def test_pack_signs_round_trip():
     x = jnp.asarray(np.random.default_rng(4).standard_normal(21), jnp.float32)
     x = x.at[3].set(0.0).at[4].set(-0.0)
-    packed = _compress.pack_signs(x)
+    packed = _sign.pack_signs(x)
     assert packed.dtype == jnp.uint8 and packed.shape == (3,)
     want = np.where(np.asarray(x) >= 0, 1.0, -1.0)
-    np.testing.assert_array_equal(np.asarray(_compress.unpack_signs(packed, 21)), want)
+    np.testing.assert_array_equal(np.asarray(_sign.unpack_signs(packed, 21)), want)
     # bit 7 of byte 0 is element 0
     assert int(packed[0]) >> 7 == int(x[0] >= 0)
 

@@ -10,19 +10,18 @@ import subprocess
 import sys
 import types
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+import numpy as np
+import pytest
+from _common import MESH1, MESH2
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxsync
 from jaxsync import _config, _mpi_backend, _sync, _topology
 from jaxsync._plan import make_plan, structure_text
 from jaxsync._reduce16 import UNROLL, rows_sum_f32
-
-from _common import MESH1, MESH2
 
 # --------------------------------------------------------------------------
 # Item 2: a launched job must not silently train alone.
@@ -292,6 +291,7 @@ def fake_mpi_status(monkeypatch):
 
 def _stalled(comm, timeout):
     import io
+
     from jaxsync._watchdog import Watchdog
     wd = Watchdog(comm, timeout, stream=io.StringIO())
     wd.enter(None)  # inside a stage...

@@ -11,13 +11,12 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import jax
-import jax.numpy as jnp
 
 import jaxsync
 

@@ -7,13 +7,13 @@ mean of every replica's scattered gradient computed in float64 by numpy.
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-import jax
-import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import jaxsync
 from jaxsync import _sparse
@@ -177,7 +177,7 @@ def test_axis_comm():
         tx = jaxsync.hierarchical_mean(axis_name="local", comm=jaxsync.AxisComm("host"),
                                        sparse=opts)
 
-        def step(t):
+        def step(t, tx=tx):
             t = jax.tree.map(lambda x: x[0], t)
             return tx.update(t, tx.init(t))[0]
 

@@ -14,18 +14,15 @@ Layouts:
 
 from __future__ import annotations
 
-
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+import pytest
+from _common import HL, INTER, MESH1, MESH2, STRATEGIES, N, bits  # noqa: E402
 from jax.sharding import PartitionSpec as P
 
 import jaxsync
-
-from _common import HL, INTER, MESH1, MESH2, N, STRATEGIES, bits  # noqa: E402
 
 
 def make_tx(strategy, layout, **opts):
@@ -113,7 +110,7 @@ def integer_tree():
 
 
 def check_closed_form(out, tree, reduce):
-    for k, shape in enumerate(LEAF_SHAPES):
+    for k in range(len(LEAF_SHAPES)):
         name = f"k{k}"
         x, y = tree[name], out[name]
         assert y.dtype == x.dtype, f"{name}: dtype {y.dtype} != {x.dtype}"
@@ -179,7 +176,7 @@ def all_strategies_fn(layout, strategies, **opts):
 RANDOM_LAYOUTS = [("shard_map", STRATEGIES), ("axiscomm", INTER), ("axis_tuple", STRATEGIES)]
 
 
-@pytest.mark.parametrize("layout,strategies", RANDOM_LAYOUTS, ids=[l for l, _ in RANDOM_LAYOUTS])
+@pytest.mark.parametrize("layout,strategies", RANDOM_LAYOUTS, ids=[name for name, _ in RANDOM_LAYOUTS])
 def test_random_f32_within_ulp_bound_of_float64_reference(layout, strategies):
     tree = random_tree()
     outs = all_strategies_fn(layout, strategies)(tree)
@@ -204,7 +201,7 @@ def test_random_f32_within_ulp_bound_of_float64_reference(layout, strategies):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("layout,strategies", RANDOM_LAYOUTS, ids=[l for l, _ in RANDOM_LAYOUTS])
+@pytest.mark.parametrize("layout,strategies", RANDOM_LAYOUTS, ids=[name for name, _ in RANDOM_LAYOUTS])
 def test_strategies_within_ulp_of_float64_reference(layout, strategies, dtype):
     """Every strategy against an independent numpy float64 mean (not against
     another strategy of the library), at a tolerance from the dtype's ULP."""

@@ -8,18 +8,17 @@ parity with single-device optax.
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+import pytest
+from _common import HL, INTER, MESH1, MESH2, STRATEGIES, N, bits  # noqa: E402
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxsync
-
-from _common import HL, INTER, MESH1, MESH2, N, STRATEGIES, bits  # noqa: E402
 
 FACTORIES = {s: getattr(jaxsync, f"{s}_mean") for s in STRATEGIES}
 

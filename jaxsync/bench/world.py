@@ -38,4 +38,4 @@ def set_devices(n: int) -> None:
             raise SystemExit(
                 f"jaxsync bench: JAX is already initialised with {jax.local_device_count()} "
                 f"device(s), --devices asks for {n}. Start a fresh process, or set "
-                f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before JAX starts.")
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before JAX starts.") from None

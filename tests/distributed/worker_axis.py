@@ -15,7 +15,8 @@ jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processe
                            process_id=pid, initialization_timeout=60)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 import jaxsync  # noqa: E402
 

@@ -73,7 +73,7 @@ class MPIRun:
         return (f"$ {' '.join(map(str, self.cmd))}\n{state} after {self.elapsed:.1f} s\n"
                 f"----- output -----\n{self.output}\n------------------")
 
-    def check(self) -> "MPIRun":
+    def check(self) -> MPIRun:
         """Fail unless every rank exited 0 and wrote its results."""
         if self.timed_out or self.returncode != 0:
             pytest.fail("MPI job failed:\n" + self.describe(), pytrace=False)

@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-
 from mpi_harness import MPIRUN, ROOT, requires_mpi
 
 pytestmark = requires_mpi

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from mpi_harness import requires_mpi, run_mpi
 
 pytestmark = requires_mpi

@@ -8,16 +8,16 @@ file launches a handful of short MPI jobs.
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+import mpi_data
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from mpi_harness import requires_mpi, run_mpi
 
 import jaxsync
-import mpi_data
-from mpi_harness import requires_mpi, run_mpi
 
 pytestmark = requires_mpi
 

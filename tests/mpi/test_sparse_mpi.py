@@ -7,11 +7,9 @@ and its raw rows must be the same bytes on both ranks.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jax.numpy as jnp
-
 from mpi_harness import requires_mpi, run_mpi
 from sparse_data import V, expected
 

@@ -19,7 +19,8 @@ def main():
     ns, jax, MPI = init([(("--mode",), dict(default="basic"))])
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
     import jaxsync
 

@@ -30,7 +30,8 @@ def main():
     import jax.numpy as jnp
     import numpy as np
     import optax
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
     import jaxsync
 
@@ -67,11 +68,11 @@ def main():
             init_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(),
                                                out_specs=specs))
 
-            def step(p, s, x, y):
+            def step(p, s, x, y, tx=tx):
                 loss, g = jax.value_and_grad(loss_fn)(p, x, y)
                 u, s = tx.update(g, s, p)
                 p = optax.apply_updates(p, u)
-                own = jax.tree.map(lambda a: jax.lax.pcast(a, "d", to="varying")[None], p)
+                own = jax.tree.map(lambda v: jax.lax.pcast(v, "d", to="varying")[None], p)
                 return p, s, own, jax.lax.pmean(loss, "d")
 
             f = jax.jit(jax.shard_map(step, mesh=mesh,
@@ -83,7 +84,7 @@ def main():
                     "jaxsync_allgather" in text and "xui8>" in text.split(
                         "jaxsync_allgather", 1)[-1].split("\n", 1)[0])
 
-            def train(p, s, steps):
+            def train(p, s, steps, f=f):
                 losses = []
                 for _ in range(steps):
                     p, s, own, loss = f(p, s, x, y)

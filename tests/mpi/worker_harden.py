@@ -27,7 +27,8 @@ def main():
     ns, jax, MPI = init([(("--mode",), dict(required=True))])
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
     import jaxsync
 
@@ -115,7 +116,7 @@ def main():
     elif ns.mode == "watchdog_loop":
         arm_watchdog(100)
         rounds = []
-        for i in range(20):
+        for _ in range(20):
             sub = comm.Dup()
             tx = jaxsync.two_dimensional_mean(axis_name="d", comm=sub, timeout=0.05)
             step = step_of(tx, lambda v: {"w": jnp.full((7,), v)})

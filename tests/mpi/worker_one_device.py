@@ -11,9 +11,9 @@ def main():
     ns, jax, MPI = init()
     import jax.numpy as jnp
     import numpy as np
+    from mpi_data import make_tree
 
     import jaxsync
-    from mpi_data import make_tree
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()

@@ -16,11 +16,12 @@ def main():
     ns, jax, MPI = init([(("--mode",), dict(default="exact"))])
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+    from sparse_data import V, rows
 
     import jaxsync
     from jaxsync._sparse import RowSparse
-    from sparse_data import V, rows
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
@@ -79,7 +80,7 @@ def main():
                     two_dimensional=jaxsync.two_dimensional_mean)
         tree = tree_of(mine)
         for name, fac in facs.items():
-            attempt(f"shard_map-{name}", lambda: run_shard_map(
+            attempt(f"shard_map-{name}", lambda name=name, fac=fac: run_shard_map(
                 f"shard_map-{name}", fac(axis_name="local", comm=comm), tree))
         options = {
             "coalesce": dict(sparse=jaxsync.SparseOptions(coalesce=True)),
@@ -89,7 +90,7 @@ def main():
             "staging_host": dict(staging="host"),
         }
         for name, kw in options.items():
-            attempt(f"shard_map-hierarchical-{name}", lambda: run_shard_map(
+            attempt(f"shard_map-hierarchical-{name}", lambda name=name, kw=kw: run_shard_map(
                 f"shard_map-hierarchical-{name}",
                 jaxsync.hierarchical_mean(axis_name="local", comm=comm, **kw), tree))
         tx = jaxsync.hierarchical_mean(axis_name="local", comm=comm)
@@ -103,8 +104,8 @@ def main():
                            ("-coalesce", jaxsync.SparseOptions(coalesce=True))):
             tx = jaxsync.hierarchical_mean(axis_name=None, comm=comm, sparse=opts)
             f = jax.jit(lambda t, tx=tx: tx.update(t, tx.init(t))[0])
-            attempt(f"jit{name}", lambda: record(f"jit{name}",
-                                                 jax.block_until_ready(f(tree)), False))
+            attempt(f"jit{name}", lambda name=name, f=f: record(
+                f"jit{name}", jax.block_until_ready(f(tree)), False))
         tx = jaxsync.hierarchical_mean(axis_name="local", comm=comm)
         attempt("shard_map-1", lambda: run_shard_map("shard_map-1", tx, tree_of(mine)))
     elif ns.mode == "agree":
