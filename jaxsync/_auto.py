@@ -7,6 +7,11 @@ read on every process when the transform is made and rank 0's is broadcast (on
 jaxsync's private control communicator), so every process decides alike; the
 choice is part of the text the processes compare before their first reduction.
 ``comm_dtype`` is never chosen (a lossy wire dtype is the user's decision).
+
+May import: optax, the standard library, ``jaxsync._cost``/``_cost_ops`` at the
+top; JAX and the rest of jaxsync (``_plan``, ``_config``, ``_sync``, ``_intra``,
+``_mpi_backend``, ``_axis_backend``, ``_topology``, ``_bench``, ``_project``) inside
+functions, as ``_config`` and ``_sync`` import this module.
 """
 
 from __future__ import annotations
@@ -24,17 +29,41 @@ from typing import Any
 import optax
 
 from . import _cost
-from ._cost import BucketInfo, ModelTopology, Profile
+from ._auto_choose import (
+    AUTO,
+    CANDIDATE_BUCKETS,
+    CANDIDATE_STRATEGIES,
+    CANDIDATE_THRESHOLDS,
+    Choice,
+    buckets_of,
+    choose,
+)
+from ._cost import Profile
+from ._cost_ops import ModelTopology
+
+__all__ = [
+    "AUTO",
+    "CANDIDATE_BUCKETS",
+    "CANDIDATE_STRATEGIES",
+    "CANDIDATE_THRESHOLDS",
+    "AutoSpec",
+    "AutoTransformation",
+    "Choice",
+    "auto_mean",
+    "buckets_of",
+    "choose",
+    "default_profile_path",
+    "explain_tree",
+    "load_profile",
+    "make_auto_config",
+    "named_trees",
+    "resolve",
+]
 
 log = logging.getLogger("jaxsync")
 
-AUTO = "auto"
 PROFILE_ENV = "JAXSYNC_PROFILE"
 DEFAULT_PROFILE_PATH = Path("~/.cache/jaxsync/profile.json")
-CANDIDATE_STRATEGIES = ("hierarchical", "two_dimensional", "flat", "naive")
-"""In order of preference on a tie (within a relative 1e-9)."""
-CANDIDATE_BUCKETS = (16 * 2**20, 64 * 2**20)
-CANDIDATE_THRESHOLDS = (None, 64 * 2**10, 256 * 2**10, 1 * 2**20, 4 * 2**20)
 
 
 def default_profile_path() -> Path:
@@ -58,8 +87,10 @@ def load_profile(profile=None) -> tuple[Profile, str]:
     explicit = profile is not None
     path = Path(profile).expanduser() if explicit else default_profile_path()
     if not path.exists():
-        note = (f"no profile at {path} (write one with `python -m jaxsync tune --out "
-                f"{path}`): using the built-in default link parameters")
+        note = (
+            f"no profile at {path} (write one with `python -m jaxsync tune --out "
+            f"{path}`): using the built-in default link parameters"
+        )
         if explicit or os.environ.get(PROFILE_ENV):
             warnings.warn(f"jaxsync auto: {note}", stacklevel=3)
         return _cost.DEFAULT_PROFILE, note
@@ -79,121 +110,14 @@ class AutoSpec:
     profile: Profile
     note: str
     hosts: int = 1
-    bucket_bytes: Any = AUTO       # AUTO: chosen; else fixed by the user
+    bucket_bytes: Any = AUTO  # AUTO: chosen; else fixed by the user
     pack_threshold: Any = AUTO
-    key: int = 0                   # this transform's entry in the record of choices
+    key: int = 0  # this transform's entry in the record of choices
 
     def __hash__(self):
-        return hash((self.profile.digest(), self.hosts, self.bucket_bytes,
-                     self.pack_threshold, self.key))
-
-
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    """The outcome: what was chosen and the predicted seconds of every candidate."""
-
-    strategy: str
-    bucket_bytes: int | None
-    pack_threshold: int | None
-    seconds: float
-    table: tuple            # ((strategy, bucket_bytes, pack_threshold, seconds), ...)
-    topology: ModelTopology
-    profile_note: str
-    warnings: tuple = ()
-
-    def describe(self) -> str:
-        t = self.topology
-        lines = [f"jaxsync auto: {self.strategy} (bucket_bytes {_fmt(self.bucket_bytes)}, "
-                 f"pack_threshold {_fmt(self.pack_threshold)}), predicted "
-                 f"{self.seconds * 1e3:.3f} ms; {t.processes} process(es) on {t.hosts} "
-                 f"host(s) x {t.local_devices} device(s), inter link {t.link if t.processes > 1 else '-'}; "
-                 f"{self.profile_note}"]
-        lines += [f"  note: {w}" for w in self.warnings]
-        best = {}
-        for s, b, th, sec in self.table:
-            if s not in best or sec < best[s][2]:
-                best[s] = (b, th, sec)
-        for s, (b, th, sec) in best.items():
-            mark = "*" if s == self.strategy else " "
-            lines.append(f" {mark} {s:<16} {sec * 1e3:9.3f} ms  (bucket_bytes {_fmt(b)}, "
-                         f"pack_threshold {_fmt(th)})")
-        return "\n".join(lines)
-
-
-def _fmt(n):
-    if n is None:
-        return "none"
-    return f"{n // 2**20} MiB" if n >= 2**20 and n % 2**20 == 0 else (
-        f"{n // 2**10} KiB" if n % 2**10 == 0 else f"{n} B")
-
-
-def buckets_of(plan) -> list[BucketInfo]:
-    return [BucketInfo(b.dtype, b.nbytes, len(b.leaves)) for b in plan.buckets]
-
-
-def _check_profile_topology(profile: Profile, topo: ModelTopology) -> tuple:
-    notes = []
-    need = ["device"] if topo.local_devices > 1 else []
-    if topo.processes > 1:
-        need.append(topo.link)
-    for name in need:
-        if not profile.has(name):
-            notes.append(f"the profile has no '{name}' link (not measured on its "
-                         f"machine): built-in default used for it")
-    got = profile.topology
-    if got:
-        here = {"processes": topo.processes, "hosts": topo.hosts,
-                "local_devices": topo.local_devices}
-        if any(got.get(k) != v for k, v in here.items()):
-            notes.append(f"the profile was measured on {got.get('processes')} process(es) "
-                         f"x {got.get('local_devices')} device(s), {got.get('hosts')} host(s); "
-                         f"this is {topo.processes} x {topo.local_devices}, {topo.hosts}: its "
-                         "link parameters are used as they are")
-    return tuple(notes)
-
-
-def choose(tree, topo: ModelTopology, profile: Profile | None = None, *,
-           bucket_bytes=AUTO, pack_threshold=AUTO, comm_itemsize: int | None = None,
-           strategies=CANDIDATE_STRATEGIES, profile_note: str = "") -> Choice:
-    """The fastest (strategy, bucket_bytes, pack_threshold) for ``tree`` by the model.
-
-    ``tree`` is a pytree of arrays or ``jax.ShapeDtypeStruct``. Deterministic:
-    candidates are tried in a fixed order and the first within a relative
-    1e-9 of the fastest wins.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> from jaxsync import _auto, _cost
-      >>> tree = {f"w{i}": jax.ShapeDtypeStruct((256,), jnp.float32) for i in range(200)}
-      >>> topo = _cost.ModelTopology(processes=2, hosts=1, local_devices=4)
-      >>> c = _auto.choose(tree, topo)
-      >>> c.strategy != "naive"   # 200 messages would cost 200 latencies
-      True
-      >>> c == _auto.choose(tree, topo)
-      True
-    """
-    from ._plan import DEFAULT_BUCKET_BYTES, DEFAULT_PACK_THRESHOLD, make_plan
-    profile = profile or _cost.DEFAULT_PROFILE
-    buckets_opts = CANDIDATE_BUCKETS if bucket_bytes == AUTO else (bucket_bytes,)
-    thr_opts = CANDIDATE_THRESHOLDS if pack_threshold == AUTO else (pack_threshold,)
-    table, seen = [], {}
-    for s in strategies:
-        per_leaf = _cost.per_leaf_plan(s, topo)
-        for b in buckets_opts:
-            for t in thr_opts:
-                plan = make_plan(tree, bucket_bytes=b, pack_threshold=t, per_leaf=per_leaf)
-                key = (s, plan.buckets)
-                if key in seen:  # the same program as an earlier candidate
-                    continue
-                seen[key] = True
-                sec = _cost.predict(s, buckets_of(plan), topo, profile, comm_itemsize)
-                table.append((s, b, t, float(sec)))
-    if not table:
-        raise ValueError("jaxsync auto: no candidate strategy")
-    best = min(sec for *_, sec in table)
-    pick = next(row for row in table if row[3] <= best * (1 + 1e-9))
-    return Choice(pick[0], pick[1], pick[2], pick[3], tuple(table), topo, profile_note,
-                  _check_profile_topology(profile, topo))
+        return hash(
+            (self.profile.digest(), self.hosts, self.bucket_bytes, self.pack_threshold, self.key)
+        )
 
 
 # --------------------------------------------------------------------------
@@ -201,12 +125,13 @@ def choose(tree, topo: ModelTopology, profile: Profile | None = None, *,
 # --------------------------------------------------------------------------
 
 _lock = threading.Lock()
-_recent: dict = {}   # AutoSpec.key -> list of Choice (newest last), for describe()
+_recent: dict = {}  # AutoSpec.key -> list of Choice (newest last), for describe()
 _keys = itertools.count(1)
 
 
-def make_auto_config(fn, axis_name, comm, *, profile=None, bucket_bytes=AUTO,
-                     pack_threshold=AUTO, **options):
+def make_auto_config(
+    fn, axis_name, comm, *, profile=None, bucket_bytes=AUTO, pack_threshold=AUTO, **options
+):
     """A SyncConfig with ``strategy="auto"`` and an :class:`AutoSpec`.
 
     Every other option is validated as for ``hierarchical_mean``. For an MPI
@@ -215,20 +140,28 @@ def make_auto_config(fn, axis_name, comm, *, profile=None, bucket_bytes=AUTO,
     """
     from . import _mpi_backend
     from ._config import make_config
+
     if not (profile is None or isinstance(profile, (str, os.PathLike, dict, Profile))):
         raise TypeError(
             f"{fn} got unexpected type for argument 'profile' (expected: a path, a "
             f"dict, a jaxsync profile or None, got: {type(profile).__name__} "
             f"{profile!r}). Fix: profile='profile.json' (written by `python -m jaxsync "
-            "tune --out profile.json`) or profile=None (the default path, else built-in).")
-    base = make_config(fn, "hierarchical", axis_name, comm,
-                       bucket_bytes=64 * 2**20 if bucket_bytes == AUTO else bucket_bytes,
-                       pack_threshold=256 * 2**10 if pack_threshold == AUTO else pack_threshold,
-                       **options)
+            "tune --out profile.json`) or profile=None (the default path, else built-in)."
+        )
+    base = make_config(
+        fn,
+        "hierarchical",
+        axis_name,
+        comm,
+        bucket_bytes=64 * 2**20 if bucket_bytes == AUTO else bucket_bytes,
+        pack_threshold=256 * 2**10 if pack_threshold == AUTO else pack_threshold,
+        **options,
+    )
     prof, note = load_profile(profile)
     hosts = 1
     if isinstance(base.backend, _mpi_backend.MPIBackend):
         from ._topology import topology
+
         comms = base.backend.comms
         hosts = topology(base.backend.comm).hosts
         mine = {"profile": prof.to_json(), "source": prof.source, "note": note}
@@ -246,7 +179,9 @@ def make_auto_config(fn, axis_name, comm, *, profile=None, bucket_bytes=AUTO,
 def resolve(tree, cfg):
     """At trace time: ``cfg`` with the strategy, buckets and threshold chosen."""
     from jax import lax
+
     from . import _axis_backend, _intra, _mpi_backend
+
     spec = cfg.auto
     D = _intra.axes_size(cfg.axes) if cfg.axes else 1
     backend = cfg.backend
@@ -254,18 +189,29 @@ def resolve(tree, cfg):
     inter_link = None
     if isinstance(backend, _axis_backend.AxisBackend):
         import jax
+
         inter_link = "device" if jax.process_count() == 1 else "network"
     batched = bool(cfg.axes) and _intra._is_batched(lax.axis_index(cfg.axes))
     topo = ModelTopology(
-        processes=P, hosts=spec.hosts, local_devices=D,
+        processes=P,
+        hosts=spec.hosts,
+        local_devices=D,
         native=bool(getattr(backend, "native", False)),
         broadcast=isinstance(backend, _mpi_backend.MPIBackend) and not batched,
-        inter_link=inter_link)
+        inter_link=inter_link,
+    )
     import jax.numpy as jnp
+
     itemsize = jnp.dtype(cfg.comm_dtype).itemsize if cfg.comm_dtype else None
-    choice = choose(tree, topo, spec.profile, bucket_bytes=spec.bucket_bytes,
-                    pack_threshold=spec.pack_threshold, comm_itemsize=itemsize,
-                    profile_note=spec.note)
+    choice = choose(
+        tree,
+        topo,
+        spec.profile,
+        bucket_bytes=spec.bucket_bytes,
+        pack_threshold=spec.pack_threshold,
+        comm_itemsize=itemsize,
+        profile_note=spec.note,
+    )
     with _lock:
         got = _recent.setdefault(spec.key, [])
         if not got or got[-1] != choice:
@@ -274,16 +220,24 @@ def resolve(tree, cfg):
             log.info(choice.describe().splitlines()[0])
             for w in choice.warnings:
                 warnings.warn(f"jaxsync auto: {w}", stacklevel=4)
-    return dataclasses.replace(cfg, strategy=choice.strategy,
-                               bucket_bytes=choice.bucket_bytes,
-                               pack_threshold=choice.pack_threshold)
+    return dataclasses.replace(
+        cfg,
+        strategy=choice.strategy,
+        bucket_bytes=choice.bucket_bytes,
+        pack_threshold=choice.pack_threshold,
+    )
 
 
 def named_trees() -> dict:
     """Trees ``info --tree`` knows: the bench's and the projection's."""
-    from . import _bench, _tune
-    return {**_bench.make_trees(False), **_bench.make_trees(True),
-            "resnet50": _tune.resnet50_tree, "transformer1b": _tune.transformer_1b_tree}
+    from . import _bench, _project
+
+    return {
+        **_bench.make_trees(False),
+        **_bench.make_trees(True),
+        "resnet50": _project.resnet50_tree,
+        "transformer1b": _project.transformer_1b_tree,
+    }
 
 
 def explain_tree(name: str, topo: dict, profile=None) -> str:
@@ -294,16 +248,20 @@ def explain_tree(name: str, topo: dict, profile=None) -> str:
         raise SystemExit(f"jaxsync info: unknown tree {name!r}; choose from {sorted(trees)}")
     prof, note = load_profile(profile)
     size = int(topo["size"])
-    model = ModelTopology(processes=size, hosts=int(topo["hosts"]),
-                          local_devices=int(topo["local_devices"]),
-                          native=topo.get("platform") == "cpu" and size > 1,
-                          broadcast=size > 1)
+    model = ModelTopology(
+        processes=size,
+        hosts=int(topo["hosts"]),
+        local_devices=int(topo["local_devices"]),
+        native=topo.get("platform") == "cpu" and size > 1,
+        broadcast=size > 1,
+    )
     return choose(trees[name](), model, prof, profile_note=note).describe()
 
 
 # --------------------------------------------------------------------------
 # The public factory
 # --------------------------------------------------------------------------
+
 
 class AutoTransformation(optax.GradientTransformation):
     """An optax ``GradientTransformation`` that says what ``auto`` chose.
@@ -321,15 +279,27 @@ class AutoTransformation(optax.GradientTransformation):
         with _lock:
             got = list(_recent.get(cfg.auto.key, []))
         if not got:
-            return (f"jaxsync auto: nothing chosen yet (the choice is made when the "
-                    f"step is first traced, from the tree); {cfg.auto.note}")
+            return (
+                f"jaxsync auto: nothing chosen yet (the choice is made when the "
+                f"step is first traced, from the tree); {cfg.auto.note}"
+            )
         return "\n".join(c.describe() for c in got)
 
 
-def auto_mean(axis_name, comm=AUTO, *, profile=None, reduce: str = "mean",
-              bucket_bytes=AUTO, pack_threshold=AUTO, comm_dtype=None,
-              predivide: float | None = None, check_finite=False,
-              staging: str = "device", timeout: float | None = None) -> AutoTransformation:
+def auto_mean(
+    axis_name: Any,
+    comm: Any = AUTO,
+    *,
+    profile: str | os.PathLike | dict | Profile | None = None,
+    reduce: str = "mean",
+    bucket_bytes: int | str | None = AUTO,
+    pack_threshold: int | str | None = AUTO,
+    comm_dtype: Any = None,
+    predivide: float | None = None,
+    check_finite: bool | str = False,
+    staging: str = "device",
+    timeout: float | None = None,
+) -> AutoTransformation:
     """Average gradients with the strategy the cost model predicts fastest.
 
     When the step is first traced, the transform predicts the time of every
@@ -369,11 +339,22 @@ def auto_mean(axis_name, comm=AUTO, *, profile=None, reduce: str = "mean",
       jaxsync auto: ... predicted ... 1 process(es) on 1 host(s) x 4 device(s)...
     """
     from ._sync import transform_fns
+
     fn = "auto_mean"
-    cfg = make_auto_config(fn, axis_name, comm, profile=profile, reduce=reduce,
-                           bucket_bytes=bucket_bytes, pack_threshold=pack_threshold,
-                           comm_dtype=comm_dtype, predivide=predivide,
-                           check_finite=check_finite, staging=staging, timeout=timeout)
+    cfg = make_auto_config(
+        fn,
+        axis_name,
+        comm,
+        profile=profile,
+        reduce=reduce,
+        bucket_bytes=bucket_bytes,
+        pack_threshold=pack_threshold,
+        comm_dtype=comm_dtype,
+        predivide=predivide,
+        check_finite=check_finite,
+        staging=staging,
+        timeout=timeout,
+    )
     init_fn, update_fn = transform_fns(fn, cfg)
     update_fn.config = cfg
     return AutoTransformation(init_fn, update_fn)

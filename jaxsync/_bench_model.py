@@ -10,43 +10,52 @@ collective beside them), and compare each strategy's measured marginal cost with
 the model's prediction for its plan. The results go to
 ``--out/model-<P>x<D>.json``; every run then merges all ``model-*.json`` of
 ``--out`` into ``model.md`` (the table), ``model.json`` (the summary) and
-``model.png`` (predicted against measured), so running the configurations one
-after another builds the whole picture. ``--collect`` only merges.
+``model.png`` (predicted against measured; ``jaxsync._bench_model_report``), so
+running the configurations one after another builds the whole picture.
+``--collect`` only merges.
 
 Accuracy criteria of the issue (reported, never asserted): the prediction
 within 25% of the measured marginal cost in at least 80% of the cases, and
 ``auto``'s measured cost within 10% of the best measured strategy in at least
 90% of the cases.
+
+May import: the standard library, numpy, JAX, mpi4py, jaxsync's public API and
+``jaxsync._bench`` (the bench's cases and timing), ``_bench_model_report``,
+``_cost_ops``, ``_auto``, ``_plan``, ``_tune``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from . import _bench, _cost
+from . import _bench, _cost_ops
 from ._bench import AXIS, LOCAL, Case, compile_cases, run_tree
+from ._bench_model_report import AUTO_TOL, STRATEGIES, collect
 
-STRATEGIES = ("naive", "flat", "hierarchical", "two_dimensional")
-PRED_TOL, PRED_SHARE = 0.25, 0.80
-AUTO_TOL, AUTO_SHARE = 0.10, 0.90
 DEFAULT_TREES = ("resnet18", "small500", "transformer", "mixed")
 
 
 def _methods(axis, comm, profile_json):
     import jaxsync
+
     common = dict(axis_name=axis, comm=comm)
-    out = {"naive": jaxsync.naive_mean(**common), "flat": jaxsync.flat_mean(**common),
-           "hierarchical": jaxsync.hierarchical_mean(**common),
-           "two_dimensional": jaxsync.two_dimensional_mean(**common),
-           "auto": jaxsync.auto_mean(**common, profile=profile_json)}
-    return {k: (lambda tx: (lambda g: tx.update(g, tx.init(g))[0]))(tx)
-            for k, tx in out.items()}, out["auto"]
+    out = {
+        "naive": jaxsync.naive_mean(**common),
+        "flat": jaxsync.flat_mean(**common),
+        "hierarchical": jaxsync.hierarchical_mean(**common),
+        "two_dimensional": jaxsync.two_dimensional_mean(**common),
+        "auto": jaxsync.auto_mean(**common, profile=profile_json),
+    }
+    return {k: _sync_fn(tx) for k, tx in out.items()}, out["auto"]
+
+
+def _sync_fn(tx):
+    return lambda g: tx.update(g, tx.init(g))[0]
 
 
 class ModelIntra(_bench.IntraBench):
@@ -60,15 +69,24 @@ class ModelIntra(_bench.IntraBench):
         import jax
         import jax.numpy as jnp
         from jax import lax
+
         arg = self._stacked(tree)
-        buf = self._stacked(jax.ShapeDtypeStruct((_bench.tree_info(tree)[2] // 4,),
-                                                 jnp.float32))
-        cases = [Case("base tree", "base", None, step=self._step(None), arg=arg),
-                 Case("base buffer", "base", None, step=self._step(None), arg=buf),
-                 *(Case(m, "jaxsync", "base tree", step=self._step(s), arg=arg)
-                   for m, s in self.methods.items()),
-                 Case("psum bare", "bare", "base buffer",
-                      step=self._step(lambda b: lax.psum(b, AXIS)), arg=buf)]
+        buf = self._stacked(jax.ShapeDtypeStruct((_bench.tree_info(tree)[2] // 4,), jnp.float32))
+        cases = [
+            Case("base tree", "base", None, step=self._step(None), arg=arg),
+            Case("base buffer", "base", None, step=self._step(None), arg=buf),
+            *(
+                Case(m, "jaxsync", "base tree", step=self._step(s), arg=arg)
+                for m, s in self.methods.items()
+            ),
+            Case(
+                "psum bare",
+                "bare",
+                "base buffer",
+                step=self._step(lambda b: lax.psum(b, AXIS)),
+                arg=buf,
+            ),
+        ]
         compile_cases(cases, self.n, 1)
         return cases, {}
 
@@ -85,155 +103,113 @@ class ModelMPI(_bench.MPIBench):
         import jax.numpy as jnp
         from jax import lax
         from mpi4py import MPI
+
         arg = self._stacked(tree)
         nbytes = _bench.tree_info(tree)[2]
         buf = self._stacked(jax.ShapeDtypeStruct((nbytes // 4,), jnp.float32))
-        cases = [Case("base tree", "base", None, step=self._step(None), arg=arg),
-                 Case("base buffer", "base", None, step=self._step(None), arg=buf),
-                 *(Case(m, "jaxsync", "base tree", step=self._step(s), arg=arg)
-                   for m, s in self.methods.items())]
+        cases = [
+            Case("base tree", "base", None, step=self._step(None), arg=arg),
+            Case("base buffer", "base", None, step=self._step(None), arg=buf),
+            *(
+                Case(m, "jaxsync", "base tree", step=self._step(s), arg=arg)
+                for m, s in self.methods.items()
+            ),
+        ]
         if self.n > 1:
-            cases.append(Case("psum bare", "limit", "base buffer",
-                              step=self._step(lambda b: lax.psum(b, LOCAL)), arg=buf))
+            cases.append(
+                Case(
+                    "psum bare",
+                    "limit",
+                    "base buffer",
+                    step=self._step(lambda b: lax.psum(b, LOCAL)),
+                    arg=buf,
+                )
+            )
         compile_cases(cases, self.n, self.procs)
         send = np.ones(nbytes // 4, np.float32)
         recv = np.ones_like(send)
-        cases.append(Case("mpi4py bare", "bare", None, arrays=1, ops=1,
-                          run=lambda: self.peer_comm.Allreduce(send, recv, op=MPI.SUM)))
+        cases.append(
+            Case(
+                "mpi4py bare",
+                "bare",
+                None,
+                arrays=1,
+                ops=1,
+                run=lambda: self.peer_comm.Allreduce(send, recv, op=MPI.SUM),
+            )
+        )
         return cases, {}
 
 
-def predictions(tree, topo: _cost.ModelTopology, profile: _cost.Profile) -> dict:
+def predictions(tree, topo: _cost_ops.ModelTopology, profile) -> dict:
     """Predicted seconds of each strategy with the options its factory uses."""
+    from ._auto import buckets_of
     from ._plan import make_plan
-    from ._config import make_config
+
     out = {}
     for s in STRATEGIES:
-        cfg = make_config("bench", s, None, None)
-        plan = make_plan(tree, bucket_bytes=cfg.bucket_bytes, pack_threshold=cfg.pack_threshold,
-                         per_leaf=_cost.per_leaf_plan(s, topo))
-        from ._auto import buckets_of
-        out[s] = _cost.predict(s, buckets_of(plan), topo, profile)
+        bucket_bytes, threshold = _cost_ops.strategy_defaults(s)
+        plan = make_plan(
+            tree,
+            bucket_bytes=bucket_bytes,
+            pack_threshold=threshold,
+            per_leaf=_cost_ops.per_leaf_plan(s, topo),
+        )
+        out[s] = _cost_ops.predict(s, buckets_of(plan), topo, profile, bucket_bytes=bucket_bytes)
     return out
 
 
-def collect(out: Path) -> dict:
-    """Merge ``model-*.json`` of ``out``: table, summary, plot."""
-    runs = [json.loads(p.read_text()) for p in sorted(out.glob("model-*x*.json"))]
-    cases, autos = [], []
-    for run in runs:
-        cfg = run["config"]
-        for t in run["trees"]:
-            for s, r in t["strategies"].items():
-                err = (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] \
-                    if r["measured_ms"] > 0 else float("inf")
-                cases.append({"config": cfg, "tree": t["tree"], "strategy": s,
-                              "predicted_ms": r["predicted_ms"],
-                              "measured_ms": r["measured_ms"], "rel_error": err,
-                              "q25_ms": r.get("q25_ms"), "q75_ms": r.get("q75_ms"),
-                              "ok": abs(err) <= PRED_TOL})
-            autos.append({"config": cfg, "tree": t["tree"], **t["auto"]})
-    share = float(np.mean([c["ok"] for c in cases])) if cases else float("nan")
-    auto_share = float(np.mean([a["ok"] for a in autos])) if autos else float("nan")
-    # Cases whose own measurement spreads wider than the +-25% band (IQR of the
-    # rounds over the median): there, no model can be checked to 25%.
-    noisy = [c for c in cases if c["q25_ms"] is not None and c["measured_ms"] > 0
-             and (c["q75_ms"] - c["q25_ms"]) / c["measured_ms"] > 2 * PRED_TOL]
-    noisy_share = len(noisy) / len(cases) if cases else float("nan")
-    summary = {"prediction_within_25pct": share, "prediction_target": PRED_SHARE,
-               "auto_within_10pct_of_best": auto_share, "auto_target": AUTO_SHARE,
-               "measurements_wider_than_band": noisy_share,
-               "cases": cases, "auto": autos,
-               "configs": [r["config"] for r in runs],
-               "meta": [r["meta"] for r in runs]}
-    (out / "model.json").write_text(json.dumps(summary, indent=1))
-    lines = ["| config | tree | strategy | predicted | measured | error |",
-             "|---|---|---|---|---|---|"]
-    for c in cases:
-        lines.append(f"| {c['config']} | {c['tree']} | `{c['strategy']}` | "
-                     f"{c['predicted_ms']:.2f} ms | {c['measured_ms']:.2f} ms | "
-                     f"{100 * c['rel_error']:+.0f}%{'' if c['ok'] else ' (miss)'} |")
-    lines += ["", "| config | tree | auto picks | auto measured | best strategy measured | "
-                  "within 10% |", "|---|---|---|---|---|---|"]
-    for a in autos:
-        lines.append(f"| {a['config']} | {a['tree']} | `{a['choice']}` | "
-                     f"{a['measured_ms']:.2f} ms | `{a['best']}` {a['best_ms']:.2f} ms | "
-                     f"{'yes' if a['ok'] else 'no'} |")
-    lines += ["", f"Predictions within 25% of the measured marginal cost: "
-                  f"{100 * share:.0f}% of {len(cases)} cases (target {100 * PRED_SHARE:.0f}%). "
-                  f"auto within 10% of the best measured strategy: {100 * auto_share:.0f}% "
-                  f"of {len(autos)} cases (target {100 * AUTO_SHARE:.0f}%). Measurements whose "
-                  f"interquartile range is wider than the 50% band: {100 * noisy_share:.0f}%."]
-    (out / "model.md").write_text("\n".join(lines) + "\n")
-    try:
-        plot(cases, out / "model.png")
-    except ImportError as e:  # matplotlib is in the bench extra
-        print(f"no plot: {e}", file=sys.stderr)
-    return summary
+def _same_program(tree, topo, choice) -> bool:
+    """Whether auto's choice plans ``tree`` as the chosen strategy's factory does."""
+    from ._plan import make_plan
 
-
-def plot(cases, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7.5, 7))
-    configs = list(dict.fromkeys(c["config"] for c in cases))
-    markers = dict(zip(STRATEGIES, "osD^"))
-    cmap = plt.get_cmap("tab10")
-    for i, cfg in enumerate(configs):
-        for s in STRATEGIES:
-            pts = [c for c in cases
-                   if c["config"] == cfg and c["strategy"] == s and c["measured_ms"] > 0]
-            if pts:
-                x = np.array([c["measured_ms"] for c in pts])
-                y = np.array([c["predicted_ms"] for c in pts])
-                # the measured interquartile range of the rounds: the noise
-                lo = np.array([max(1e-3, c.get("q25_ms") or c["measured_ms"]) for c in pts])
-                hi = np.array([c.get("q75_ms") or c["measured_ms"] for c in pts])
-                ax.errorbar(x, y, xerr=[np.maximum(x - lo, 0), np.maximum(hi - x, 0)],
-                            fmt="none", ecolor=cmap(i % 10), alpha=0.4, lw=1)
-                ax.scatter(x, y, color=cmap(i % 10), marker=markers[s], s=30,
-                           label=cfg if s == "hierarchical" else None)
-    vals = [v for c in cases for v in (c["measured_ms"], c["predicted_ms"]) if v > 0]
-    if vals:
-        lo, hi = min(vals) / 1.5, max(vals) * 1.5
-        xs = np.geomspace(lo, hi, 50)
-        ax.plot(xs, xs, "k-", lw=1)
-        ax.fill_between(xs, xs * (1 - PRED_TOL), xs * (1 + PRED_TOL), color="0.85", zorder=0)
-        ax.set_xlim(lo, hi)
-        ax.set_ylim(lo, hi)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("measured marginal cost (ms, slowest rank)")
-    ax.set_ylabel("predicted (ms)")
-    ax.set_title("jaxsync cost model: predicted vs measured\n"
-                 "(o naive, s flat, D hierarchical, ^ two_dimensional; band ±25%;\n"
-                 "bars: interquartile range of the measured rounds)", fontsize=10)
-    ax.legend(fontsize=7, title="configuration (colour)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    b, t = _cost_ops.strategy_defaults(choice.strategy)
+    per_leaf = _cost_ops.per_leaf_plan(choice.strategy, topo)
+    group = lambda x: x if choice.strategy == "flat" and per_leaf else None  # noqa: E731
+    mine = make_plan(tree, bucket_bytes=b, pack_threshold=t, per_leaf=per_leaf)
+    got = make_plan(
+        tree,
+        bucket_bytes=choice.bucket_bytes,
+        pack_threshold=choice.pack_threshold,
+        per_leaf=per_leaf,
+    )
+    return mine.buckets == got.buckets and group(b) == group(choice.bucket_bytes)
 
 
 def _parse(argv):
     p = argparse.ArgumentParser(
         prog="python -m jaxsync bench --suite model",
         description="The cost model's predictions against measured marginal costs, and "
-                    "auto's pick against the best strategy (one configuration per run; "
-                    "the table and plot merge every run in --out).")
-    p.add_argument("--devices", type=int, default=None,
-                   help="fake CPU devices per process (default 8 alone, 1 under mpirun)")
-    p.add_argument("--trees", nargs="+", default=None,
-                   help=f"bench trees (default: {' '.join(DEFAULT_TREES)})")
+        "auto's pick against the best strategy (one configuration per run; "
+        "the table and plot merge every run in --out).",
+    )
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="fake CPU devices per process (default 8 alone, 1 under mpirun)",
+    )
+    p.add_argument(
+        "--trees", nargs="+", default=None, help=f"bench trees (default: {' '.join(DEFAULT_TREES)})"
+    )
     p.add_argument("--repeats", type=int, default=None, help="rounds (default 5, --quick 2)")
-    p.add_argument("--min-sample-ms", type=float, default=None,
-                   help="a sample lasts about this long (default 30, --quick 5)")
-    p.add_argument("--profile", type=Path, default=None,
-                   help="use this profile instead of calibrating first")
-    p.add_argument("--quick", action="store_true",
-                   help="one tiny tree, a quick calibration, 2 rounds (a smoke test)")
-    p.add_argument("--collect", action="store_true",
-                   help="only merge the model-*.json already in --out")
+    p.add_argument(
+        "--min-sample-ms",
+        type=float,
+        default=None,
+        help="a sample lasts about this long (default 30, --quick 5)",
+    )
+    p.add_argument(
+        "--profile", type=Path, default=None, help="use this profile instead of calibrating first"
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="one tiny tree, a quick calibration, 2 rounds (a smoke test)",
+    )
+    p.add_argument(
+        "--collect", action="store_true", help="only merge the model-*.json already in --out"
+    )
     p.add_argument("--out", type=Path, default=Path("bench-results/model"))
     args = p.parse_args(argv)
     if args.repeats is None:
@@ -253,7 +229,9 @@ def main(argv: list[str]) -> int:
     devices = args.devices or (1 if comm is not None else 8)
     _bench._set_devices(devices)
     import jax
+
     from . import _auto, _tune
+
     rank = comm.Get_rank() if comm is not None else 0
     t0 = time.perf_counter()
     if args.profile is not None:
@@ -263,50 +241,87 @@ def main(argv: list[str]) -> int:
     if rank == 0:
         _tune.print_fit(profile)
     pjson = profile.to_json()
-    bench = (ModelMPI(comm, devices, pjson) if comm is not None else ModelIntra(pjson))
+    bench = ModelMPI(comm, devices, pjson) if comm is not None else ModelIntra(pjson)
     procs = 1 if comm is None else comm.Get_size()
-    topo = _cost.ModelTopology(processes=procs, hosts=1, local_devices=devices,
-                               native=comm is not None, broadcast=comm is not None)
+    topo = _cost_ops.ModelTopology(
+        processes=procs,
+        hosts=1,
+        local_devices=devices,
+        native=comm is not None,
+        broadcast=comm is not None,
+    )
     trees = {**_bench.make_trees(False), **_bench.make_trees(True)}
     names = args.trees or (["mixed_tiny"] if args.quick else list(DEFAULT_TREES))
     unknown = [n for n in names if n not in trees]
     if unknown:
-        raise SystemExit(f"jaxsync bench --suite model: unknown tree(s) {unknown}; "
-                         f"choose from {list(trees)}")
+        raise SystemExit(
+            f"jaxsync bench --suite model: unknown tree(s) {unknown}; choose from {list(trees)}"
+        )
     results = []
     for name in names:
         tree = trees[name]()
-        rows, _ = run_tree(bench, name, tree, args.repeats, args.min_sample_ms / 1e3,
-                           3 if args.quick else 15)
+        rows, _ = run_tree(
+            bench, name, tree, args.repeats, args.min_sample_ms / 1e3, 3 if args.quick else 15
+        )
         by = {r.method: r for r in rows}
         pred = predictions(tree, topo, profile)
         choice = _auto.choose(tree, topo, profile)
         best = min(STRATEGIES, key=lambda s: by[s].median_ms)
+        same = _same_program(tree, topo, choice)
         auto_ms = by["auto"].median_ms
-        results.append({
-            "tree": name, "leaves": by["auto"].leaves, "bytes": by["auto"].tree_bytes,
-            "strategies": {s: {"measured_ms": by[s].median_ms, "q25_ms": by[s].q25_ms,
-                               "q75_ms": by[s].q75_ms, "predicted_ms": pred[s] * 1e3,
-                               "correct": by[s].correct} for s in STRATEGIES},
-            "bare_ms": next(r.median_ms for r in rows if r.kind == "bare"),
-            "auto": {"choice": choice.strategy, "bucket_bytes": choice.bucket_bytes,
-                     "pack_threshold": choice.pack_threshold,
-                     "predicted_ms": choice.seconds * 1e3, "measured_ms": auto_ms,
-                     "best": best, "best_ms": by[best].median_ms,
-                     "ok": auto_ms <= 1.1 * by[best].median_ms,
-                     "correct": by["auto"].correct}})
+        results.append(
+            {
+                "tree": name,
+                "leaves": by["auto"].leaves,
+                "bytes": by["auto"].tree_bytes,
+                "strategies": {
+                    s: {
+                        "measured_ms": by[s].median_ms,
+                        "q25_ms": by[s].q25_ms,
+                        "q75_ms": by[s].q75_ms,
+                        "predicted_ms": pred[s] * 1e3,
+                        "correct": by[s].correct,
+                    }
+                    for s in STRATEGIES
+                },
+                "bare_ms": next(r.median_ms for r in rows if r.kind == "bare"),
+                "auto": {
+                    "choice": choice.strategy,
+                    "bucket_bytes": choice.bucket_bytes,
+                    "pack_threshold": choice.pack_threshold,
+                    "predicted_ms": choice.seconds * 1e3,
+                    "measured_ms": auto_ms,
+                    "best": best,
+                    "best_ms": by[best].median_ms,
+                    "same_program": same,
+                    "strategy_ms": by[choice.strategy].median_ms if choice.strategy in by else None,
+                    "ok": auto_ms <= (1 + AUTO_TOL) * by[best].median_ms,
+                    "correct": by["auto"].correct,
+                },
+            }
+        )
     if rank != 0:
         return 0
     import os
+
     cfg = f"{procs}x{devices}"
-    meta = {"config": cfg, "processes": procs, "devices": devices, "repeats": args.repeats,
-            "min_sample_ms": args.min_sample_ms, "quick": args.quick,
-            "loadavg": os.getloadavg(), "seconds": round(time.perf_counter() - t0, 1),
-            "jax": jax.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    meta = {
+        "config": cfg,
+        "processes": procs,
+        "devices": devices,
+        "repeats": args.repeats,
+        "min_sample_ms": args.min_sample_ms,
+        "quick": args.quick,
+        "loadavg": os.getloadavg(),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "jax": jax.__version__,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"model-{cfg}.json"
-    path.write_text(json.dumps({"config": cfg, "meta": meta, "profile": pjson,
-                                "trees": results}, indent=1))
+    path.write_text(
+        json.dumps({"config": cfg, "meta": meta, "profile": pjson, "trees": results}, indent=1)
+    )
     print(f"wrote {path}")
     print(bench.auto.describe())
     s = collect(args.out)

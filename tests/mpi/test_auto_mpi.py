@@ -4,7 +4,6 @@ check passing with the choice in the compared text."""
 
 import numpy as np
 import pytest
-
 from mpi_harness import requires_mpi, run_mpi
 
 pytestmark = requires_mpi

@@ -16,24 +16,30 @@ from _worker import Results, init, to_numpy
 
 def profile_for(rank):
     from jaxsync import _cost
+
     if rank == 0:  # free messages, expensive copies: pack nothing
         link = _cost.Link(alpha=0.0, beta=1e-9, gamma=1e-10)
         copy = 1e-6
-    else:          # expensive messages, free copies: pack everything
+    else:  # expensive messages, free copies: pack everything
         link = _cost.Link(alpha=1.0, beta=1e-9, gamma=1e-10)
         copy = 0.0
-    return _cost.Profile((("device", link), ("host", link)), copy,
-                         {"processes": 2, "hosts": 1, "local_devices": 1}, "test")
+    return _cost.Profile(
+        (("device", link), ("host", link)),
+        copy,
+        {"processes": 2, "hosts": 1, "local_devices": 1},
+        "test",
+    )
 
 
 def main():
     ns, jax, MPI = init()
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
     import jaxsync
-    from jaxsync import _auto, _cost
+    from jaxsync import _auto, _cost_ops
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -57,12 +63,13 @@ def main():
     step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("local"), out_specs=P("local")))
     first = rank * D + 1
     stacked = jax.tree.map(
-        lambda x: jnp.stack([jnp.full(x.shape, first + d, x.dtype) for d in range(D)]), tree)
+        lambda x: jnp.stack([jnp.full(x.shape, first + d, x.dtype) for d in range(D)]), tree
+    )
     out = jax.block_until_ready(step(stacked))
     res.add("result", to_numpy(out))
     res.add("replicas", size * D)
     res.add("describe", tx.describe())
-    topo = _cost.ModelTopology(processes=size, hosts=1, local_devices=D)
+    topo = _cost_ops.ModelTopology(processes=size, hosts=1, local_devices=D)
     want = [_auto.choose(tree, topo, profile_for(r)) for r in range(2)]
     res.add("want", [(c.strategy, c.bucket_bytes, c.pack_threshold) for c in want])
     got = _auto._recent[tx.update.config.auto.key][-1]
@@ -70,11 +77,23 @@ def main():
     res.add("note", tx.update.config.auto.note)
 
     # sync_gradients(strategy="auto") takes the same path (profile= option).
-    f = jax.jit(jax.shard_map(
-        lambda t: jax.tree.map(lambda x: x[None], jaxsync.sync_gradients(
-            jax.tree.map(lambda x: x[0], t), axis_name="local", comm=comm,
-            strategy="auto", profile=mine)),
-        mesh=mesh, in_specs=P("local"), out_specs=P("local")))
+    f = jax.jit(
+        jax.shard_map(
+            lambda t: jax.tree.map(
+                lambda x: x[None],
+                jaxsync.sync_gradients(
+                    jax.tree.map(lambda x: x[0], t),
+                    axis_name="local",
+                    comm=comm,
+                    strategy="auto",
+                    profile=mine,
+                ),
+            ),
+            mesh=mesh,
+            in_specs=P("local"),
+            out_specs=P("local"),
+        )
+    )
     res.add("sync_gradients", to_numpy(jax.block_until_ready(f(stacked))))
     res.write()
 
