@@ -10,7 +10,7 @@ choice is part of the text the processes compare before their first reduction.
 
 May import: optax, the standard library, ``jaxsync._cost``/``_cost_ops`` at the
 top; JAX and the rest of jaxsync (``_plan``, ``_config``, ``_sync``, ``_intra``,
-``_mpi_backend``, ``_axis_backend``, ``_topology``, ``_bench``, ``_project``) inside
+``_mpi_backend``, ``_axis_backend``, ``_topology``, ``jaxsync.bench.trees``, ``_project``) inside
 functions, as ``_config`` and ``_sync`` import this module.
 """
 
@@ -230,11 +230,12 @@ def resolve(tree, cfg):
 
 def named_trees() -> dict:
     """Trees ``info --tree`` knows: the bench's and the projection's."""
-    from . import _bench, _project
+    from . import _project
+    from .bench import trees as _trees
 
     return {
-        **_bench.make_trees(False),
-        **_bench.make_trees(True),
+        **_trees.make_trees(False),
+        **_trees.make_trees(True),
         "resnet50": _project.resnet50_tree,
         "transformer1b": _project.transformer_1b_tree,
     }

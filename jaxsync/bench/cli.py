@@ -29,7 +29,7 @@ from .trees import make_trees
 from .world import mpi_world, set_devices
 
 SUITES = {"sparse": "jaxsync.bench.sparse", "compress": "jaxsync.bench.compress",
-          "model": "jaxsync._bench_model"}
+          "model": "jaxsync.bench.model"}
 """``--suite NAME``: the module whose ``main(argv)`` runs it (``model`` moves into
 this package later)."""
 

@@ -1,7 +1,7 @@
 """``python -m jaxsync bench --suite model``'s report: the table, summary and plot.
 
 What it is for: :func:`collect` merges the ``model-<P>x<D>.json`` files of one
-output folder (one per configuration, written by ``jaxsync._bench_model``) into
+output folder (one per configuration, written by ``jaxsync.bench.model``) into
 ``model.md`` (predicted against measured per strategy, ``auto``'s pick against the
 best measured strategy, the noise floor), ``model.json`` (the summary) and
 ``model.png`` (:func:`plot`). The issue's accuracy criteria are reported, never

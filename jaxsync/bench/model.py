@@ -4,13 +4,13 @@ Per configuration (one process with ``--devices`` fake devices, or under
 ``mpirun -n P`` with ``--devices`` per process): calibrate a profile (as
 ``python -m jaxsync tune`` does, or read ``--profile``), then time every
 strategy and ``auto_mean`` on the bench's trees with the bench's own step and
-statistics (``_bench.run_tree``: marginal cost inside the README's
+statistics (``timing.run_tree``: marginal cost inside the README's
 ``jit(shard_map)`` step, median of interleaved rounds, slowest rank; the bare
 collective beside them), and compare each strategy's measured marginal cost with
 the model's prediction for its plan. The results go to
 ``--out/model-<P>x<D>.json``; every run then merges all ``model-*.json`` of
 ``--out`` into ``model.md`` (the table), ``model.json`` (the summary) and
-``model.png`` (predicted against measured; ``jaxsync._bench_model_report``), so
+``model.png`` (predicted against measured; ``jaxsync.bench.model_report``), so
 running the configurations one after another builds the whole picture.
 ``--collect`` only merges.
 
@@ -19,9 +19,10 @@ within 25% of the measured marginal cost in at least 80% of the cases, and
 ``auto``'s measured cost within 10% of the best measured strategy in at least
 90% of the cases.
 
-May import: the standard library, numpy, JAX, mpi4py, jaxsync's public API and
-``jaxsync._bench`` (the bench's cases and timing), ``_bench_model_report``,
-``_cost_ops``, ``_auto``, ``_plan``, ``_tune``.
+May import: the standard library, numpy, JAX, mpi4py, jaxsync's public API, the
+bench's own modules (cases, timing, trees, world, ``model_report``) and, as the
+model under test has no public API, jaxsync's private ``_cost_ops``, ``_auto``,
+``_plan`` and ``_tune``.
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _bench, _cost_ops
-from ._bench import AXIS, LOCAL, Case, compile_cases, run_tree
-from ._bench_model_report import AUTO_TOL, STRATEGIES, collect
+from .. import _cost_ops
+from . import cases, trees, world
+from .methods import AXIS, LOCAL
+from .model_report import AUTO_TOL, STRATEGIES, collect
+from .timing import Case, compile_cases, run_tree
 
 DEFAULT_TREES = ("resnet18", "small500", "transformer", "mixed")
 
@@ -58,7 +61,7 @@ def _sync_fn(tx):
     return lambda g: tx.update(g, tx.init(g))[0]
 
 
-class ModelIntra(_bench.IntraBench):
+class ModelIntra(cases.IntraBench):
     """One process: strategies, auto and a bare ``psum``; nothing else."""
 
     def __init__(self, profile_json):
@@ -71,7 +74,7 @@ class ModelIntra(_bench.IntraBench):
         from jax import lax
 
         arg = self._stacked(tree)
-        buf = self._stacked(jax.ShapeDtypeStruct((_bench.tree_info(tree)[2] // 4,), jnp.float32))
+        buf = self._stacked(jax.ShapeDtypeStruct((trees.tree_info(tree)[2] // 4,), jnp.float32))
         cases = [
             Case("base tree", "base", None, step=self._step(None), arg=arg),
             Case("base buffer", "base", None, step=self._step(None), arg=buf),
@@ -91,7 +94,7 @@ class ModelIntra(_bench.IntraBench):
         return cases, {}
 
 
-class ModelMPI(_bench.MPIBench):
+class ModelMPI(cases.MPIBench):
     """Under mpirun: strategies, auto, the bare allreduce (and psum with devices)."""
 
     def __init__(self, comm, devices, profile_json):
@@ -105,7 +108,7 @@ class ModelMPI(_bench.MPIBench):
         from mpi4py import MPI
 
         arg = self._stacked(tree)
-        nbytes = _bench.tree_info(tree)[2]
+        nbytes = trees.tree_info(tree)[2]
         buf = self._stacked(jax.ShapeDtypeStruct((nbytes // 4,), jnp.float32))
         cases = [
             Case("base tree", "base", None, step=self._step(None), arg=arg),
@@ -143,8 +146,8 @@ class ModelMPI(_bench.MPIBench):
 
 def predictions(tree, topo: _cost_ops.ModelTopology, profile) -> dict:
     """Predicted seconds of each strategy with the options its factory uses."""
-    from ._auto import buckets_of
-    from ._plan import make_plan
+    from .._auto import buckets_of
+    from .._plan import make_plan
 
     out = {}
     for s in STRATEGIES:
@@ -161,7 +164,7 @@ def predictions(tree, topo: _cost_ops.ModelTopology, profile) -> dict:
 
 def _same_program(tree, topo, choice) -> bool:
     """Whether auto's choice plans ``tree`` as the chosen strategy's factory does."""
-    from ._plan import make_plan
+    from .._plan import make_plan
 
     b, t = _cost_ops.strategy_defaults(choice.strategy)
     per_leaf = _cost_ops.per_leaf_plan(choice.strategy, topo)
@@ -225,12 +228,12 @@ def main(argv: list[str]) -> int:
         s = collect(args.out)
         print((args.out / "model.md").read_text())
         return 0 if s["cases"] else 1
-    comm = _bench._mpi_world()
+    comm = world.mpi_world()
     devices = args.devices or (1 if comm is not None else 8)
-    _bench._set_devices(devices)
+    world.set_devices(devices)
     import jax
 
-    from . import _auto, _tune
+    from .. import _auto, _tune
 
     rank = comm.Get_rank() if comm is not None else 0
     t0 = time.perf_counter()
@@ -250,7 +253,7 @@ def main(argv: list[str]) -> int:
         native=comm is not None,
         broadcast=comm is not None,
     )
-    trees = {**_bench.make_trees(False), **_bench.make_trees(True)}
+    trees = {**trees.make_trees(False), **trees.make_trees(True)}
     names = args.trees or (["mixed_tiny"] if args.quick else list(DEFAULT_TREES))
     unknown = [n for n in names if n not in trees]
     if unknown:
