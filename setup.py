@@ -50,22 +50,30 @@ class BuildNative(build_ext):
         required = os.environ.get("JAXSYNC_REQUIRE_NATIVE", "") == "1"
         if mpicc is None:
             tried = f"no MPI compiler wrapper found (tried {', '.join(_TRIED)})"
-            fix = ("Fix: install MPI (e.g. pip install mpich mpi4py, which provide "
-                   "mpicc) and rerun with MPICC=$(which mpicc) pip install "
-                   "--no-build-isolation -e .")
+            fix = (
+                "Fix: install MPI (e.g. pip install mpich mpi4py, which provide "
+                "mpicc) and rerun with MPICC=$(which mpicc) pip install "
+                "--no-build-isolation -e ."
+            )
             if required:
-                raise SystemExit(f"jaxsync: {tried}, and JAXSYNC_REQUIRE_NATIVE=1 "
-                                 f"requires the native MPI extension. {fix}")
-            _warn(f"jaxsync: {tried}; building jaxsync WITHOUT its native MPI "
-                  f"extension, so MPI communication on CPU will raise an error. {fix}")
+                raise SystemExit(
+                    f"jaxsync: {tried}, and JAXSYNC_REQUIRE_NATIVE=1 "
+                    f"requires the native MPI extension. {fix}"
+                )
+            _warn(
+                f"jaxsync: {tried}; building jaxsync WITHOUT its native MPI "
+                f"extension, so MPI communication on CPU will raise an error. {fix}"
+            )
             self.extensions = []
             return
         try:
             import jax.ffi
         except ImportError as e:
-            msg = ("jaxsync: the native extension needs jax at build time (its FFI "
-                   "headers); install jax first and build with "
-                   "pip install --no-build-isolation -e .")
+            msg = (
+                "jaxsync: the native extension needs jax at build time (its FFI "
+                "headers); install jax first and build with "
+                "pip install --no-build-isolation -e ."
+            )
             if required:
                 raise SystemExit(msg) from e
             _warn(msg)
@@ -78,10 +86,16 @@ class BuildNative(build_ext):
             ext.extra_compile_args += ["-std=c++17", "-O3"]
             if os.path.basename(cxx[0]).startswith("mpicc"):
                 ext.extra_link_args += ["-lstdc++"]
-        names = dict(compiler=cxx, compiler_so=cxx + ["-fPIC"], compiler_cxx=cxx,
-                     compiler_so_cxx=cxx + ["-fPIC"], linker_so=cxx + ["-shared"],
-                     linker_so_cxx=cxx + ["-shared"], linker_exe=cxx,
-                     linker_exe_cxx=cxx)
+        names = dict(
+            compiler=cxx,
+            compiler_so=cxx + ["-fPIC"],
+            compiler_cxx=cxx,
+            compiler_so_cxx=cxx + ["-fPIC"],
+            linker_so=cxx + ["-shared"],
+            linker_so_cxx=cxx + ["-shared"],
+            linker_exe=cxx,
+            linker_exe_cxx=cxx,
+        )
         known = getattr(self.compiler, "executables", names)
         self.compiler.set_executables(**{k: v for k, v in names.items() if k in known})
         print(f"jaxsync: building the native MPI extension with {mpicc}")
@@ -89,7 +103,10 @@ class BuildNative(build_ext):
 
 
 setup(
-    ext_modules=[Extension("jaxsync._native._jaxsync_mpi",
-                           sources=["jaxsync/_native/mpi_ffi.cc"], language="c++")],
+    ext_modules=[
+        Extension(
+            "jaxsync._native._jaxsync_mpi", sources=["jaxsync/_native/mpi_ffi.cc"], language="c++"
+        )
+    ],
     cmdclass={"build_ext": BuildNative},
 )

@@ -36,10 +36,14 @@ def local_step(params, opt_state, x, y):
     return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "local")
 
 
-train_step = jax.jit(jax.shard_map(
-    local_step, mesh=mesh,
-    in_specs=(P(), P(), P("local"), P("local")),  # params replicated, batch split
-    out_specs=(P(), P(), P())))
+train_step = jax.jit(
+    jax.shard_map(
+        local_step,
+        mesh=mesh,
+        in_specs=(P(), P(), P("local"), P("local")),  # params replicated, batch split
+        out_specs=(P(), P(), P()),
+    )
+)
 
 params = {"w": jnp.zeros((4, 1)), "b": jnp.zeros(1)}
 params = jaxsync.broadcast_params(params)  # every process starts from rank 0's values

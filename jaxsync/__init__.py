@@ -22,11 +22,11 @@ from ._sparse_optim import apply_sparse_updates, densify, sparse_adagrad, sparse
 from ._sync import SyncState, sync_gradients
 from ._topology import Topology, default_comm, free_communicators, topology
 from ._transforms import (
-                        flat_mean,
-                        hierarchical_mean,
-                        naive_mean,
-                        single_node_mean,
-                        two_dimensional_mean,
+    flat_mean,
+    hierarchical_mean,
+    naive_mean,
+    single_node_mean,
+    two_dimensional_mean,
 )
 
 __version__ = "0.1.0"

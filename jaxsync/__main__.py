@@ -7,13 +7,13 @@ import sys
 
 _HELP = {
     "demo": "data-parallel training under mpirun (2 processes x 2 fake CPU devices), "
-            "compared with single-process training",
+    "compared with single-process training",
     "bench": "every strategy against the peers a user would write, side by side "
-             "(table, JSON/CSV, PNG plot); run under mpirun for the inter-process part",
+    "(table, JSON/CSV, PNG plot); run under mpirun for the inter-process part",
     "tune": "calibrate the cost model behind strategy='auto' (writes a JSON profile); "
-            "--project prints predicted times for large clusters",
+    "--project prints predicted times for large clusters",
     "info": "versions, MPI library and thread level, and this process's topology "
-            "(run alone or under mpirun)",
+    "(run alone or under mpirun)",
 }
 
 
@@ -22,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m jaxsync",
         description="jaxsync: gradient synchronisation for data-parallel JAX.",
-        epilog="Run `python -m jaxsync COMMAND --help` for a command's options.")
+        epilog="Run `python -m jaxsync COMMAND --help` for a command's options.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, text in _HELP.items():
         sub.add_parser(name, help=text, add_help=False)
@@ -32,15 +33,19 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "demo":
         from .bench import demo
+
         return demo.main(rest)
     if command == "bench":
         from .bench import cli
+
         return cli.main(rest)
     if command == "tune":
         from . import _tune
+
         return _tune.main(rest)
     if command == "info":
         from . import _info
+
         return _info.main(rest)
     parser.error(f"unknown command {command!r}; choose from {', '.join(_HELP)}")
     return 2

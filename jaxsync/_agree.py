@@ -56,7 +56,7 @@ class Agreement:
         self.what = what
         self.disagreement = disagreement  # texts -> error message
         self.digest = hashlib.sha256(text.encode()).digest()
-        self.verdict: str | None = None   # None: not yet; "" agreed; else the error
+        self.verdict: str | None = None  # None: not yet; "" agreed; else the error
         self.exchanges = 0
 
     def check(self) -> None:
@@ -66,8 +66,7 @@ class Agreement:
                     self.exchanges += 1
                     digests = self.comm.allgather(self.digest)
                     if len(set(digests)) > 1:
-                        self.verdict = self.disagreement(self.comm.allgather(self.text),
-                                                         self.what)
+                        self.verdict = self.disagreement(self.comm.allgather(self.text), self.what)
                     else:
                         self.verdict = ""
         if self.verdict:
@@ -97,9 +96,12 @@ def agreement_dep(comm, text: str, what: str, disagreement):
     # step returning 500 leaves). Its result feeds the MPI calls, so JAX cannot
     # drop it, and running it again is harmless: only the first call of each
     # compiled step exchanges anything, later ones read the verdict.
-    dep = jax.pure_callback(agreement.host, jax.ShapeDtypeStruct((), jnp.uint8),
-                            *(() if prev is None else (prev,)),
-                            vmap_method="broadcast_all")
+    dep = jax.pure_callback(
+        agreement.host,
+        jax.ShapeDtypeStruct((), jnp.uint8),
+        *(() if prev is None else (prev,)),
+        vmap_method="broadcast_all",
+    )
     _ordering.set_chain_value("agreement", dep)
     return dep
 
@@ -141,10 +143,10 @@ def fold(x, dep):
 
 _FIXES = {
     "gradient tree": "make every process build the same gradient tree (same structure, "
-                     "shapes and dtypes), drive the same number of devices, and create "
-                     "the transform with the same options",
+    "shapes and dtypes), drive the same number of devices, and create "
+    "the transform with the same options",
     "parameter tree": "call broadcast_params on every process with a tree of the same "
-                      "structure, shapes and dtypes (only the values may differ)",
+    "structure, shapes and dtypes (only the values may differ)",
 }
 
 
@@ -157,7 +159,9 @@ def _disagreement(texts: Sequence[str], what: str) -> str:
         if la != lb:
             break
     w = len(f"rank {other}:")
-    return (f"jaxsync: the {what} differs between rank 0 and rank {other}, so the "
-            f"processes would issue different collectives (a hang or wrong results).\n"
-            f"  {'rank 0:':<{w}} {la or '<nothing>'}\n  {f'rank {other}:':<{w}} "
-            f"{lb or '<nothing>'}\nFix: {_FIXES.get(what, 'make every process agree')}.")
+    return (
+        f"jaxsync: the {what} differs between rank 0 and rank {other}, so the "
+        f"processes would issue different collectives (a hang or wrong results).\n"
+        f"  {'rank 0:':<{w}} {la or '<nothing>'}\n  {f'rank {other}:':<{w}} "
+        f"{lb or '<nothing>'}\nFix: {_FIXES.get(what, 'make every process agree')}."
+    )

@@ -69,7 +69,8 @@ class AxisComm:
         if not isinstance(self.axis_name, str):
             raise TypeError(
                 f"AxisComm got unexpected type for argument 'axis_name' (expected: "
-                f"str, got: {type(self.axis_name).__name__}). Fix: AxisComm('host').")
+                f"str, got: {type(self.axis_name).__name__}). Fix: AxisComm('host')."
+            )
 
 
 class AxisBackend:

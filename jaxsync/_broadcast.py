@@ -45,25 +45,36 @@ def broadcast_params(tree: PyTree, root: int = 0, comm: Any = "auto") -> PyTree:
       {'w': Array([1., 1.], dtype=float32)}
     """
     if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
-        raise TypeError(f"broadcast_params got unexpected type for argument 'root' "
-                        f"(expected: int, got: {type(root).__name__}).")
+        raise TypeError(
+            f"broadcast_params got unexpected type for argument 'root' "
+            f"(expected: int, got: {type(root).__name__})."
+        )
     if isinstance(comm, str) and comm == "auto":
         comm = default_comm()
     if comm is None:
         if root != 0:
-            raise ValueError(f"broadcast_params: root={root} but there is one process "
-                             "(comm=None). Fix: root=0.")
+            raise ValueError(
+                f"broadcast_params: root={root} but there is one process (comm=None). Fix: root=0."
+            )
         return tree
     if isinstance(comm, AxisComm):
         if root != 0:
-            raise ValueError("broadcast_params with AxisComm broadcasts from process 0; "
-                             f"got root={root}. Fix: root=0.")
+            raise ValueError(
+                "broadcast_params with AxisComm broadcasts from process 0; "
+                f"got root={root}. Fix: root=0."
+            )
         from jax.experimental import multihost_utils
+
         out = multihost_utils.broadcast_one_to_all(tree)
         # broadcast_one_to_all returns host arrays: put each jax.Array leaf back
         # where it was (its sharding), not on the default device.
-        return jax.tree.map(lambda new, old: jax.device_put(new, old.sharding)
-                            if isinstance(old, jax.Array) else new, out, tree)
+        return jax.tree.map(
+            lambda new, old: (
+                jax.device_put(new, old.sharding) if isinstance(old, jax.Array) else new
+            ),
+            out,
+            tree,
+        )
     size = comm.Get_size()
     if not 0 <= root < size:
         raise ValueError(f"broadcast_params: root must be in [0, {size}), got {root}.")
@@ -93,8 +104,10 @@ def broadcast_params(tree: PyTree, root: int = 0, comm: Any = "auto") -> PyTree:
 def _describe(tree) -> str:
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
     # Shapes and dtypes from the leaf itself: no copy to host.
-    lines = [f"leaf {jax.tree_util.keystr(path)} {np.shape(leaf)} "
-             f"{_dtype(leaf)}" for path, leaf in with_paths]
+    lines = [
+        f"leaf {jax.tree_util.keystr(path)} {np.shape(leaf)} {_dtype(leaf)}"
+        for path, leaf in with_paths
+    ]
     # Last: the first differing line names a leaf.
     lines.append(f"treedef {structure_text(treedef)}")
     return "\n".join(lines)

@@ -111,14 +111,18 @@ def state_specs(state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
 
     def one(node):
         if isinstance(node, PowerSGDState):
-            return PowerSGDState(replicated, tuple(replicated for _ in node.q),
-                                 tuple(per_replica for _ in node.residual))
+            return PowerSGDState(
+                replicated,
+                tuple(replicated for _ in node.q),
+                tuple(per_replica for _ in node.residual),
+            )
         if isinstance(node, SignState):
             return SignState(replicated, tuple(per_replica for _ in node.residual))
         return replicated
 
     return jax.tree_util.tree_map(
-        one, state, is_leaf=lambda n: isinstance(n, (PowerSGDState, SignState)))
+        one, state, is_leaf=lambda n: isinstance(n, (PowerSGDState, SignState))
+    )
 
 
 # --------------------------------------------------------------------------
@@ -135,8 +139,7 @@ def _check_int(fn, name, value, low, fix):
 
 def _check_bool(fn, name, value):
     if not isinstance(value, (bool, np.bool_)):
-        raise _config._bad_type(fn, name, "a bool", value,
-                                    f"pass {name}=True or {name}=False")
+        raise _config._bad_type(fn, name, "a bool", value, f"pass {name}=True or {name}=False")
     return bool(value)
 
 
@@ -144,8 +147,7 @@ def _check_float(fn, name, value, low, fix):
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
         raise _config._bad_type(fn, name, f"a float >= {low}", value, fix)
     if not (value >= low and math.isfinite(value)):
-        raise ValueError(f"{fn}: {name} must be a finite float >= {low}, got {value}. "
-                         f"Fix: {fix}.")
+        raise ValueError(f"{fn}: {name} must be a finite float >= {low}, got {value}. Fix: {fix}.")
     return float(value)
 
 
@@ -191,7 +193,8 @@ def _state_error(fn, state, expected):
         f"{fn}: update got a state of type {type(state).__name__}, expected "
         f"{expected.__name__} from this transform's init. Fix: call init first and "
         "pass the state returned by this transform (for a different gradient tree, "
-        "call init again).")
+        "call init again)."
+    )
 
 
 def _reject_row_sparse(fn, tree) -> None:
@@ -203,11 +206,13 @@ def _reject_row_sparse(fn, tree) -> None:
             "from replica to replica, so they cannot be compressed with the dense "
             "leaves. Fix: label the table for hierarchical_mean (or another exact "
             "strategy, which all-gathers its rows) with optax.partition, and this "
-            "transform for the dense leaves.")
+            "transform for the dense leaves."
+        )
 
 
 def _tree_error(fn, what, got, want):
     return ValueError(
         f"{fn}: the gradient tree has {got} {what}, the state was made for {want}. "
         "Fix: call init with parameters of the same structure and shapes as the "
-        "gradients.")
+        "gradients."
+    )

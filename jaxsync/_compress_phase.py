@@ -37,8 +37,9 @@ def _select_phase(pred, early, late, operand, cfg):
     size = cfg.backend.comms.size
 
     def tie(token, value):
-        token, (value,) = _native_prim.native_call("allreduce", [value], token, world,
-                                           jnp.int32(0), size)
+        token, (value,) = _native_prim.native_call(
+            "allreduce", [value], token, world, jnp.int32(0), size
+        )
         return token, value
 
     _, dep = tie(_ordering.chain_token(), jnp.zeros((1,), jnp.float32))
@@ -51,6 +52,7 @@ def _select_phase(pred, early, late, operand, cfg):
             y = f(x)
             _, dep = tie(_ordering.chain_token(), dep)
             return dep, y
+
         return branch
 
     dep, out = lax.cond(pred, wrap(early), wrap(late), (dep, operand))
@@ -60,10 +62,14 @@ def _select_phase(pred, early, late, operand, cfg):
 
 
 def _check_phase_backend(fn, cfg, start_step):
-    if start_step > 0 and isinstance(cfg.backend, _mpi_backend.MPIBackend) \
-            and not cfg.backend.native:
+    if (
+        start_step > 0
+        and isinstance(cfg.backend, _mpi_backend.MPIBackend)
+        and not cfg.backend.native
+    ):
         raise ValueError(
             f"{fn}: start_step={start_step} chooses between two sets of collectives "
             "at run time (lax.cond), which jaxsync orders only on its native MPI path "
             "(CPU, staging='device'); this backend is "
-            f"{cfg.backend!r}. Fix: start_step=0, or staging='device' on CPU.")
+            f"{cfg.backend!r}. Fix: start_step=0, or staging='device' on CPU."
+        )

@@ -46,16 +46,29 @@ CheckFinite = bool | Literal["raise"]
 Staging = Literal["device", "host"]
 #: ``strategy="auto"``'s profile: a path, its JSON as a dict, a profile, or None.
 ProfileLike = Any
-__all__ = ["AUTO", "AxisName", "Bytes", "CheckFinite", "Comm", "DTypeLike", "ProfileLike",
-           "Reduce", "Staging", "SyncConfig", "make_config"]
+__all__ = [
+    "AUTO",
+    "AxisName",
+    "Bytes",
+    "CheckFinite",
+    "Comm",
+    "DTypeLike",
+    "ProfileLike",
+    "Reduce",
+    "Staging",
+    "SyncConfig",
+    "make_config",
+]
 _REDUCES = ("mean", "sum")
 _STAGINGS = ("device", "host")
 _CHECKS = (False, True, "raise")
 
 
 def _bad_type(fn, arg, expected, got, fix):
-    return TypeError(f"{fn} got unexpected type for argument {arg!r} (expected: "
-                     f"{expected}, got: {type(got).__name__} {got!r}). Fix: {fix}")
+    return TypeError(
+        f"{fn} got unexpected type for argument {arg!r} (expected: "
+        f"{expected}, got: {type(got).__name__} {got!r}). Fix: {fix}"
+    )
 
 
 def _normalize_axes(fn: str, axis_name) -> tuple:
@@ -65,15 +78,26 @@ def _normalize_axes(fn: str, axis_name) -> tuple:
         return (axis_name,)
     if isinstance(axis_name, tuple) and all(isinstance(a, str) for a in axis_name):
         if len(set(axis_name)) != len(axis_name):
-            raise ValueError(f"{fn}: axis_name {axis_name!r} repeats an axis. Fix: name "
-                             f"each axis once, e.g. {tuple(dict.fromkeys(axis_name))!r}.")
+            raise ValueError(
+                f"{fn}: axis_name {axis_name!r} repeats an axis. Fix: name "
+                f"each axis once, e.g. {tuple(dict.fromkeys(axis_name))!r}."
+            )
         return axis_name
     if isinstance(axis_name, list):
-        raise _bad_type(fn, "axis_name", "a str or a tuple of str", axis_name,
-                        f"pass a tuple: axis_name={tuple(axis_name)!r}")
-    raise _bad_type(fn, "axis_name", "a str, a tuple of str, or None", axis_name,
-                    "pass the axis name(s) bound by shard_map/pmap/vmap, e.g. "
-                    "axis_name='data'")
+        raise _bad_type(
+            fn,
+            "axis_name",
+            "a str or a tuple of str",
+            axis_name,
+            f"pass a tuple: axis_name={tuple(axis_name)!r}",
+        )
+    raise _bad_type(
+        fn,
+        "axis_name",
+        "a str, a tuple of str, or None",
+        axis_name,
+        "pass the axis name(s) bound by shard_map/pmap/vmap, e.g. axis_name='data'",
+    )
 
 
 def _make_backend(fn: str, comm, staging: str, timeout=None):
@@ -86,23 +110,31 @@ def _make_backend(fn: str, comm, staging: str, timeout=None):
     _check_comm_type(fn, comm)
     if comm.Get_size() == 1:
         return _axis_backend.LocalBackend()
-    return _mpi_backend.MPIBackend(comm, staging=staging,
-                                timeout=None if timeout is None else float(timeout))
+    return _mpi_backend.MPIBackend(
+        comm, staging=staging, timeout=None if timeout is None else float(timeout)
+    )
 
 
 def _check_comm_type(fn: str, comm) -> None:
     """TypeError unless ``comm`` is None, 'auto', an AxisComm or an Intracomm."""
-    if comm is None or isinstance(comm, _axis_backend.AxisComm) or (
-            isinstance(comm, str) and comm == AUTO):
+    if (
+        comm is None
+        or isinstance(comm, _axis_backend.AxisComm)
+        or (isinstance(comm, str) and comm == AUTO)
+    ):
         return
     # An mpi4py communicator exists only once mpi4py.MPI is imported: never import
     # it (which initialises MPI) just to reject a wrong argument.
     MPI = sys.modules.get("mpi4py.MPI")
     if MPI is not None and isinstance(comm, MPI.Intracomm):
         return
-    raise _bad_type(fn, "comm", "an mpi4py Intracomm, jaxsync.AxisComm, None or "
-                    "'auto'", comm, "pass comm=MPI.COMM_WORLD, "
-                    "comm=jaxsync.AxisComm('host') or comm=None")
+    raise _bad_type(
+        fn,
+        "comm",
+        "an mpi4py Intracomm, jaxsync.AxisComm, None or 'auto'",
+        comm,
+        "pass comm=MPI.COMM_WORLD, comm=jaxsync.AxisComm('host') or comm=None",
+    )
 
 
 def _check_dtype(fn, comm_dtype):
@@ -111,11 +143,18 @@ def _check_dtype(fn, comm_dtype):
     try:
         dt = str(jnp.dtype(comm_dtype))
     except TypeError:
-        raise _bad_type(fn, "comm_dtype", f"one of {REDUCED_DTYPES} or None",
-                        comm_dtype, "pass e.g. comm_dtype=jnp.bfloat16") from None
+        raise _bad_type(
+            fn,
+            "comm_dtype",
+            f"one of {REDUCED_DTYPES} or None",
+            comm_dtype,
+            "pass e.g. comm_dtype=jnp.bfloat16",
+        ) from None
     if dt not in REDUCED_DTYPES:
-        raise ValueError(f"{fn}: comm_dtype must be one of {REDUCED_DTYPES} or None, "
-                         f"got {dt}. Fix: pass e.g. comm_dtype=jnp.bfloat16.")
+        raise ValueError(
+            f"{fn}: comm_dtype must be one of {REDUCED_DTYPES} or None, "
+            f"got {dt}. Fix: pass e.g. comm_dtype=jnp.bfloat16."
+        )
     return dt
 
 
@@ -136,36 +175,67 @@ class SyncConfig:
     auto: Any = None  # strategy="auto": what it decides from (_auto.AutoSpec)
 
     def describe(self) -> str:
-        return (f"strategy {self.strategy} reduce {self.reduce} comm_dtype "
-                f"{self.comm_dtype} predivide {self.predivide} check_finite "
-                f"{self.check_finite!r} backend {self.backend.name} staging "
-                f"{getattr(self.backend, 'staging', None)} timeout "
-                f"{getattr(self.backend, 'timeout', None)}"
-                + (f" auto profile {self.auto.profile.digest()}" if self.auto else ""))
+        return (
+            f"strategy {self.strategy} reduce {self.reduce} comm_dtype "
+            f"{self.comm_dtype} predivide {self.predivide} check_finite "
+            f"{self.check_finite!r} backend {self.backend.name} staging "
+            f"{getattr(self.backend, 'staging', None)} timeout "
+            f"{getattr(self.backend, 'timeout', None)}"
+            + (f" auto profile {self.auto.profile.digest()}" if self.auto else "")
+        )
 
 
-def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
-                bucket_bytes=AUTO, pack_threshold=AUTO,
-                comm_dtype=None, predivide=None, check_finite=False,
-                staging="device", timeout=None, sparse=None,
-                profile=None) -> SyncConfig:
+def make_config(
+    fn,
+    strategy,
+    axis_name,
+    comm,
+    *,
+    reduce="mean",
+    bucket_bytes=AUTO,
+    pack_threshold=AUTO,
+    comm_dtype=None,
+    predivide=None,
+    check_finite=False,
+    staging="device",
+    timeout=None,
+    sparse=None,
+    profile=None,
+) -> SyncConfig:
     """Validate every static option; raise TypeError/ValueError naming it."""
     if isinstance(strategy, str) and strategy == AUTO:
         from . import _auto  # the strategy is chosen at trace time (_sync.sync)
+
         return _auto.make_auto_config(
-            fn, axis_name, comm, profile=profile, reduce=reduce, bucket_bytes=bucket_bytes,
-            pack_threshold=pack_threshold, comm_dtype=comm_dtype, predivide=predivide,
-            check_finite=check_finite, staging=staging, timeout=timeout, sparse=sparse)
+            fn,
+            axis_name,
+            comm,
+            profile=profile,
+            reduce=reduce,
+            bucket_bytes=bucket_bytes,
+            pack_threshold=pack_threshold,
+            comm_dtype=comm_dtype,
+            predivide=predivide,
+            check_finite=check_finite,
+            staging=staging,
+            timeout=timeout,
+            sparse=sparse,
+        )
     if profile is not None:
-        raise ValueError(f"{fn}: profile is used by strategy='auto' only, got strategy="
-                         f"{strategy!r}. Fix: strategy='auto', or drop profile.")
+        raise ValueError(
+            f"{fn}: profile is used by strategy='auto' only, got strategy="
+            f"{strategy!r}. Fix: strategy='auto', or drop profile."
+        )
     if strategy not in _strategies.STRATEGIES:
-        raise ValueError(f"{fn}: strategy must be one of {_strategies.STRATEGIES} or "
-                         f"'auto', got {strategy!r}.")
+        raise ValueError(
+            f"{fn}: strategy must be one of {_strategies.STRATEGIES} or 'auto', got {strategy!r}."
+        )
     axes = _normalize_axes(fn, axis_name)
     if not isinstance(reduce, str) or reduce not in _REDUCES:
-        raise ValueError(f"{fn}: reduce must be one of {_REDUCES}, got {reduce!r}. "
-                         "Fix: reduce='mean' (default) or reduce='sum'.")
+        raise ValueError(
+            f"{fn}: reduce must be one of {_REDUCES}, got {reduce!r}. "
+            "Fix: reduce='mean' (default) or reduce='sum'."
+        )
     if isinstance(bucket_bytes, str) and bucket_bytes == AUTO:
         bucket_bytes = FLAT_BUCKET_BYTES if strategy == "flat" else DEFAULT_BUCKET_BYTES
     _check_bytes("bucket_bytes", bucket_bytes, allow_none=True)
@@ -173,27 +243,46 @@ def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
         pack_threshold = None if strategy == "flat" else DEFAULT_PACK_THRESHOLD
     _check_bytes("pack_threshold", pack_threshold, allow_none=True)
     dt = _check_dtype(fn, comm_dtype)
-    if predivide is not None and (isinstance(predivide, bool)
-                                  or not isinstance(predivide, (int, float))):
-        raise _bad_type(fn, "predivide", "a Python float >= 1 or None", predivide,
-                        "pass e.g. predivide=8.0 (a traced value cannot be static)")
+    if predivide is not None and (
+        isinstance(predivide, bool) or not isinstance(predivide, (int, float))
+    ):
+        raise _bad_type(
+            fn,
+            "predivide",
+            "a Python float >= 1 or None",
+            predivide,
+            "pass e.g. predivide=8.0 (a traced value cannot be static)",
+        )
     if predivide is not None and (not predivide >= 1.0 or not np.isfinite(predivide)):
-        raise ValueError(f"{fn}: predivide must be a finite float >= 1, got "
-                         f"{predivide}. Fix: predivide=1.0 (off) or the replica count.")
+        raise ValueError(
+            f"{fn}: predivide must be a finite float >= 1, got "
+            f"{predivide}. Fix: predivide=1.0 (off) or the replica count."
+        )
     if not (isinstance(check_finite, bool) or check_finite == "raise"):
-        raise ValueError(f"{fn}: check_finite must be one of {_CHECKS}, got "
-                         f"{check_finite!r}. Fix: check_finite=True (a flag in the "
-                         "state) or check_finite='raise' (an error naming the leaves).")
+        raise ValueError(
+            f"{fn}: check_finite must be one of {_CHECKS}, got "
+            f"{check_finite!r}. Fix: check_finite=True (a flag in the "
+            "state) or check_finite='raise' (an error naming the leaves)."
+        )
     if staging not in _STAGINGS:
-        raise ValueError(f"{fn}: staging must be one of {_STAGINGS}, got {staging!r}. "
-                         "Fix: staging='device' (default) or staging='host'.")
+        raise ValueError(
+            f"{fn}: staging must be one of {_STAGINGS}, got {staging!r}. "
+            "Fix: staging='device' (default) or staging='host'."
+        )
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-            raise _bad_type(fn, "timeout", "a number of seconds or None", timeout,
-                            "pass e.g. timeout=60.0, or None to turn the watchdog off")
+            raise _bad_type(
+                fn,
+                "timeout",
+                "a number of seconds or None",
+                timeout,
+                "pass e.g. timeout=60.0, or None to turn the watchdog off",
+            )
         if not timeout > 0:
-            raise ValueError(f"{fn}: timeout must be > 0 seconds, got {timeout}. "
-                             "Fix: timeout=60.0, or None (off).")
+            raise ValueError(
+                f"{fn}: timeout must be > 0 seconds, got {timeout}. "
+                "Fix: timeout=60.0, or None (off)."
+            )
     sparse = _sparse.check_options(fn, sparse)
     if strategy == "single_node":
         # No inter-process stage: a communicator would be silently ignored.
@@ -202,12 +291,20 @@ def make_config(fn, strategy, axis_name, comm, *, reduce="mean",
             raise ValueError(
                 f"{fn}: strategy 'single_node' reduces over the local axes only and "
                 f"ignores comm, got comm={comm!r}. Fix: drop comm (or pass comm=None), "
-                "or use strategy='hierarchical' to reduce across processes.")
+                "or use strategy='hierarchical' to reduce across processes."
+            )
         backend = _axis_backend.LocalBackend()
     else:
         backend = _make_backend(fn, comm, staging, timeout)
-    return SyncConfig(strategy, axes, backend, reduce, bucket_bytes, pack_threshold,
-                      dt, None if predivide is None else float(predivide), check_finite,
-                      sparse=sparse)
-
-
+    return SyncConfig(
+        strategy,
+        axes,
+        backend,
+        reduce,
+        bucket_bytes,
+        pack_threshold,
+        dt,
+        None if predivide is None else float(predivide),
+        check_finite,
+        sparse=sparse,
+    )

@@ -10,8 +10,9 @@ _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
 
 
-def tune_host_allocator(mmap_threshold: int = 32 * 2**20,
-                        trim_threshold: int = 2**30, top_pad: int = 256 * 2**20) -> bool:
+def tune_host_allocator(
+    mmap_threshold: int = 32 * 2**20, trim_threshold: int = 2**30, top_pad: int = 256 * 2**20
+) -> bool:
     """Let glibc reuse large host buffers instead of mapping fresh pages each step.
 
     XLA's CPU runtime allocates each step's large buffers with ``malloc``; above
@@ -50,11 +51,15 @@ def tune_host_allocator(mmap_threshold: int = 32 * 2**20,
       ...
       ValueError: tune_host_allocator: mmap_threshold must be a positive int (bytes), got 0.
     """
-    for arg, value in (("mmap_threshold", mmap_threshold), ("trim_threshold", trim_threshold),
-                       ("top_pad", top_pad)):
+    for arg, value in (
+        ("mmap_threshold", mmap_threshold),
+        ("trim_threshold", trim_threshold),
+        ("top_pad", top_pad),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"tune_host_allocator: {arg} must be a positive int (bytes), "
-                             f"got {value!r}.")
+            raise ValueError(
+                f"tune_host_allocator: {arg} must be a positive int (bytes), got {value!r}."
+            )
     path = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(path or "libc.so.6")

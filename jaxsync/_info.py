@@ -22,23 +22,27 @@ def collect(comm="auto") -> dict:
     info = {"jaxsync": __version__, "jax": jax.__version__, "optax": optax.__version__}
     try:
         import mpi4py
+
         info["mpi4py"] = mpi4py.__version__
     except ImportError:
         info["mpi4py"] = None
     try:
         from importlib.metadata import PackageNotFoundError, version
+
         info["mpi4jax"] = version("mpi4jax")  # not imported: it would start MPI
     except PackageNotFoundError:
         info["mpi4jax"] = None
     info["mpi4jax_bridges"] = mpi4jax_bridges()
     from . import _mpi_load
+
     native = _mpi_load.native_status()
     if native["built"]:
         native["links"] = linked_mpi(native["path"])
     info["native_mpi"] = native
     if jax.default_backend() == "cpu":
-        info["mpi_backend"] = ("ok: jaxsync's native target" if native["loaded"]
-                               else f"unavailable: {native['error']}")
+        info["mpi_backend"] = (
+            "ok: jaxsync's native target" if native["loaded"] else f"unavailable: {native['error']}"
+        )
     else:
         try:
             _mpi_load._load_mpi4jax()
@@ -47,9 +51,14 @@ def collect(comm="auto") -> dict:
             info["mpi_backend"] = f"unavailable: {e}"
     if comm is not None or "mpi4py.MPI" in sys.modules:
         from mpi4py import MPI
+
         info["mpi_library"] = MPI.Get_library_version().splitlines()[0].strip()
-        levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
-                  MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+        levels = {
+            MPI.THREAD_SINGLE: "single",
+            MPI.THREAD_FUNNELED: "funneled",
+            MPI.THREAD_SERIALIZED: "serialized",
+            MPI.THREAD_MULTIPLE: "multiple",
+        }
         info["mpi_thread_level"] = levels.get(MPI.Query_thread(), "?")
     info["devices"] = [str(d) for d in jax.local_devices()]
     info["topology"] = topology(comm).as_dict()
@@ -59,8 +68,7 @@ def collect(comm="auto") -> dict:
 def linked_mpi(path: str) -> str:
     """The MPI library a compiled bridge links, as the dynamic loader resolves it."""
     try:
-        out = subprocess.run(["ldd", path], capture_output=True, text=True,
-                             timeout=30).stdout
+        out = subprocess.run(["ldd", path], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return f"unknown ({type(e).__name__})"
     for line in out.splitlines():
@@ -76,6 +84,7 @@ def mpi4jax_bridges() -> dict:
     Found without importing mpi4jax (which would initialise MPI).
     """
     import importlib.util
+
     spec = importlib.util.find_spec("mpi4jax")
     if spec is None or spec.origin is None:
         return {}
@@ -92,23 +101,36 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="python -m jaxsync info",
         description="Print versions, the MPI library and thread level, and where each "
-                    "process sits (rank, host, local devices). Run alone, or under "
-                    "`mpirun -n P python -m jaxsync info` to see every rank.")
+        "process sits (rank, host, local devices). Run alone, or under "
+        "`mpirun -n P python -m jaxsync info` to see every rank.",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per rank")
-    p.add_argument("--devices", type=int, default=None,
-                   help="fake CPU devices per process (sets jax_num_cpu_devices)")
-    p.add_argument("--tree", default=None,
-                   help="also print what strategy='auto' chooses for this tree on this "
-                        "topology, with the predicted time of every strategy (a bench tree: "
-                        "resnet18, small500, transformer, mixed; or resnet50, transformer1b)")
-    p.add_argument("--profile", default=None,
-                   help="with --tree: the profile (default: $JAXSYNC_PROFILE, else "
-                        "~/.cache/jaxsync/profile.json, else the built-in default)")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="fake CPU devices per process (sets jax_num_cpu_devices)",
+    )
+    p.add_argument(
+        "--tree",
+        default=None,
+        help="also print what strategy='auto' chooses for this tree on this "
+        "topology, with the predicted time of every strategy (a bench tree: "
+        "resnet18, small500, transformer, mixed; or resnet50, transformer1b)",
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="with --tree: the profile (default: $JAXSYNC_PROFILE, else "
+        "~/.cache/jaxsync/profile.json, else the built-in default)",
+    )
     args = p.parse_args(argv)
     if args.devices:
         import jax
+
         jax.config.update("jax_num_cpu_devices", args.devices)
     from ._topology import LaunchError, default_comm
+
     try:
         comm, launch_error = default_comm(), None
     except LaunchError as e:  # report it: info is the tool to diagnose a launch
@@ -126,16 +148,24 @@ def main(argv: list[str]) -> int:
         return 0
     from rich.console import Console
     from rich.table import Table
+
     first = infos[0]
     con = Console()
-    for key in ("jaxsync", "jax", "optax", "mpi4py", "mpi4jax", "mpi_backend",
-                "mpi_library", "mpi_thread_level"):
+    for key in (
+        "jaxsync",
+        "jax",
+        "optax",
+        "mpi4py",
+        "mpi4jax",
+        "mpi_backend",
+        "mpi_library",
+        "mpi_thread_level",
+    ):
         if key in first:
             con.print(f"{key:>19}: {first[key]}", soft_wrap=True)
     native = first.get("native_mpi") or {}
     if native.get("loaded"):
-        text = (f"built, links {native.get('links')}; built against "
-                f"{native.get('built_against')}")
+        text = f"built, links {native.get('links')}; built against {native.get('built_against')}"
     elif native.get("built"):
         text = f"built but NOT loadable: {native.get('error')}"
     else:
@@ -146,16 +176,39 @@ def main(argv: list[str]) -> int:
         state = ("built, links " + bridges[kind]) if kind in bridges else "not built"
         con.print(f"{'mpi4jax ' + kind.upper() + ' bridge':>19}: {state}", soft_wrap=True)
     t = Table(title="topology")
-    for col in ("rank", "size", "host", "hosts", "local_rank", "local_size",
-                "local_devices", "platform"):
+    for col in (
+        "rank",
+        "size",
+        "host",
+        "hosts",
+        "local_rank",
+        "local_size",
+        "local_devices",
+        "platform",
+    ):
         t.add_column(col, justify="right")
     for i in infos:
         topo = i["topology"]
-        t.add_row(*(str(topo[c]) for c in ("rank", "size", "host", "hosts", "local_rank",
-                                           "local_size", "local_devices", "platform")))
+        t.add_row(
+            *(
+                str(topo[c])
+                for c in (
+                    "rank",
+                    "size",
+                    "host",
+                    "hosts",
+                    "local_rank",
+                    "local_size",
+                    "local_devices",
+                    "platform",
+                )
+            )
+        )
     con.print(t)
     if args.tree:
         from ._auto import explain_tree
-        con.print(explain_tree(args.tree, first["topology"], args.profile), soft_wrap=True,
-                  markup=False)
+
+        con.print(
+            explain_tree(args.tree, first["topology"], args.profile), soft_wrap=True, markup=False
+        )
     return 0

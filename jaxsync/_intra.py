@@ -42,7 +42,8 @@ def check_axes(axes: Axes, what: str = "axis_name") -> None:
             f"jaxsync: {what} {missing[0]!r} is not bound here; bound axes: "
             f"{bound or 'none (not inside shard_map, pmap or vmap)'}. Fix: call the "
             "transform inside jax.shard_map / jax.pmap / jax.vmap with "
-            f"axis_name={missing[0]!r}, or pass the axis names that are bound.")
+            f"axis_name={missing[0]!r}, or pass the axis names that are bound."
+        )
 
 
 def axes_size(axes: Axes) -> int:
@@ -104,5 +105,4 @@ class AxisOps:
         if not self.axes:
             return bufs
         idx = lax.axis_index(self.axes)
-        return [lax.psum(jnp.where(idx == root, b, jnp.zeros_like(b)), self.axes)
-                for b in bufs]
+        return [lax.psum(jnp.where(idx == root, b, jnp.zeros_like(b)), self.axes) for b in bufs]

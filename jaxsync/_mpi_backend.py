@@ -51,9 +51,16 @@ class _NativeOps:
         self.group = group
 
     def _call(self, kind, xs):
-        token, ys = _native_prim.native_call(kind, xs, _ordering.chain_token(), self.comm,
-                                             self.active, self.size, self.invariant,
-                                             group=self.group)
+        token, ys = _native_prim.native_call(
+            kind,
+            xs,
+            _ordering.chain_token(),
+            self.comm,
+            self.active,
+            self.size,
+            self.invariant,
+            group=self.group,
+        )
         _ordering.set_chain_token(token)
         return ys
 
@@ -120,6 +127,7 @@ class _HostOps:
 
     def allreduce(self, bufs):
         from mpi4py import MPI
+
         comm = self.comm
 
         def host_allreduce(*xs):
@@ -130,8 +138,9 @@ class _HostOps:
 
         if not bufs:
             return []
-        return self._call(host_allreduce, bufs,
-                          [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in bufs])
+        return self._call(
+            host_allreduce, bufs, [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in bufs]
+        )
 
     def alltoall(self, x):
         comm = self.comm
@@ -152,8 +161,7 @@ class _HostOps:
             comm.Allgather(x.view(np.uint8), out.view(np.uint8))
             return [out]
 
-        return self._call(host_allgather, [x],
-                          [jax.ShapeDtypeStruct((size, *x.shape), x.dtype)])[0]
+        return self._call(host_allgather, [x], [jax.ShapeDtypeStruct((size, *x.shape), x.dtype)])[0]
 
 
 def _check_host_mpi() -> None:
@@ -168,18 +176,21 @@ def _check_host_mpi() -> None:
     except ImportError as e:  # pragma: no cover - depends on install
         raise _mpi_load.MPIUnavailableError(
             "jaxsync needs mpi4py for inter-process communication (comm=...); "
-            "install it with `pip install 'jaxsync[mpi]'`, or pass comm=None.") from e
+            "install it with `pip install 'jaxsync[mpi]'`, or pass comm=None."
+        ) from e
     _register_drain()
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         raise RuntimeError(
             "jaxsync needs MPI initialised with MPI_THREAD_MULTIPLE (each local "
             f"device runs in its own thread); MPI provides level {MPI.Query_thread()}. "
-            "Do not set mpi4py.rc.thread_level to a lower level.")
+            "Do not set mpi4py.rc.thread_level to a lower level."
+        )
 
 
 @functools.cache
 def _register_drain() -> None:
     import atexit
+
     # Registered after mpi4py's MPI_Finalize handler, so it runs before it.
     atexit.register(_quiet._drain)
 
@@ -272,7 +283,8 @@ class MPIBackend:
             active = leader.astype(jnp.int32)
             bufs = [_varying(b, _vma(active)) for b in bufs]
             out = self._watched(program, True, leader)(
-                _NativeOps(world, active, size, group=group), bufs)
+                _NativeOps(world, active, size, group=group), bufs
+            )
             return intra.broadcast(list(out), root=0)
         # Every device its own communicator (the world split by local index),
         # picked at run time: no lax.switch.
@@ -334,17 +346,24 @@ class MPIBackend:
             # collective of this synchronisation) wait for it, without a copy.
             key = _mpi_load.register_agreement(self.comms.agreement, text, what, _disagreement)
             # How many devices of this process run the check (vmap: one program).
-            devices = int(np.prod([n for a, n in bound_axes().items()
-                                   if not _is_batched(lax.axis_index(a))], dtype=np.int64))
+            devices = int(
+                np.prod(
+                    [n for a, n in bound_axes().items() if not _is_batched(lax.axis_index(a))],
+                    dtype=np.int64,
+                )
+            )
             token, (dep,) = _native_prim.native_call(
-                "agree", [jnp.zeros((1,), jnp.uint8)], _ordering.chain_token(),
-                jnp.int32(self.comms.world.py2f()), jnp.int32(1), self.comms.size,
-                agree=(*key, devices))  # (comm, id, instance, devices)
+                "agree",
+                [jnp.zeros((1,), jnp.uint8)],
+                _ordering.chain_token(),
+                jnp.int32(self.comms.world.py2f()),
+                jnp.int32(1),
+                self.comms.size,
+                agree=(*key, devices),
+            )  # (comm, id, instance, devices)
             _ordering.set_chain_token(token)
             return list(lax.optimization_barrier((dep, *bufs))[1:])
-        return tie_buffers(bufs, agreement_dep(self.comms.agreement, text, what,
-                                               _disagreement))
+        return tie_buffers(bufs, agreement_dep(self.comms.agreement, text, what, _disagreement))
 
     def __repr__(self):
-        return (f"MPIBackend(size={self.size()}, staging={self.staging!r}, "
-                f"timeout={self.timeout})")
+        return f"MPIBackend(size={self.size()}, staging={self.staging!r}, timeout={self.timeout})"

@@ -31,10 +31,12 @@ _NATIVE_KINDS = ("allreduce", "allgather", "alltoall", "agree")
 NATIVE_DIR = Path(__file__).resolve().parent / "_native"
 NATIVE_ENV = "JAXSYNC_NATIVE_LIB"  # a path that replaces the built library
 _NATIVE_GLOB = "_jaxsync_mpi*.so"
-_BUILD_FIX = ("Fix: build it with `bash scripts/setup.sh`, or "
-              "`MPICC=$(which mpicc) pip install --no-build-isolation -e .` (or "
-              "`python setup.py build_ext --inplace`) in the jaxsync checkout; "
-              "`python -m jaxsync info` shows its state.")
+_BUILD_FIX = (
+    "Fix: build it with `bash scripts/setup.sh`, or "
+    "`MPICC=$(which mpicc) pip install --no-build-isolation -e .` (or "
+    "`python setup.py build_ext --inplace`) in the jaxsync checkout; "
+    "`python -m jaxsync info` shows its state."
+)
 
 
 class MPIUnavailableError(ImportError):
@@ -65,13 +67,14 @@ def native_path() -> Path:
 # path). On a mismatch every process calls back into Python (below), which
 # exchanges the full texts and returns the message naming the first difference.
 
-_AGREEMENTS: dict = {}   # instance -> (mpi4py communicator, text, what, message builder)
+_AGREEMENTS: dict = {}  # instance -> (mpi4py communicator, text, what, message builder)
 _INSTANCES = itertools.count(1)
 
 
 def register_agreement(comm, text: str, what: str, disagreement) -> tuple:
     """Register ``text`` for the in-call agreement: ``(comm handle, id, instance)``."""
     import hashlib
+
     ident = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
     instance = next(_INSTANCES)  # one per traced synchronisation, on this process
     _AGREEMENTS[instance] = (comm, text, what, disagreement)
@@ -92,8 +95,9 @@ def _on_mismatch(instance, ident, out, cap):
     return len(data)
 
 
-_MISMATCH_CB = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
-                                ctypes.c_void_p, ctypes.c_int)(_on_mismatch)
+_MISMATCH_CB = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+)(_on_mismatch)
 
 
 @functools.cache
@@ -106,18 +110,19 @@ def _native():
             f"(pattern {NATIVE_DIR / _NATIVE_GLOB}"
             f"{', set by $' + NATIVE_ENV if os.environ.get(NATIVE_ENV) else ''}). "
             "jaxsync needs it for MPI communication on CPU and never falls back to "
-            f"a slower path. {_BUILD_FIX}")
+            f"a slower path. {_BUILD_FIX}"
+        )
     _load()  # libmpi comes from mpi4py first: the library must use the same MPI
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         raise NativeUnavailableError(
             f"jaxsync could not load its native MPI library {path}: {e}. It must be "
-            f"built against the MPI that mpi4py uses. {_BUILD_FIX}") from e
+            f"built against the MPI that mpi4py uses. {_BUILD_FIX}"
+        ) from e
     for kind in _NATIVE_KINDS:
         name = f"jaxsync_{kind}"
-        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)),
-                                    platform="cpu")
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
     lib.jaxsync_mpi_header_version.restype = ctypes.c_char_p
     lib.jaxsync_set_mismatch_callback(_MISMATCH_CB)
     lib.jaxsync_calls_started.restype = ctypes.c_int64
@@ -134,8 +139,14 @@ def require_native() -> None:
 def native_status() -> dict:
     """Where the native library is, whether it loads, and its MPI versions."""
     path = native_path()
-    out = dict(path=str(path), built=path.is_file(), loaded=False, error=None,
-               built_against=None, mpi_library=None)
+    out = dict(
+        path=str(path),
+        built=path.is_file(),
+        loaded=False,
+        error=None,
+        built_against=None,
+        mpi_library=None,
+    )
     if not out["built"]:
         out["error"] = f"not built. {_BUILD_FIX}"
         return out
@@ -167,8 +178,10 @@ def _load():
         raise MPIUnavailableError(
             f"jaxsync's MPI backend supports jax {SUPPORTED_JAX}; found jax "
             f"{jax.__version__}. Install a matching version (pip install "
-            f"'jax==0.10.*') or use comm=None / a mesh axis.")
+            f"'jax==0.10.*') or use comm=None / a mesh axis."
+        )
     import atexit
+
     # Registered after mpi4py's MPI_Finalize handler, so it runs before it:
     # computations still in flight finish their MPI calls first.
     atexit.register(_quiet._drain)
@@ -176,7 +189,8 @@ def _load():
         raise RuntimeError(
             "jaxsync needs MPI initialised with MPI_THREAD_MULTIPLE (each local "
             f"device runs in its own thread); MPI provides level {MPI.Query_thread()}. "
-            "Do not set mpi4py.rc.thread_level to a lower level.")
+            "Do not set mpi4py.rc.thread_level to a lower level."
+        )
     return MPI
 
 
@@ -191,11 +205,13 @@ def _load_mpi4jax():
         raise MPIUnavailableError(
             "on GPU jaxsync needs mpi4jax for inter-process communication "
             "(comm=...); install it with `pip install 'jaxsync[mpi]'`, or pass "
-            "comm=None.") from e
+            "comm=None."
+        ) from e
     mv = ".".join(mpi4jax.__version__.split(".")[:2])
     if mv not in SUPPORTED_MPI4JAX:
         raise MPIUnavailableError(
             f"jaxsync's GPU MPI path supports mpi4jax {SUPPORTED_MPI4JAX}; found "
             f"{mpi4jax.__version__}. Install a matching version (pip install "
-            "'mpi4jax==0.9.*') or use comm=None / a mesh axis.")
+            "'mpi4jax==0.9.*') or use comm=None / a mesh axis."
+        )
     return MPI, to_mpi_handle, to_dtype_handle

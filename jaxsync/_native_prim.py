@@ -45,8 +45,11 @@ def _drop_varying(aval, axes):
     mat = getattr(aval, "manual_axis_type", None)
     if not axes or mat is None or not (mat.varying & set(axes)):
         return aval
-    return aval.update(manual_axis_type=_core.ManualAxisType(
-        varying=mat.varying - set(axes), unreduced=mat.unreduced, reduced=mat.reduced))
+    return aval.update(
+        manual_axis_type=_core.ManualAxisType(
+            varying=mat.varying - set(axes), unreduced=mat.unreduced, reduced=mat.reduced
+        )
+    )
 
 
 def _native_abstract_eval(token, comm, active, *xs, kind, size, invariant, agree, group):
@@ -79,9 +82,17 @@ def _native_lowering(ctx, token, comm, active, *xs, kind, size, invariant, agree
         return rule(ctx, token, comm, active, *xs, group_bytes=np.int64(group))
     if kind != "agree":
         return rule(ctx, token, comm, active, *xs)
-    return rule(ctx, token, comm, active, *xs, agree_comm=np.int64(agree[0]),
-                agree_id=np.int64(agree[1]), agree_instance=np.int64(agree[2]),
-                agree_devices=np.int64(agree[3]))
+    return rule(
+        ctx,
+        token,
+        comm,
+        active,
+        *xs,
+        agree_comm=np.int64(agree[0]),
+        agree_id=np.int64(agree[1]),
+        agree_instance=np.int64(agree[2]),
+        agree_devices=np.int64(agree[3]),
+    )
 
 
 mlir.register_lowering(native_p, _native_lowering, platform="cpu")
@@ -94,13 +105,23 @@ def _native_batching(args, dims, *, kind, size, invariant, agree, group):
     if any(d is not nm for d in dims[:3]):
         raise NotImplementedError(
             "jaxsync: the communicator and the active flag of an MPI call cannot "
-            "be batched (vmap them outside the synchronisation)")
+            "be batched (vmap them outside the synchronisation)"
+        )
     xdims = dims[3:]
     if kind == "alltoall":  # the leading (peer) axis must stay first
         xs = [x if d is nm else jax.numpy.moveaxis(x, d, 1) for x, d in zip(xs, xdims)]
         xdims = [d if d is nm else 1 for d in xdims]
-    outs = native_p.bind(token, comm, active, *xs, kind=kind, size=size,
-                         invariant=invariant, agree=agree, group=group)
+    outs = native_p.bind(
+        token,
+        comm,
+        active,
+        *xs,
+        kind=kind,
+        size=size,
+        invariant=invariant,
+        agree=agree,
+        group=group,
+    )
     if kind == "allgather":
         xdims = [d if d is nm else d + 1 for d in xdims]
     return outs, (nm, *xdims)
@@ -113,8 +134,9 @@ GROUP_BYTES = 64 * 2**10
 """Default of ``native_call``'s ``group``: buffers under it are summed together."""
 
 
-def native_call(kind, xs, token, comm, active, size, invariant=(), agree=(0, 0, 1),
-                group=GROUP_BYTES):
+def native_call(
+    kind, xs, token, comm, active, size, invariant=(), agree=(0, 0, 1), group=GROUP_BYTES
+):
     """Bind one native collective: returns ``(token, [results])``.
 
     Args:
@@ -140,7 +162,15 @@ def native_call(kind, xs, token, comm, active, size, invariant=(), agree=(0, 0, 
     """
     assert kind in _NATIVE_KINDS, kind
     require_native()
-    token, *ys = native_p.bind(token, comm, active, *xs, kind=kind, size=int(size),
-                               invariant=tuple(invariant),
-                               agree=tuple(int(a) for a in agree), group=int(group))
+    token, *ys = native_p.bind(
+        token,
+        comm,
+        active,
+        *xs,
+        kind=kind,
+        size=int(size),
+        invariant=tuple(invariant),
+        agree=tuple(int(a) for a in agree),
+        group=int(group),
+    )
     return token, ys

@@ -104,8 +104,9 @@ def _after(x, prev):
         return x
     uint = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
     width, pwidth = uint[x.dtype.itemsize], uint[prev.dtype.itemsize]
-    zero = jax.pure_callback(lambda: np.zeros((), width), jax.ShapeDtypeStruct((), width),
-                             vmap_method="broadcast_all")
+    zero = jax.pure_callback(
+        lambda: np.zeros((), width), jax.ShapeDtypeStruct((), width), vmap_method="broadcast_all"
+    )
     head = lax.bitcast_convert_type(lax.slice(x, (0,), (1,)), width)
     dep = lax.bitcast_convert_type(lax.slice(prev.reshape(-1), (0,), (1,)), pwidth)
     dep = lax.convert_element_type(dep, width) & zero

@@ -143,8 +143,11 @@ class Plan:
         """A canonical text form of the plan (what the fingerprint hashes)."""
         # Leaves first, so the first differing line names a leaf path.
         lines = [f"leaf {s.path} {s.shape} {s.dtype} {s.reduced}" for s in self.leaves]
-        lines += [f"treedef {structure_text(self.treedef)}", f"bucket_bytes {self.bucket_bytes}",
-                  f"pack_threshold {self.pack_threshold}"]
+        lines += [
+            f"treedef {structure_text(self.treedef)}",
+            f"bucket_bytes {self.bucket_bytes}",
+            f"pack_threshold {self.pack_threshold}",
+        ]
         lines += [f"bucket {b.dtype} {b.leaves} {b.size}" for b in self.buckets]
         return "\n".join(lines)
 
@@ -169,16 +172,14 @@ class Plan:
             out.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
         return out
 
-    def unpack(self, buffers: Sequence[jax.Array], tree: PyTree,
-               finish=None) -> PyTree:
+    def unpack(self, buffers: Sequence[jax.Array], tree: PyTree, finish=None) -> PyTree:
         """Inverse of :meth:`pack`; pass-through leaves are taken from ``tree``.
 
         ``finish(k, piece)``, if given, maps each leaf's piece of buffer ``k``
         (an elementwise fix-up such as a division fuses into the slice).
         """
         if len(buffers) != len(self.buckets):
-            raise ValueError(
-                f"unpack expected {len(self.buckets)} buffers, got {len(buffers)}")
+            raise ValueError(f"unpack expected {len(self.buckets)} buffers, got {len(buffers)}")
         leaves = list(self._leaves_of(tree))
         for k, (b, buf) in enumerate(zip(self.buckets, buffers)):
             for i, off in zip(b.leaves, b.offsets):
@@ -197,7 +198,8 @@ class Plan:
         if treedef != self.treedef:
             raise ValueError(
                 f"tree structure {treedef} does not match the plan's {self.treedef}; "
-                "build a plan for this tree with jaxsync.make_plan(tree).")
+                "build a plan for this tree with jaxsync.make_plan(tree)."
+            )
         return leaves
 
 
@@ -207,15 +209,22 @@ def _check_bytes(name: str, value, allow_none: bool) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(
             f"{name} must be a positive int (bytes){' or None' if allow_none else ''}, "
-            f"got {type(value).__name__} {value!r}. Fix: pass e.g. {name}=2**20.")
+            f"got {type(value).__name__} {value!r}. Fix: pass e.g. {name}=2**20."
+        )
     if value <= 0:
-        raise ValueError(f"{name} must be > 0 bytes, got {value}. "
-                         f"Fix: pass a positive number of bytes, e.g. {name}=2**20.")
+        raise ValueError(
+            f"{name} must be > 0 bytes, got {value}. "
+            f"Fix: pass a positive number of bytes, e.g. {name}=2**20."
+        )
 
 
-def make_plan(tree: PyTree, *, bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
-              pack_threshold: int | None = DEFAULT_PACK_THRESHOLD,
-              per_leaf: bool = False) -> Plan:
+def make_plan(
+    tree: PyTree,
+    *,
+    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    pack_threshold: int | None = DEFAULT_PACK_THRESHOLD,
+    per_leaf: bool = False,
+) -> Plan:
     """Build the static packing plan of a pytree.
 
     Args:
@@ -276,6 +285,10 @@ def make_plan(tree: PyTree, *, bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
             cur.append(i)
             cur_size += s.size
         flush()
-    return Plan(treedef, tuple(specs), tuple(buckets),
-                bucket_bytes if bucket_bytes is not None else 0,
-                pack_threshold if pack_threshold is not None else 0)
+    return Plan(
+        treedef,
+        tuple(specs),
+        tuple(buckets),
+        bucket_bytes if bucket_bytes is not None else 0,
+        pack_threshold if pack_threshold is not None else 0,
+    )

@@ -58,11 +58,19 @@ def _mm(a, b):
     return jnp.matmul(a, b)
 
 
-def powersgd_mean(axis_name: AxisName, comm: Comm = AUTO, *,
-                  rank: int = 4, start_step: int = 0,
-                  min_compression_rate: float = 2.0, error_feedback: bool = True,
-                  warm_start: bool = True, seed: int = 0, staging: Staging = "device",
-                  timeout: float | None = None) -> optax.GradientTransformation:
+def powersgd_mean(
+    axis_name: AxisName,
+    comm: Comm = AUTO,
+    *,
+    rank: int = 4,
+    start_step: int = 0,
+    min_compression_rate: float = 2.0,
+    error_feedback: bool = True,
+    warm_start: bool = True,
+    seed: int = 0,
+    staging: Staging = "device",
+    timeout: float | None = None,
+) -> optax.GradientTransformation:
     """Average gradients with PowerSGD low-rank compression and error feedback.
 
     Every floating leaf with at least two axes is seen as the matrix
@@ -125,13 +133,13 @@ def powersgd_mean(axis_name: AxisName, comm: Comm = AUTO, *,
     fn = "powersgd_mean"
     rank = _check_int(fn, "rank", rank, 1, "pass e.g. rank=4")
     start_step = _check_int(fn, "start_step", start_step, 0, "pass e.g. start_step=0")
-    min_rate = _check_float(fn, "min_compression_rate", min_compression_rate, 0.0,
-                            "pass e.g. min_compression_rate=2.0")
+    min_rate = _check_float(
+        fn, "min_compression_rate", min_compression_rate, 0.0, "pass e.g. min_compression_rate=2.0"
+    )
     error_feedback = _check_bool(fn, "error_feedback", error_feedback)
     warm_start = _check_bool(fn, "warm_start", warm_start)
     seed = _check_int(fn, "seed", seed, 0, "pass e.g. seed=0")
-    cfg = _config.make_config(fn, "hierarchical", axis_name, comm, staging=staging,
-                                  timeout=timeout)
+    cfg = _config.make_config(fn, "hierarchical", axis_name, comm, staging=staging, timeout=timeout)
     _check_phase_backend(fn, cfg, start_step)
     key = jax.random.PRNGKey(seed)
 
@@ -166,8 +174,9 @@ def powersgd_mean(axis_name: AxisName, comm: Comm = AUTO, *,
         rest = [k for k, lay in enumerate(layout) if lay is None]
         # A gradient that autodiff already summed over some axes (shard_map,
         # replicated parameters) takes part once, as in hierarchical_mean.
-        shared = _invariance.share_invariant([leaves[k] for k in idx],
-                                           cfg.axes + cfg.backend.mesh_axes)
+        shared = _invariance.share_invariant(
+            [leaves[k] for k in idx], cfg.axes + cfg.backend.mesh_axes
+        )
         ms, qs = [], []
         for j, (k, g) in enumerate(zip(idx, shared)):
             n, m, r = layout[k]
@@ -179,8 +188,7 @@ def powersgd_mean(axis_name: AxisName, comm: Comm = AUTO, *,
             qs.append(q.astype(mat.dtype))
         ps = [_mm(mat, q) for mat, q in zip(ms, qs)]
         # Round 1: the P matrices and every uncompressed leaf.
-        (ps, exact_leaves), _ = _sync.sync(
-            (tuple(ps), tuple(leaves[k] for k in rest)), cfg)
+        (ps, exact_leaves), _ = _sync.sync((tuple(ps), tuple(leaves[k] for k in rest)), cfg)
         ps = [_orthogonalise(p) for p in ps]
         # Round 2: the Q matrices.
         qs, _ = _sync.sync(tuple(_mm(mat.T, p) for mat, p in zip(ms, ps)), cfg)
@@ -196,8 +204,10 @@ def powersgd_mean(axis_name: AxisName, comm: Comm = AUTO, *,
         for j, k in enumerate(rest):
             out[k] = exact_leaves[j]
         new_q = tuple(q.astype(jnp.float32) for q in qs) if warm_start else state.q
-        return (jax.tree_util.tree_unflatten(treedef, out),
-                PowerSGDState(state.count + 1, new_q, tuple(new_res)))
+        return (
+            jax.tree_util.tree_unflatten(treedef, out),
+            PowerSGDState(state.count + 1, new_q, tuple(new_res)),
+        )
 
     def update_fn(updates, state, params=None):
         del params
@@ -210,7 +220,6 @@ def powersgd_mean(axis_name: AxisName, comm: Comm = AUTO, *,
             raise _tree_error(fn, "compressed leaves", n_comp, len(state.residual))
         if start_step == 0:
             return compressed((updates, state))
-        return _select_phase(state.count < start_step, exact, compressed,
-                             (updates, state), cfg)
+        return _select_phase(state.count < start_step, exact, compressed, (updates, state), cfg)
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -42,11 +42,15 @@ def wait_until_quiet(quiet_s: float = 0.25, limit_s: float = 10.0) -> bool:
     Gives up after ``limit_s`` (a peer that never arrives). True when quiet.
     """
     import time
+
     lib = _LIB[0] if _LIB else None
 
     def state():
-        calls = ((lib.jaxsync_calls_started(), lib.jaxsync_calls_finished())
-                 if lib is not None else (0, 0))
+        calls = (
+            (lib.jaxsync_calls_started(), lib.jaxsync_calls_finished())
+            if lib is not None
+            else (0, 0)
+        )
         return (*calls, *_agree.ACTIVITY)
 
     start = now = time.monotonic()

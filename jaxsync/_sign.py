@@ -61,7 +61,7 @@ def _gather_bytes(buf, cfg, text):
     if intra.size == 1 and getattr(cfg.backend, "native", False):
         intra = _intra.AxisOps((), unit_axes=cfg.axes)
     (buf,) = cfg.backend.agree(text, "gradient tree", [buf])
-    local = intra.allgather(buf)                               # (D, L)
+    local = intra.allgather(buf)  # (D, L)
     flat = local.reshape(-1)
 
     def gather(ops, bufs):
@@ -71,10 +71,15 @@ def _gather_bytes(buf, cfg, text):
     return world.reshape(-1, buf.shape[0])
 
 
-def sign_mean(axis_name: AxisName, comm: Comm = AUTO, *,
-              error_feedback: bool = True,
-              min_size: int = 256, staging: Staging = "device",
-              timeout: float | None = None) -> optax.GradientTransformation:
+def sign_mean(
+    axis_name: AxisName,
+    comm: Comm = AUTO,
+    *,
+    error_feedback: bool = True,
+    min_size: int = 256,
+    staging: Staging = "device",
+    timeout: float | None = None,
+) -> optax.GradientTransformation:
     """Average gradients as scaled signs, 1 bit per value, with error feedback.
 
     Per replica and compressed leaf (``p`` = gradient + residual, ``d`` values):
@@ -130,13 +135,15 @@ def sign_mean(axis_name: AxisName, comm: Comm = AUTO, *,
     fn = "sign_mean"
     error_feedback = _check_bool(fn, "error_feedback", error_feedback)
     min_size = _check_int(fn, "min_size", min_size, 1, "pass e.g. min_size=256")
-    cfg = _config.make_config(fn, "hierarchical", axis_name, comm, staging=staging,
-                                  timeout=timeout)
+    cfg = _config.make_config(fn, "hierarchical", axis_name, comm, staging=staging, timeout=timeout)
 
     def init_fn(params):
         leaves = jax.tree_util.tree_leaves(params)
-        res = tuple(jnp.zeros(x.shape, _wide(x.dtype))
-                    for x, c in zip(leaves, _sign_layout(leaves, min_size)) if c)
+        res = tuple(
+            jnp.zeros(x.shape, _wide(x.dtype))
+            for x, c in zip(leaves, _sign_layout(leaves, min_size))
+            if c
+        )
         return SignState(jnp.zeros((), jnp.int32), res)
 
     def update_fn(updates, state, params=None):
@@ -157,9 +164,11 @@ def sign_mean(axis_name: AxisName, comm: Comm = AUTO, *,
                 out[k] = exact[j]
         if not idx:
             return jax.tree_util.tree_unflatten(treedef, out), SignState(
-                state.count + 1, state.residual)
-        shared = _invariance.share_invariant([leaves[k] for k in idx],
-                                           cfg.axes + cfg.backend.mesh_axes)
+                state.count + 1, state.residual
+            )
+        shared = _invariance.share_invariant(
+            [leaves[k] for k in idx], cfg.axes + cfg.backend.mesh_axes
+        )
         ps, scales, packed = [], [], []
         for j, g in enumerate(shared):
             p = g.astype(_wide(g.dtype)).reshape(-1)
@@ -171,20 +180,23 @@ def sign_mean(axis_name: AxisName, comm: Comm = AUTO, *,
         scale_bytes = lax.bitcast_convert_type(jnp.stack(scales), jnp.uint8).reshape(-1)
         buf = jnp.concatenate([*packed, scale_bytes])
         sizes = [b.shape[0] for b in packed]
-        text = (f"sign_mean leaves {[tuple(leaves[k].shape) for k in idx]} dtypes "
-                f"{[str(leaves[k].dtype) for k in idx]} bytes {buf.shape[0]}\n"
-                f"{cfg.describe()}")
-        rows = _gather_bytes(buf, cfg, text)                     # (N, L)
+        text = (
+            f"sign_mean leaves {[tuple(leaves[k].shape) for k in idx]} dtypes "
+            f"{[str(leaves[k].dtype) for k in idx]} bytes {buf.shape[0]}\n"
+            f"{cfg.describe()}"
+        )
+        rows = _gather_bytes(buf, cfg, text)  # (N, L)
         nrep = rows.shape[0]
         all_scales = lax.bitcast_convert_type(
-            rows[:, sum(sizes):].reshape(nrep, len(idx), 4), jnp.float32)  # (N, leaves)
+            rows[:, sum(sizes) :].reshape(nrep, len(idx), 4), jnp.float32
+        )  # (N, leaves)
         new_res = []
         off = 0
         for j, k in enumerate(idx):
             d = ps[j].shape[0]
-            signs = unpack_signs(rows[:, off:off + sizes[j]], d)              # (N, d)
+            signs = unpack_signs(rows[:, off : off + sizes[j]], d)  # (N, d)
             off += sizes[j]
-            mean = jnp.sum(all_scales[:, j:j + 1] * signs, axis=0) / jnp.float32(nrep)
+            mean = jnp.sum(all_scales[:, j : j + 1] * signs, axis=0) / jnp.float32(nrep)
             out[k] = mean.reshape(leaves[k].shape).astype(leaves[k].dtype)
             if error_feedback:
                 s = scales[j].astype(ps[j].dtype)
@@ -192,7 +204,9 @@ def sign_mean(axis_name: AxisName, comm: Comm = AUTO, *,
                 new_res.append((ps[j] - sent).reshape(leaves[k].shape))
             else:
                 new_res.append(state.residual[j])
-        return (jax.tree_util.tree_unflatten(treedef, out),
-                SignState(state.count + 1, tuple(new_res)))
+        return (
+            jax.tree_util.tree_unflatten(treedef, out),
+            SignState(state.count + 1, tuple(new_res)),
+        )
 
     return optax.GradientTransformation(init_fn, update_fn)

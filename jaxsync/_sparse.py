@@ -69,24 +69,30 @@ class RowSparse:
     __slots__ = ("indices", "values", "num_rows")
 
     def __init__(self, indices: ArrayLike, values: ArrayLike, num_rows: int) -> None:
-        if isinstance(num_rows, bool) or not isinstance(num_rows, (int, np.integer)) \
-                or num_rows < 1:
+        if (
+            isinstance(num_rows, bool)
+            or not isinstance(num_rows, (int, np.integer))
+            or num_rows < 1
+        ):
             raise TypeError(
                 "RowSparse got unexpected value for argument 'num_rows' (expected: a "
                 f"Python int >= 1, got: {type(num_rows).__name__} {num_rows!r}). Fix: "
-                "pass the table's number of rows, e.g. num_rows=table.shape[0].")
+                "pass the table's number of rows, e.g. num_rows=table.shape[0]."
+            )
         indices = jnp.asarray(indices)
         values = jnp.asarray(values)
         if indices.ndim != 1 or not jnp.issubdtype(indices.dtype, jnp.integer):
             raise TypeError(
                 "RowSparse got unexpected value for argument 'indices' (expected: a "
                 f"1-D integer array, got: {indices.dtype} of shape {indices.shape}). "
-                "Fix: pass the row ids flattened, e.g. ids.reshape(-1).")
+                "Fix: pass the row ids flattened, e.g. ids.reshape(-1)."
+            )
         if values.ndim < 1 or values.shape[0] != indices.shape[0]:
             raise ValueError(
                 f"RowSparse: values must have shape (k, *row_shape) with k = "
                 f"len(indices) = {indices.shape[0]}, got {values.shape}. Fix: one row "
-                "of values per index.")
+                "of values per index."
+            )
         self.indices = indices.astype(jnp.int32)
         self.values = values
         self.num_rows = int(num_rows)
@@ -160,8 +166,10 @@ class RowSparse:
         return _coalesce(self, size)
 
     def __repr__(self) -> str:
-        return (f"RowSparse(k={self.indices.shape}, row_shape={self.row_shape}, "
-                f"num_rows={self.num_rows}, dtype={self.values.dtype})")
+        return (
+            f"RowSparse(k={self.indices.shape}, row_shape={self.row_shape}, "
+            f"num_rows={self.num_rows}, dtype={self.values.dtype})"
+        )
 
 
 def _is_rs(x) -> bool:
@@ -175,10 +183,9 @@ def _coalesce(g: RowSparse, size: int | None = None) -> RowSparse:
     order = jnp.argsort(key, stable=True)
     sk = key[order]
     new = jnp.concatenate([jnp.ones((1,), bool), sk[1:] != sk[:-1]]) if n else sk > 0
-    seg = jnp.cumsum(new.astype(jnp.int32)) - 1     # segment of each sorted row
+    seg = jnp.cumsum(new.astype(jnp.int32)) - 1  # segment of each sorted row
     idx = jnp.full((size,), v, jnp.int32).at[seg].set(sk, mode="drop")
-    vals = jnp.zeros((size, *g.row_shape), g.values.dtype).at[seg].add(
-        g.values[order], mode="drop")
+    vals = jnp.zeros((size, *g.row_shape), g.values.dtype).at[seg].add(g.values[order], mode="drop")
     # The segment of invalid indices (key v, sorted last) holds their sum: zero it.
     keep = (idx < v).reshape((size,) + (1,) * len(g.row_shape))
     vals = jnp.where(keep, vals, jnp.zeros((), vals.dtype))
@@ -239,19 +246,22 @@ class SparseOptions:
                 raise TypeError(
                     f"SparseOptions got unexpected type for a key of argument 'mode' "
                     f"(expected: str leaf paths such as 'emb', got: {bad[0]!r}). Fix: "
-                    "mode={'emb': 'sparse'}.")
+                    "mode={'emb': 'sparse'}."
+                )
             object.__setattr__(self, "mode", tuple(sorted(self.mode.items())))
         for m in modes:
             if not isinstance(m, str) or m not in _MODES:
                 raise ValueError(
                     f"SparseOptions: mode must be one of {_MODES} or a dict of leaf "
                     f"paths to them, got {m!r}. Fix: mode='auto' (default), "
-                    "mode='sparse', or mode={'emb': 'dense'}.")
+                    "mode='sparse', or mode={'emb': 'dense'}."
+                )
         for name in ("coalesce", "densify"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(
                     f"SparseOptions got unexpected type for argument {name!r} (expected: "
-                    f"bool, got: {type(getattr(self, name)).__name__}). Fix: {name}=True.")
+                    f"bool, got: {type(getattr(self, name)).__name__}). Fix: {name}=True."
+                )
 
     def mode_of(self, path: str) -> str:
         """The mode of the leaf at ``path`` (keys joined by ``/``)."""
@@ -268,7 +278,8 @@ def check_options(fn: str, sparse: Any) -> SparseOptions:
         raise TypeError(
             f"{fn} got unexpected type for argument 'sparse' (expected: "
             f"jaxsync.SparseOptions or None, got: {type(sparse).__name__} {sparse!r}). "
-            "Fix: sparse=jaxsync.SparseOptions(mode='auto', coalesce=False).")
+            "Fix: sparse=jaxsync.SparseOptions(mode='auto', coalesce=False)."
+        )
     return sparse
 
 

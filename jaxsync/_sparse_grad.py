@@ -21,15 +21,16 @@ def _lookup(tree, path: str, what: str):
         if path_str(p) == path:
             return leaf
     names = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-    raise KeyError(f"row_sparse_grad: no leaf {path!r} in {what}; its leaves are "
-                   f"{names[:20]}{' ...' if len(names) > 20 else ''}. Fix: name the leaf "
-                   "by its keys joined with '/', e.g. 'params/Embed_0/embedding'.")
+    raise KeyError(
+        f"row_sparse_grad: no leaf {path!r} in {what}; its leaves are "
+        f"{names[:20]}{' ...' if len(names) > 20 else ''}. Fix: name the leaf "
+        "by its keys joined with '/', e.g. 'params/Embed_0/embedding'."
+    )
 
 
 def _replace(tree, repl: Mapping[str, Any]):
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    return jax.tree_util.tree_unflatten(
-        treedef, [repl.get(path_str(p), x) for p, x in with_paths])
+    return jax.tree_util.tree_unflatten(treedef, [repl.get(path_str(p), x) for p, x in with_paths])
 
 
 def _unique(ids, num_rows: int):
@@ -47,9 +48,15 @@ def _unique(ids, num_rows: int):
     return uniq, pos.reshape(ids.shape)
 
 
-def row_sparse_grad(loss_fn: Callable, params: PyTree, batch: PyTree, *,
-                    tables: Mapping[str, Any], has_aux: bool = False,
-                    return_value: bool = False) -> Any:
+def row_sparse_grad(
+    loss_fn: Callable,
+    params: PyTree,
+    batch: PyTree,
+    *,
+    tables: Mapping[str, Any],
+    has_aux: bool = False,
+    return_value: bool = False,
+) -> Any:
     """Gradient of ``loss_fn(params, batch)`` with ``RowSparse`` leaves for tables.
 
     ``jax.grad`` of an embedding table is a dense ``(num_rows, ...)`` array. For
@@ -99,14 +106,16 @@ def row_sparse_grad(loss_fn: Callable, params: PyTree, batch: PyTree, *,
         raise TypeError(
             "row_sparse_grad got unexpected value for argument 'tables' (expected: a "
             f"non-empty dict of table path -> ids path or ids array, got: {tables!r}). "
-            "Fix: tables={'emb': 'ids'}.")
+            "Fix: tables={'emb': 'ids'}."
+        )
     p_repl, b_repl, info = {}, {}, {}
     for tpath, where in tables.items():
         table = _lookup(params, tpath, "params")
         ids = _lookup(batch, where, "batch") if isinstance(where, str) else jnp.asarray(where)
         if not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise TypeError(f"row_sparse_grad: the ids of table {tpath!r} must be "
-                            f"integers, got {ids.dtype}.")
+            raise TypeError(
+                f"row_sparse_grad: the ids of table {tpath!r} must be integers, got {ids.dtype}."
+            )
         num_rows = table.shape[0]
         uniq, pos = _unique(ids, num_rows)
         info[tpath] = (uniq, num_rows, isinstance(where, str))

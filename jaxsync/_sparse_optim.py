@@ -65,10 +65,12 @@ def _check_lr(fn, learning_rate):
         raise TypeError(
             f"{fn} got unexpected type for argument 'learning_rate' (expected: a float "
             f"or an optax schedule, got: {type(learning_rate).__name__} "
-            f"{learning_rate!r}). Fix: learning_rate=0.1.")
+            f"{learning_rate!r}). Fix: learning_rate=0.1."
+        )
     if not learning_rate > 0:
-        raise ValueError(f"{fn}: learning_rate must be > 0, got {learning_rate}. "
-                         "Fix: learning_rate=0.1.")
+        raise ValueError(
+            f"{fn}: learning_rate must be > 0, got {learning_rate}. Fix: learning_rate=0.1."
+        )
 
 
 class ScheduleState(NamedTuple):
@@ -124,8 +126,7 @@ def sparse_sgd(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransform
                 return RowSparse.tree_unflatten(g.num_rows, (g.indices, v))
             return g * jnp.asarray(-lr, g.dtype)
 
-        return (jax.tree.map(one, updates, is_leaf=_is_rs),
-                ScheduleState(count=state.count + 1))
+        return (jax.tree.map(one, updates, is_leaf=_is_rs), ScheduleState(count=state.count + 1))
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -137,9 +138,9 @@ class SparseAdagradState(NamedTuple):
     count: jax.Array  # type: ignore[assignment]  # shadows tuple.count
 
 
-def sparse_adagrad(learning_rate: optax.ScalarOrSchedule,
-                   initial_accumulator_value: float = 0.1,
-                   eps: float = 1e-7) -> optax.GradientTransformation:
+def sparse_adagrad(
+    learning_rate: optax.ScalarOrSchedule, initial_accumulator_value: float = 0.1, eps: float = 1e-7
+) -> optax.GradientTransformation:
     """Adagrad that reads and writes only the touched rows (Caffe2's SparseAdagrad).
 
     The accumulator of a ``RowSparse`` leaf is dense like its table, but each
@@ -174,15 +175,17 @@ def sparse_adagrad(learning_rate: optax.ScalarOrSchedule,
       Array([0., 4., 0.], dtype=float32)
     """
     _check_lr("sparse_adagrad", learning_rate)
-    for name, val, lo in (("initial_accumulator_value", initial_accumulator_value, 0.0),
-                          ("eps", eps, 0.0)):
+    for name, val, lo in (
+        ("initial_accumulator_value", initial_accumulator_value, 0.0),
+        ("eps", eps, 0.0),
+    ):
         if isinstance(val, bool) or not isinstance(val, (int, float)) or not val >= lo:
-            raise ValueError(f"sparse_adagrad: {name} must be a float >= {lo}, got "
-                             f"{val!r}. Fix: {name}=0.1.")
+            raise ValueError(
+                f"sparse_adagrad: {name} must be a float >= {lo}, got {val!r}. Fix: {name}=0.1."
+            )
 
     def init_fn(params):
-        acc = jax.tree.map(lambda p: jnp.full(p.shape, initial_accumulator_value, p.dtype),
-                           params)
+        acc = jax.tree.map(lambda p: jnp.full(p.shape, initial_accumulator_value, p.dtype), params)
         return SparseAdagradState(sum_of_squares=acc, count=jnp.zeros((), jnp.int32))
 
     def update_fn(updates, state, params=None):
@@ -192,20 +195,20 @@ def sparse_adagrad(learning_rate: optax.ScalarOrSchedule,
         def one(g, acc):
             if _is_rs(g):
                 c = _coalesce(g, size=min(g.k, g.num_rows))
-                rows = acc.at[c.indices].get(mode="fill", fill_value=0) + c.values ** 2
+                rows = acc.at[c.indices].get(mode="fill", fill_value=0) + c.values**2
                 acc = acc.at[c.indices].set(rows, mode="drop")
                 upd = -lr * c.values / (jnp.sqrt(rows) + eps)
-                return RowSparse.tree_unflatten(g.num_rows, (c.indices,
-                                                             upd.astype(g.dtype))), acc
+                return RowSparse.tree_unflatten(g.num_rows, (c.indices, upd.astype(g.dtype))), acc
             acc = acc + g * g
             return (-lr * g / (jnp.sqrt(acc) + eps)).astype(g.dtype), acc
 
         flat_g, gdef = jax.tree_util.tree_flatten(updates, is_leaf=_is_rs)
         flat_a = gdef.flatten_up_to(state.sum_of_squares)
         pairs = [one(g, a) for g, a in zip(flat_g, flat_a)]
-        return (gdef.unflatten([p[0] for p in pairs]),
-                SparseAdagradState(gdef.unflatten([p[1] for p in pairs]),
-                                   state.count + 1))
+        return (
+            gdef.unflatten([p[0] for p in pairs]),
+            SparseAdagradState(gdef.unflatten([p[1] for p in pairs]), state.count + 1),
+        )
 
     return optax.GradientTransformation(init_fn, update_fn)
 

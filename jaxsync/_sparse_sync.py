@@ -48,22 +48,25 @@ def sync_mixed(tree, cfg, dense_sync: Callable):
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_rs)
     sparse_at = [i for i, (_, x) in enumerate(with_paths) if _is_rs(x)]
     paths = {i: path_str(with_paths[i][0]) for i in sparse_at}
-    modes = {i: choose(opts.mode_of(paths[i]), replicas, with_paths[i][1])
-             for i in sparse_at}
+    modes = {i: choose(opts.mode_of(paths[i]), replicas, with_paths[i][1]) for i in sparse_at}
     # Agreement first: k, num_rows, shapes, dtypes and the chosen side of every
     # sparse leaf; a mismatch fails every process with the same message.
-    lines = [f"row-sparse leaf {paths[i]}: k {g.k} num_rows {g.num_rows} row_shape "
-             f"{g.row_shape} values {g.dtype} indices {g.indices.dtype} -> {modes[i]}"
-             for i in sparse_at for g in [with_paths[i][1]]]
-    lines.append(f"sparse options mode {opts.mode} coalesce {opts.coalesce} densify "
-                 f"{opts.densify} reduce {cfg.reduce} replicas per process "
-                 f"{intra.size if intra.axes else 1} backend {cfg.backend.name}")
-    flat = [x for i in sparse_at for x in (with_paths[i][1].indices,
-                                           with_paths[i][1].values)]
+    lines = [
+        f"row-sparse leaf {paths[i]}: k {g.k} num_rows {g.num_rows} row_shape "
+        f"{g.row_shape} values {g.dtype} indices {g.indices.dtype} -> {modes[i]}"
+        for i in sparse_at
+        for g in [with_paths[i][1]]
+    ]
+    lines.append(
+        f"sparse options mode {opts.mode} coalesce {opts.coalesce} densify "
+        f"{opts.densify} reduce {cfg.reduce} replicas per process "
+        f"{intra.size if intra.axes else 1} backend {cfg.backend.name}"
+    )
+    flat = [x for i in sparse_at for x in (with_paths[i][1].indices, with_paths[i][1].values)]
     flat = cfg.backend.agree("\n".join(lines), "gradient tree", flat)
     leaves = [x for _, x in with_paths]
     for j, i in enumerate(sparse_at):
-        leaves[i] = RowSparse.tree_unflatten(leaves[i].num_rows, flat[2 * j: 2 * j + 2])
+        leaves[i] = RowSparse.tree_unflatten(leaves[i].num_rows, flat[2 * j : 2 * j + 2])
     dense_leaves = list(leaves)
     for i in sparse_at:
         dense_leaves[i] = _Hole()
@@ -102,8 +105,9 @@ def _sync_sparse(gs: list, cfg, intra, replicas: int, opts: SparseOptions):
     for j, g in enumerate(gs):
         groups.setdefault(str(g.dtype), []).append(j)
     for _dt, js in groups.items():
-        bufs.append(_concat([_prescale(gs[j].values, replicas if scale else 1)
-                             .reshape(-1) for j in js]))
+        bufs.append(
+            _concat([_prescale(gs[j].values, replicas if scale else 1).reshape(-1) for j in js])
+        )
     # (L*m,): the inter stage takes 1-D buffers (host staging ties them by
     # their first element); a reshape of a contiguous array is free.
     got = [intra.allgather(b).reshape(-1) for b in bufs]
@@ -114,15 +118,18 @@ def _sync_sparse(gs: list, cfg, intra, replicas: int, opts: SparseOptions):
         got = [jnp.pad(b, (0, (procs - 1) * b.shape[0])) for b in got]
         got = cfg.backend.run(
             lambda ops, bs: [ops.allgather(b[:m]).reshape(-1) for b, m in zip(bs, sizes)],
-            got, intra, leader_only=True)
+            got,
+            intra,
+            leader_only=True,
+        )
     else:
         got = cfg.backend.run(_gather_program, got, intra, leader_only=True)  # (P, L*m)
-    got = [x.reshape(replicas, -1) for x in got]                  # (R, m) rank-major
+    got = [x.reshape(replicas, -1) for x in got]  # (R, m) rank-major
     out: list = [None] * len(gs)
     idx_all, off = got[0], 0
     indices = []
     for g in gs:
-        indices.append(idx_all[:, off: off + g.k].reshape(-1))
+        indices.append(idx_all[:, off : off + g.k].reshape(-1))
         off += g.k
     oks = []
     for (_dt, js), vals in zip(groups.items(), got[1:]):
@@ -130,7 +137,7 @@ def _sync_sparse(gs: list, cfg, intra, replicas: int, opts: SparseOptions):
         for j in js:
             g = gs[j]
             w = g.k * int(np.prod(g.row_shape, dtype=np.int64))
-            v = vals[:, off: off + w].reshape(replicas * g.k, *g.row_shape)
+            v = vals[:, off : off + w].reshape(replicas * g.k, *g.row_shape)
             off += w
             full = RowSparse.tree_unflatten(g.num_rows, (indices[j], v))
             if cfg.check_finite:
@@ -162,7 +169,7 @@ def _prescale(v, n: int):
     if n == 1 or not jnp.issubdtype(v.dtype, jnp.floating):
         return v
     if _is_pow2(n):
-        return v * jnp.asarray(1.0 / n, v.dtype)   # exact
+        return v * jnp.asarray(1.0 / n, v.dtype)  # exact
     return v / jnp.asarray(n, v.dtype)
 
 
@@ -193,6 +200,7 @@ def _raise_if_bad(names, ok):
                 "jaxsync: non-finite values, or indices outside [0, num_rows), in the "
                 f"row-sparse leaves {', '.join(names[:10])} after synchronisation. "
                 "Every replica sees the same rows. Use check_finite=True and "
-                "optax.apply_if_finite to skip such steps instead of failing.")
+                "optax.apply_if_finite to skip such steps instead of failing."
+            )
 
     jax.debug.callback(check, ok)

@@ -96,9 +96,9 @@ def _sum_low(ops, x):
     n = x.shape[0]
     m = -(-n // size)
     xp = jnp.pad(x, (0, m * size - n)).reshape(size, m)
-    got = _from_uint(ops.alltoall(_uint_view(xp)), dtype)          # (size, m)
-    part = rows_sum_f32(got).astype(dtype)                          # my slice
-    full = _from_uint(ops.allgather(_uint_view(part)), dtype)       # (size, m)
+    got = _from_uint(ops.alltoall(_uint_view(xp)), dtype)  # (size, m)
+    part = rows_sum_f32(got).astype(dtype)  # my slice
+    full = _from_uint(ops.allgather(_uint_view(part)), dtype)  # (size, m)
     return full.reshape(-1)[:n]
 
 
@@ -127,8 +127,7 @@ def run(strategy: str, bufs: list, intra, backend, group_bytes=None) -> list:
     if strategy in ("flat", "hierarchical"):
         # Same stages; they differ in packing (flat: everything packed).
         bufs = sum_buffers(intra, bufs)
-        return backend.run(sum_buffers, bufs, intra, leader_only=True,
-                           group_bytes=group_bytes)
+        return backend.run(sum_buffers, bufs, intra, leader_only=True, group_bytes=group_bytes)
     if strategy == "two_dimensional":
         d = intra.size
         padded = [_pad_to(b, d) for b in bufs]

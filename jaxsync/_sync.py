@@ -41,6 +41,7 @@ def sync(tree: PyTree, cfg: SyncConfig):
     _intra.check_axes(cfg.axes)
     if cfg.strategy == AUTO:  # chosen now, from the tree (jaxsync._auto)
         from . import _auto
+
         cfg = _auto.resolve(tree, cfg)
     _check_unsynced_devices(cfg)
     intra = _intra.AxisOps(cfg.axes)
@@ -50,16 +51,17 @@ def sync(tree: PyTree, cfg: SyncConfig):
     # small ones together itself (a memcpy into one MPI message): nothing is
     # packed or unpacked in XLA.
     per_leaf = cfg.strategy == "naive" or (
-        alone and cfg.strategy in ("hierarchical", "two_dimensional", "flat"))
+        alone and cfg.strategy in ("hierarchical", "two_dimensional", "flat")
+    )
     # flat's packing is then the native target's: every leaf of one dtype into
     # messages of up to bucket_bytes, through a scratch buffer it reuses.
     group = None
     if alone and cfg.strategy == "flat":
         group = cfg.bucket_bytes if cfg.bucket_bytes is not None else 2**62
-    plan = make_plan(tree, bucket_bytes=cfg.bucket_bytes,
-                     pack_threshold=cfg.pack_threshold, per_leaf=per_leaf)
-    agreed = (f"{plan.describe()}\n{cfg.describe()}\nreplicas per process "
-              f"{intra.size}")
+    plan = make_plan(
+        tree, bucket_bytes=cfg.bucket_bytes, pack_threshold=cfg.pack_threshold, per_leaf=per_leaf
+    )
+    agreed = f"{plan.describe()}\n{cfg.describe()}\nreplicas per process {intra.size}"
     n = intra.size * cfg.backend.size()
     if cfg.axes and alone:
         # One device per process: no local stage at all (no psum, no leader
@@ -111,8 +113,11 @@ def _check_unsynced_devices(cfg: SyncConfig) -> None:
     """
     if not isinstance(cfg.backend, _mpi_backend.MPIBackend):
         return
-    bad = [a for a, n in _intra.bound_axes().items() if n > 1 and a not in cfg.axes
-           and not _intra._is_batched(jax.lax.axis_index(a))]
+    bad = [
+        a
+        for a, n in _intra.bound_axes().items()
+        if n > 1 and a not in cfg.axes and not _intra._is_batched(jax.lax.axis_index(a))
+    ]
     if bad:
         got = "None" if not cfg.axes else repr(cfg.axes)
         want = tuple(dict.fromkeys(cfg.axes + tuple(bad)))
@@ -123,7 +128,8 @@ def _check_unsynced_devices(cfg: SyncConfig) -> None:
             "messages would be mismatched. Fix: pass the mapped axes, "
             f"axis_name={want[0] if len(want) == 1 else want!r}, or call the "
             "transform outside the multi-device map (plain jit, one device per "
-            "process).")
+            "process)."
+        )
 
 
 def _is_pow2(n: int) -> bool:
@@ -152,8 +158,9 @@ def _scale_before(b, pre: float):
 
 def _reduced_leaves(plan, result):
     leaves = jax.tree_util.tree_leaves(result)
-    return [(spec.path, leaves[i]) for i, spec in enumerate(plan.leaves)
-            if spec.reduced and spec.size]
+    return [
+        (spec.path, leaves[i]) for i, spec in enumerate(plan.leaves) if spec.reduced and spec.size
+    ]
 
 
 def _raise_if_nonfinite(named):
@@ -170,19 +177,29 @@ def _raise_if_nonfinite(named):
                 f"{len(bad)} leaf/leaves: {', '.join(bad[:10])}"
                 f"{' ...' if len(bad) > 10 else ''}. Every replica sees the same "
                 "values. Use check_finite=True and optax.apply_if_finite to skip "
-                "such steps instead of failing.")
+                "such steps instead of failing."
+            )
 
     jax.debug.callback(check, flags)
 
 
-def sync_gradients(tree: PyTree, *, axis_name: AxisName,
-                   strategy: str = "hierarchical", comm: Comm = AUTO,
-                   reduce: Reduce = "mean", bucket_bytes: Bytes = AUTO,
-                   pack_threshold: Bytes = AUTO,
-                   comm_dtype: DTypeLike | None = None, predivide: float | None = None,
-                   check_finite: CheckFinite = False, staging: Staging = "device",
-                   timeout: float | None = None, sparse: SparseOptions | None = None,
-                   profile: ProfileLike = None) -> PyTree:
+def sync_gradients(
+    tree: PyTree,
+    *,
+    axis_name: AxisName,
+    strategy: str = "hierarchical",
+    comm: Comm = AUTO,
+    reduce: Reduce = "mean",
+    bucket_bytes: Bytes = AUTO,
+    pack_threshold: Bytes = AUTO,
+    comm_dtype: DTypeLike | None = None,
+    predivide: float | None = None,
+    check_finite: CheckFinite = False,
+    staging: Staging = "device",
+    timeout: float | None = None,
+    sparse: SparseOptions | None = None,
+    profile: ProfileLike = None,
+) -> PyTree:
     """Reduce a gradient pytree over every replica; a pure function.
 
     Call it inside ``shard_map``, ``pmap`` or ``vmap(axis_name=...)``. For use in a
@@ -228,11 +245,22 @@ def sync_gradients(tree: PyTree, *, axis_name: AxisName,
       >>> bool(ok.all())
       True
     """
-    cfg = make_config("sync_gradients", strategy, axis_name, comm, reduce=reduce,
-                      bucket_bytes=bucket_bytes, pack_threshold=pack_threshold,
-                      comm_dtype=comm_dtype, predivide=predivide,
-                      check_finite=check_finite, staging=staging, timeout=timeout,
-                      sparse=sparse, profile=profile)
+    cfg = make_config(
+        "sync_gradients",
+        strategy,
+        axis_name,
+        comm,
+        reduce=reduce,
+        bucket_bytes=bucket_bytes,
+        pack_threshold=pack_threshold,
+        comm_dtype=comm_dtype,
+        predivide=predivide,
+        check_finite=check_finite,
+        staging=staging,
+        timeout=timeout,
+        sparse=sparse,
+        profile=profile,
+    )
     out, finite = sync(tree, cfg)
     return (out, finite) if cfg.check_finite else out
 
@@ -264,7 +292,8 @@ def transform_fns(fn: str, cfg: SyncConfig):
             raise TypeError(
                 f"{fn}: update got a state of type {type(state).__name__}, expected "
                 f"{expected.__name__} from this transform's init. Make sure you have "
-                "called init first and pass the state returned by this transform.")
+                "called init first and pass the state returned by this transform."
+            )
         synced, finite = sync(updates, cfg)
         if cfg.check_finite:
             return synced, SyncState(all_finite=finite)

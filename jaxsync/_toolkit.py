@@ -62,9 +62,12 @@ def _nvcc_targets(nvcc: str) -> list[str]:
     return out
 
 
-def candidates(env: Mapping[str, str], nvcc: str | None,
-               glob_fn: Callable[[str], Sequence[str]] = glob.glob,
-               usual_link: str = USUAL_LINK) -> list[tuple[str, str]]:
+def candidates(
+    env: Mapping[str, str],
+    nvcc: str | None,
+    glob_fn: Callable[[str], Sequence[str]] = glob.glob,
+    usual_link: str = USUAL_LINK,
+) -> list[tuple[str, str]]:
     """Candidate toolkit roots as ``(folder, why)``, in the order they are tried."""
     out: list[tuple[str, str]] = []
     for var in ENV_VARS:
@@ -86,9 +89,12 @@ def candidates(env: Mapping[str, str], nvcc: str | None,
     return unique
 
 
-def find_cuda_root(env: Mapping[str, str] | None = None, nvcc: str | None = None,
-                   glob_fn: Callable[[str], Sequence[str]] = glob.glob,
-                   usual_link: str = USUAL_LINK) -> str:
+def find_cuda_root(
+    env: Mapping[str, str] | None = None,
+    nvcc: str | None = None,
+    glob_fn: Callable[[str], Sequence[str]] = glob.glob,
+    usual_link: str = USUAL_LINK,
+) -> str:
     """Return the CUDA toolkit folder that holds ``include/cuda_runtime.h``.
 
     Tried in order: ``$CUDA_HOME``, ``$CUDA_PATH``, ``$CUDA_ROOT``, ``/usr/local/cuda``,
@@ -111,13 +117,15 @@ def find_cuda_root(env: Mapping[str, str] | None = None, nvcc: str | None = None
             raise ToolkitNotFound(
                 f"{why[1:]}={path} has no {HEADER}. Fix: point {why[1:]} at the CUDA "
                 "toolkit folder that holds include/cuda_runtime.h (e.g. "
-                "CUDA_HOME=/usr/local/cuda-12.4), or unset it.")
+                "CUDA_HOME=/usr/local/cuda-12.4), or unset it."
+            )
     raise ToolkitNotFound(
         "a CUDA build was asked for (JAXSYNC_CUDA), but no CUDA toolkit folder with "
         f"{HEADER} was found. Tried:\n" + "\n".join(tried) + "\nFix: set CUDA_HOME to "
         "the toolkit folder (the one whose include/ holds cuda_runtime.h, e.g. "
         "CUDA_HOME=/usr/local/cuda-12.4; on a cluster: `module load cuda` then "
-        "CUDA_HOME=$CUDA_ROOT), or unset JAXSYNC_CUDA for a CPU-only build.")
+        "CUDA_HOME=$CUDA_ROOT), or unset JAXSYNC_CUDA for a CPU-only build."
+    )
 
 
 def main(argv: Sequence[str]) -> int:

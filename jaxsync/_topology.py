@@ -10,8 +10,15 @@ from typing import Any
 
 import jax
 
-_MPI_ENV = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
-            "MPI_LOCALNRANKS", "MV2_COMM_WORLD_SIZE", "HYDI_CONTROL_FD")
+_MPI_ENV = (
+    "PMI_SIZE",
+    "PMI_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMIX_RANK",
+    "MPI_LOCALNRANKS",
+    "MV2_COMM_WORLD_SIZE",
+    "HYDI_CONTROL_FD",
+)
 
 
 def launched_by_mpi() -> bool:
@@ -21,8 +28,13 @@ def launched_by_mpi() -> bool:
 
 # The launcher's own process count: more than one means this process was started
 # as one of several MPI ranks, whatever MPI itself says.
-_LAUNCHER_SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE",
-                      "PMIX_SIZE", "MPI_LOCALNRANKS")
+_LAUNCHER_SIZE_ENV = (
+    "PMI_SIZE",
+    "OMPI_COMM_WORLD_SIZE",
+    "MV2_COMM_WORLD_SIZE",
+    "PMIX_SIZE",
+    "MPI_LOCALNRANKS",
+)
 
 
 def _launcher_sizes() -> dict:
@@ -76,7 +88,8 @@ def default_comm() -> Any:
                 f"({seen}) but mpi4py cannot be imported ({e}); every process would "
                 "train alone. Fix: install mpi4py built against the launcher's MPI "
                 "(pip install 'jaxsync[mpi]'), or pass comm=None to train each "
-                "process on its own on purpose.") from e
+                "process on its own on purpose."
+            ) from e
         return None
     size = MPI.COMM_WORLD.Get_size()
     if size == 1 and sizes:
@@ -86,7 +99,8 @@ def default_comm() -> Any:
             "launcher's (PMI not wired), so every process would train alone. Fix: "
             "launch with the mpirun/mpiexec of the MPI that mpi4py was built with "
             "(python -c 'import mpi4py; print(mpi4py.get_config())'), or pass "
-            "comm=None to train each process on its own on purpose.")
+            "comm=None to train each process on its own on purpose."
+        )
     return MPI.COMM_WORLD if size > 1 else None
 
 
@@ -147,11 +161,12 @@ def topology(comm: Any = "auto") -> Topology:
     hostcomm = comms.host
     rank, size = comm.Get_rank(), comm.Get_size()
     local_rank, local_size = hostcomm.Get_rank(), hostcomm.Get_size()
-    leader = hostcomm.bcast(rank, root=0)        # lowest rank on my host
+    leader = hostcomm.bcast(rank, root=0)  # lowest rank on my host
     leaders = comms.control.allgather(leader)
     hosts = sorted(set(leaders))
-    return Topology(rank, size, hosts.index(leader), len(hosts), local_rank, local_size,
-                    ndev, platform)
+    return Topology(
+        rank, size, hosts.index(leader), len(hosts), local_rank, local_size, ndev, platform
+    )
 
 
 class Comms:
@@ -171,12 +186,12 @@ class Comms:
 
     def __init__(self, comm):
         self.user = comm
-        self.world = comm.Dup()      # collectives inside compiled steps
-        self.control = comm.Dup()    # Python-level checks, never concurrent with steps
+        self.world = comm.Dup()  # collectives inside compiled steps
+        self.control = comm.Dup()  # Python-level checks, never concurrent with steps
         self.agreement = comm.Dup()  # in-step agreement callbacks (see _agree)
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
-        self._devices: list = []     # per-device duplicates, made by prepare()
+        self._devices: list = []  # per-device duplicates, made by prepare()
         self._watchdogs: dict = {}
         self._host = None
         self.freed = False
@@ -200,6 +215,7 @@ class Comms:
         if n <= len(self._devices):
             return
         from mpi4py import MPI
+
         n = self.control.allreduce(n, op=MPI.MAX)
         while len(self._devices) < n:
             self._devices.append(self.control.Dup())
@@ -207,6 +223,7 @@ class Comms:
     def watchdog(self, timeout: float):
         """The stall watchdog of this communicator (one per timeout value)."""
         from ._watchdog import Watchdog
+
         key = float(timeout)
         if key not in self._watchdogs:
             self._watchdogs[key] = Watchdog(self.control.Dup(), key)
@@ -217,6 +234,7 @@ class Comms:
         """The processes on this host (MPI shared-memory split)."""
         if self._host is None:
             from mpi4py import MPI
+
             self._host = self.control.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         return self._host
 
@@ -298,6 +316,7 @@ def _drain() -> None:
     for steps with effects (a watchdog, host staging), and for every live array.
     """
     from . import _quiet
+
     _quiet.wait_until_quiet()
     try:
         jax.effects_barrier()
@@ -313,6 +332,7 @@ def _drain() -> None:
 @functools.cache
 def _register_atexit() -> None:
     import atexit
+
     # Registered after mpi4py.MPI was imported (a Comms exists), so it runs
     # before mpi4py's MPI_Finalize: drain, stop the watchdogs, free.
     atexit.register(free_communicators)

@@ -24,18 +24,29 @@ from ._sparse import SparseOptions
 from ._sync import transform_fns
 
 
-def _transform(fn: str, strategy: str, axis_name, comm, **options) -> optax.GradientTransformation:
+def _transform(
+    fn: str, strategy: str, axis_name, comm=None, **options
+) -> optax.GradientTransformation:
+    # Each factory passes ``**locals()``: exactly its own (typed, documented)
+    # parameters, all validated by make_config.
     cfg = make_config(fn, strategy, axis_name, comm, **options)
     return optax.GradientTransformation(*transform_fns(fn, cfg))
 
 
-def naive_mean(axis_name: AxisName, comm: Comm = AUTO, *, reduce: Reduce = "mean",
-               bucket_bytes: Bytes = AUTO,
-               pack_threshold: Bytes = AUTO,
-               comm_dtype: DTypeLike | None = None, predivide: float | None = None,
-               check_finite: CheckFinite = False,
-               staging: Staging = "device", timeout: float | None = None,
-               sparse: SparseOptions | None = None) -> optax.GradientTransformation:
+def naive_mean(
+    axis_name: AxisName,
+    comm: Comm = AUTO,
+    *,
+    reduce: Reduce = "mean",
+    bucket_bytes: Bytes = AUTO,
+    pack_threshold: Bytes = AUTO,
+    comm_dtype: DTypeLike | None = None,
+    predivide: float | None = None,
+    check_finite: CheckFinite = False,
+    staging: Staging = "device",
+    timeout: float | None = None,
+    sparse: SparseOptions | None = None,
+) -> optax.GradientTransformation:
     """Average gradients leaf by leaf.
 
     One reduction per leaf over the local axes, then one inter-process allreduce
@@ -87,19 +98,23 @@ def naive_mean(axis_name: AxisName, comm: Comm = AUTO, *, reduce: Reduce = "mean
       >>> jax.vmap(f, axis_name="i")({"w": jnp.arange(4.0)})["w"]
       Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
     """
-    return _transform("naive_mean", "naive", axis_name, comm, reduce=reduce,
-                      bucket_bytes=bucket_bytes, pack_threshold=pack_threshold,
-                      comm_dtype=comm_dtype, predivide=predivide,
-                      check_finite=check_finite, staging=staging, timeout=timeout,
-                      sparse=sparse)
+    return _transform("naive_mean", "naive", **locals())
 
-def flat_mean(axis_name: AxisName, comm: Comm = AUTO, *, reduce: Reduce = "mean",
-              bucket_bytes: Bytes = AUTO,
-              pack_threshold: Bytes = AUTO,
-              comm_dtype: DTypeLike | None = None, predivide: float | None = None,
-              check_finite: CheckFinite = False,
-              staging: Staging = "device", timeout: float | None = None,
-              sparse: SparseOptions | None = None) -> optax.GradientTransformation:
+
+def flat_mean(
+    axis_name: AxisName,
+    comm: Comm = AUTO,
+    *,
+    reduce: Reduce = "mean",
+    bucket_bytes: Bytes = AUTO,
+    pack_threshold: Bytes = AUTO,
+    comm_dtype: DTypeLike | None = None,
+    predivide: float | None = None,
+    check_finite: CheckFinite = False,
+    staging: Staging = "device",
+    timeout: float | None = None,
+    sparse: SparseOptions | None = None,
+) -> optax.GradientTransformation:
     """Average gradients packed into a few buffers.
 
     Every leaf is packed into one buffer per dtype (split into buckets of at
@@ -153,19 +168,23 @@ def flat_mean(axis_name: AxisName, comm: Comm = AUTO, *, reduce: Reduce = "mean"
       >>> jax.vmap(f, axis_name="i")({"w": jnp.arange(4.0)})["w"]
       Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
     """
-    return _transform("flat_mean", "flat", axis_name, comm, reduce=reduce,
-                      bucket_bytes=bucket_bytes, pack_threshold=pack_threshold,
-                      comm_dtype=comm_dtype, predivide=predivide,
-                      check_finite=check_finite, staging=staging, timeout=timeout,
-                      sparse=sparse)
+    return _transform("flat_mean", "flat", **locals())
 
-def hierarchical_mean(axis_name: AxisName, comm: Comm = AUTO, *, reduce: Reduce = "mean",
-                      bucket_bytes: Bytes = AUTO,
-                      pack_threshold: Bytes = AUTO,
-                      comm_dtype: DTypeLike | None = None, predivide: float | None = None,
-                      check_finite: CheckFinite = False,
-                      staging: Staging = "device", timeout: float | None = None,
-                      sparse: SparseOptions | None = None) -> optax.GradientTransformation:
+
+def hierarchical_mean(
+    axis_name: AxisName,
+    comm: Comm = AUTO,
+    *,
+    reduce: Reduce = "mean",
+    bucket_bytes: Bytes = AUTO,
+    pack_threshold: Bytes = AUTO,
+    comm_dtype: DTypeLike | None = None,
+    predivide: float | None = None,
+    check_finite: CheckFinite = False,
+    staging: Staging = "device",
+    timeout: float | None = None,
+    sparse: SparseOptions | None = None,
+) -> optax.GradientTransformation:
     """Average gradients hierarchically.
 
     Sum over the local axes, one inter-process allreduce per process (by local
@@ -220,19 +239,23 @@ def hierarchical_mean(axis_name: AxisName, comm: Comm = AUTO, *, reduce: Reduce 
       >>> jax.vmap(f, axis_name="i")({"w": jnp.arange(4.0)})["w"]
       Array([-1.5, -1.5, -1.5, -1.5], dtype=float32)
     """
-    return _transform("hierarchical_mean", "hierarchical", axis_name, comm, reduce=reduce,
-                      bucket_bytes=bucket_bytes, pack_threshold=pack_threshold,
-                      comm_dtype=comm_dtype, predivide=predivide,
-                      check_finite=check_finite, staging=staging, timeout=timeout,
-                      sparse=sparse)
+    return _transform("hierarchical_mean", "hierarchical", **locals())
 
-def two_dimensional_mean(axis_name: AxisName, comm: Comm = AUTO, *, reduce: Reduce = "mean",
-                         bucket_bytes: Bytes = AUTO,
-                         pack_threshold: Bytes = AUTO,
-                         comm_dtype: DTypeLike | None = None, predivide: float | None = None,
-                         check_finite: CheckFinite = False,
-                         staging: Staging = "device", timeout: float | None = None,
-                         sparse: SparseOptions | None = None) -> optax.GradientTransformation:
+
+def two_dimensional_mean(
+    axis_name: AxisName,
+    comm: Comm = AUTO,
+    *,
+    reduce: Reduce = "mean",
+    bucket_bytes: Bytes = AUTO,
+    pack_threshold: Bytes = AUTO,
+    comm_dtype: DTypeLike | None = None,
+    predivide: float | None = None,
+    check_finite: CheckFinite = False,
+    staging: Staging = "device",
+    timeout: float | None = None,
+    sparse: SparseOptions | None = None,
+) -> optax.GradientTransformation:
     """Average gradients two-dimensionally.
 
     Reduce-scatter over the local axes, every local device allreduces its slice
@@ -287,18 +310,20 @@ def two_dimensional_mean(axis_name: AxisName, comm: Comm = AUTO, *, reduce: Redu
       >>> jax.vmap(f, axis_name="i")({"w": jnp.arange(4.0)})["w"]
       Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
     """
-    return _transform("two_dimensional_mean", "two_dimensional", axis_name, comm, reduce=reduce,
-                      bucket_bytes=bucket_bytes, pack_threshold=pack_threshold,
-                      comm_dtype=comm_dtype, predivide=predivide,
-                      check_finite=check_finite, staging=staging, timeout=timeout,
-                      sparse=sparse)
+    return _transform("two_dimensional_mean", "two_dimensional", **locals())
 
-def single_node_mean(axis_name: AxisName, *, reduce: Reduce = "mean",
-                     bucket_bytes: Bytes = AUTO,
-                     pack_threshold: Bytes = AUTO,
-                     comm_dtype: DTypeLike | None = None, predivide: float | None = None,
-                     check_finite: CheckFinite = False,
-                     sparse: SparseOptions | None = None) -> optax.GradientTransformation:
+
+def single_node_mean(
+    axis_name: AxisName,
+    *,
+    reduce: Reduce = "mean",
+    bucket_bytes: Bytes = AUTO,
+    pack_threshold: Bytes = AUTO,
+    comm_dtype: DTypeLike | None = None,
+    predivide: float | None = None,
+    check_finite: CheckFinite = False,
+    sparse: SparseOptions | None = None,
+) -> optax.GradientTransformation:
     """Average gradients over the local axes only.
 
     One packed reduction over the devices of this process, no inter-process stage
@@ -342,7 +367,4 @@ def single_node_mean(axis_name: AxisName, *, reduce: Reduce = "mean",
       >>> jax.vmap(f, axis_name="i")({"w": jnp.arange(4.0)})["w"]
       Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
     """
-    return _transform("single_node_mean", "single_node", axis_name, None, reduce=reduce,
-                      bucket_bytes=bucket_bytes, pack_threshold=pack_threshold,
-                      comm_dtype=comm_dtype, predivide=predivide,
-                      check_finite=check_finite, sparse=sparse)
+    return _transform("single_node_mean", "single_node", **locals())

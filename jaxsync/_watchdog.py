@@ -42,8 +42,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._reported = -1
         self._round = 0
-        self._thread = threading.Thread(target=self._loop, name="jaxsync-watchdog",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="jaxsync-watchdog", daemon=True)
         self._thread.start()
         atexit.register(self.stop)
 
@@ -62,6 +61,7 @@ class Watchdog:
     # -- the thread --------------------------------------------------------------
     def _serve(self):
         from mpi4py import MPI
+
         status = MPI.Status()
         while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_QUERY, status=status):
             src = status.Get_source()
@@ -87,6 +87,7 @@ class Watchdog:
 
     def _report(self, seq: int, since: float):
         from mpi4py import MPI
+
         self._round += 1
         round_ = self._round  # replies to an earlier round arrive late: ignored
         others = [r for r in range(self.size) if r != self.rank]
@@ -95,8 +96,9 @@ class Watchdog:
         answers: dict[int, tuple] = {}
         deadline = time.monotonic() + max(1.0, self.timeout)
         status = MPI.Status()
-        while (len(answers) < len(others) and time.monotonic() < deadline
-               and not self._stop.is_set()):
+        while (
+            len(answers) < len(others) and time.monotonic() < deadline and not self._stop.is_set()
+        ):
             self._serve()
             if self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_REPLY, status=status):
                 src = status.Get_source()
@@ -107,19 +109,23 @@ class Watchdog:
                 self._stop.wait(0.01)
         if self._stop.is_set():
             return
-        behind = [f"{r} (entered {answers[r][0]})" for r in others
-                  if r in answers and answers[r][0] < seq]
+        behind = [
+            f"{r} (entered {answers[r][0]})" for r in others if r in answers and answers[r][0] < seq
+        ]
         silent = [str(r) for r in others if r not in answers]
         parts = []
         if behind:
             parts.append(f"ranks not arrived: {', '.join(behind)}")
         if silent:
-            parts.append(f"ranks not answering (dead, or busy outside jaxsync): "
-                         f"{', '.join(silent)}")
+            parts.append(
+                f"ranks not answering (dead, or busy outside jaxsync): {', '.join(silent)}"
+            )
         if not parts:
             parts.append("every rank has arrived; the collective itself is slow")
-        msg = (f"jaxsync watchdog: rank {self.rank} has waited {since:.1f} s in "
-               f"inter-process synchronisation #{seq}; " + "; ".join(parts))
+        msg = (
+            f"jaxsync watchdog: rank {self.rank} has waited {since:.1f} s in "
+            f"inter-process synchronisation #{seq}; " + "; ".join(parts)
+        )
         self.reports.append(msg)
         print(msg, file=self.stream, flush=True)
 
@@ -162,9 +168,15 @@ def _tie(fn, x, when=None):
         return x
     head = lax.slice(x, (0,), (1,))
     if when is None:
-        head = io_callback(lambda h: np.asarray(fn(h)), jax.ShapeDtypeStruct((1,), x.dtype),
-                           head, ordered=False)
+        head = io_callback(
+            lambda h: np.asarray(fn(h)), jax.ShapeDtypeStruct((1,), x.dtype), head, ordered=False
+        )
     else:
-        head = io_callback(lambda h, w: np.asarray(fn(h) if w else h),
-                           jax.ShapeDtypeStruct((1,), x.dtype), head, when, ordered=False)
+        head = io_callback(
+            lambda h, w: np.asarray(fn(h) if w else h),
+            jax.ShapeDtypeStruct((1,), x.dtype),
+            head,
+            when,
+            ordered=False,
+        )
     return lax.dynamic_update_slice(x, head, (0,))

@@ -21,8 +21,12 @@ import numpy as np
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--repeats", type=int, default=1,
-                   help="repeat the whole measurement (a loaded machine is noisy)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="repeat the whole measurement (a loaded machine is noisy)",
+    )
     p.add_argument("--trees", default="resnet18,small500")
     ns = p.parse_args()
 
@@ -72,8 +76,8 @@ def main():
             if sync is not None:
                 g = sync(g)
             return jax.tree.map(lambda x: x[None], g)
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("local"),
-                                     out_specs=P("local")))
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("local"), out_specs=P("local")))
 
     def transform(factory):
         tx = factory(axis_name="local", comm=comm)
@@ -81,8 +85,10 @@ def main():
 
     def mpi4jax_loop(g):
         import mpi4jax
+
         return jax.tree.map(
-            lambda x: mpi4jax.allreduce(x, op=MPI.SUM, comm=peer) / comm.Get_size(), g)
+            lambda x: mpi4jax.allreduce(x, op=MPI.SUM, comm=peer) / comm.Get_size(), g
+        )
 
     for name in ns.trees.split(",") * ns.repeats:
         spec = trees[name]()
@@ -101,22 +107,28 @@ def main():
             f = sharded(transform(getattr(jaxsync, f"{m}_mean")))
             rows[f"{m}_mean"] = timed(run(f, x), ns.iters, base_fn)
         loop = jax.jit(lambda t: mpi4jax_loop(fake_grads(t)))
-        rows["mpi4jax per-leaf loop"] = timed(run(loop, x1), ns.iters,
-                                              run(jax.jit(fake_grads), x1))
+        rows["mpi4jax per-leaf loop"] = timed(run(loop, x1), ns.iters, run(jax.jit(fake_grads), x1))
         send = np.ones(nbytes // 4, np.float32)
         recv = np.empty_like(send)
         bare = timed(lambda: peer.Allreduce(send, recv, op=MPI.SUM), ns.iters)
         inplace = timed(lambda: peer.Allreduce(MPI.IN_PLACE, recv, op=MPI.SUM), ns.iters)
         if rank == 0:
-            print(f"\n{name}: {len(leaves)} leaves, {nbytes / 2**20:.1f} MiB f32, "
-                  f"{comm.Get_size()} processes x 1 device; step without sync "
-                  f"{base * 1e3:.2f} ms")
+            print(
+                f"\n{name}: {len(leaves)} leaves, {nbytes / 2**20:.1f} MiB f32, "
+                f"{comm.Get_size()} processes x 1 device; step without sync "
+                f"{base * 1e3:.2f} ms"
+            )
             print(f"  {'':<34} {'median':>9} {'best':>9}   (ratio to bare out of place)")
-            rows = {"bare mpi4py Allreduce out of place": bare,
-                    "bare mpi4py Allreduce in place": inplace, **rows}
+            rows = {
+                "bare mpi4py Allreduce out of place": bare,
+                "bare mpi4py Allreduce in place": inplace,
+                **rows,
+            }
             for k, (med, best) in rows.items():
-                print(f"  {k:<34} {med * 1e3:6.3f} ms {best * 1e3:6.3f} ms   "
-                      f"({med / bare[0]:.2f}x, best {best / bare[1]:.2f}x)")
+                print(
+                    f"  {k:<34} {med * 1e3:6.3f} ms {best * 1e3:6.3f} ms   "
+                    f"({med / bare[0]:.2f}x, best {best / bare[1]:.2f}x)"
+                )
 
 
 if __name__ == "__main__":

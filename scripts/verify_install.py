@@ -22,9 +22,21 @@ def main(checkout: str) -> int:
     if pathlib.Path.cwd().resolve() == pathlib.Path(checkout).resolve():
         problems.append("run this from outside the checkout, or it proves nothing")
     mods = {}
-    for name in ("jax", "optax", "numpy", "mpi4py", "mpi4jax", "jaxsync",
-                 "pytest", "hypothesis", "nbmake", "ipykernel", "rich",
-                 "matplotlib", "sklearn"):
+    for name in (
+        "jax",
+        "optax",
+        "numpy",
+        "mpi4py",
+        "mpi4jax",
+        "jaxsync",
+        "pytest",
+        "hypothesis",
+        "nbmake",
+        "ipykernel",
+        "rich",
+        "matplotlib",
+        "sklearn",
+    ):
         try:
             mods[name] = importlib.import_module(name)
         except Exception as e:  # noqa: BLE001 - report every failure
@@ -39,10 +51,13 @@ def main(checkout: str) -> int:
     if js is not None:
         where = pathlib.Path(js.__file__).resolve().parent.parent
         if where != pathlib.Path(checkout).resolve():
-            problems.append(f"import jaxsync gives {js.__file__}, not the checkout "
-                            f"{checkout}: reinstall with pip install -e {checkout}")
+            problems.append(
+                f"import jaxsync gives {js.__file__}, not the checkout "
+                f"{checkout}: reinstall with pip install -e {checkout}"
+            )
     if js is not None:
         from jaxsync import _mpi_load
+
         status = _mpi_load.native_status()
         if not status["loaded"]:
             problems.append(f"jaxsync's native MPI target: {status['error']}")
@@ -55,8 +70,10 @@ def main(checkout: str) -> int:
         want = ["cpu"] + (["cuda"] if os.environ.get("JAXSYNC_CUDA") else [])
         for k in want:
             if k not in built:
-                problems.append(f"mpi4jax's {k.upper()} bridge was not built (have: "
-                                f"{built or 'none'}); see the mpi4jax step in setup.log")
+                problems.append(
+                    f"mpi4jax's {k.upper()} bridge was not built (have: "
+                    f"{built or 'none'}); see the mpi4jax step in setup.log"
+                )
     else:
         built = []
     if problems:
@@ -64,10 +81,12 @@ def main(checkout: str) -> int:
         for p in problems:
             print(f"  - {p}")
         return 1
-    print(f"[setup] ok: jax {jax.__version__}, optax {mods['optax'].__version__}, "
-          f"mpi4py {mods['mpi4py'].__version__}, mpi4jax {m4j.__version__} "
-          f"(bridges: {', '.join(built)}), jaxsync from {checkout} with its native MPI "
-          f"target ({status['mpi_library']})")
+    print(
+        f"[setup] ok: jax {jax.__version__}, optax {mods['optax'].__version__}, "
+        f"mpi4py {mods['mpi4py'].__version__}, mpi4jax {m4j.__version__} "
+        f"(bridges: {', '.join(built)}), jaxsync from {checkout} with its native MPI "
+        f"target ({status['mpi_library']})"
+    )
     return 0
 
 

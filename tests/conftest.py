@@ -17,6 +17,7 @@ def pytest_ignore_collect(collection_path, config):
     """
     del config
     if collection_path.suffix == ".py" and not collection_path.name.startswith(
-            ("test_", "conftest")):
+        ("test_", "conftest")
+    ):
         return True
     return None

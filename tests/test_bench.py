@@ -21,11 +21,15 @@ _MPI_ENV = ("PMI_", "PMIX_", "OMPI_", "HYDI_", "HYDRA_", "MPI_LOCAL", "MV2_")
 
 
 def test_quick_bench_writes_json_csv_and_png(tmp_path):
-    env = {k: v for k, v in os.environ.items()
-           if k != "XLA_FLAGS" and not k.startswith(_MPI_ENV)}
-    proc = subprocess.run([sys.executable, "-m", "jaxsync.bench", "--quick", "--out",
-                           str(tmp_path)], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT, env=env)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith(_MPI_ENV)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxsync.bench", "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for suffix in ("json", "csv", "png"):
         path = tmp_path / f"intra.{suffix}"
@@ -35,9 +39,18 @@ def test_quick_bench_writes_json_csv_and_png(tmp_path):
     rows = result["rows"]
     assert result["meta"]["devices"] == 8 and result["meta"]["processes"] == 1
 
-    expected = {"naive", "flat", "hierarchical", "two_dimensional", "single_node",
-                "hierarchical bf16", "pmean/leaf", "pmean/tree", "ravel+pmean",
-                "psum bare"}
+    expected = {
+        "naive",
+        "flat",
+        "hierarchical",
+        "two_dimensional",
+        "single_node",
+        "hierarchical bf16",
+        "pmean/leaf",
+        "pmean/tree",
+        "ravel+pmean",
+        "psum bare",
+    }
     for tree in result["meta"]["trees"]:
         got = {row["method"] for row in rows if row["tree"] == tree}
         assert expected <= got, (tree, expected - got)
@@ -52,7 +65,8 @@ def test_quick_bench_writes_json_csv_and_png(tmp_path):
     # or mixed-up leaf fails), and every jaxsync strategy was checked and compiled.
     checked = [row for row in rows if row["correct"] is not None]
     assert {"naive", "flat", "hierarchical", "two_dimensional", "single_node"} <= {
-        row["method"] for row in checked}
+        row["method"] for row in checked
+    }
     bad = [(row["tree"], row["method"]) for row in checked if row["correct"] is not True]
     assert not bad, bad
     for row in rows:
@@ -68,17 +82,22 @@ def test_flat_defaults_are_the_librarys():
     the private make_config; they must stay the library's."""
     from jaxsync._config import make_config
     from jaxsync.bench.methods import FLAT_DEFAULTS
+
     cfg = make_config("flat_mean", "flat", "d", None)
-    assert FLAT_DEFAULTS == {"bucket_bytes": cfg.bucket_bytes,
-                             "pack_threshold": cfg.pack_threshold}
+    assert FLAT_DEFAULTS == {"bucket_bytes": cfg.bucket_bytes, "pack_threshold": cfg.pack_threshold}
 
 
 # The bench and the demo use jaxsync's public API; these private imports remain
 # (each explained in its module's docstring).
-_PRIVATE_ALLOWED = {("compress.py", "jaxsync._cost"), ("compress.py", "jaxsync._compress"),
-                    # the cost model's accuracy check: the model has no public API
-                    ("model.py", "jaxsync._cost_ops"), ("model.py", "jaxsync._auto"),
-                    ("model.py", "jaxsync._plan"), ("model.py", "jaxsync._tune")}
+_PRIVATE_ALLOWED = {
+    ("compress.py", "jaxsync._cost"),
+    ("compress.py", "jaxsync._compress"),
+    # the cost model's accuracy check: the model has no public API
+    ("model.py", "jaxsync._cost_ops"),
+    ("model.py", "jaxsync._auto"),
+    ("model.py", "jaxsync._plan"),
+    ("model.py", "jaxsync._tune"),
+}
 
 
 def test_bench_package_imports_only_public_jaxsync():
@@ -102,12 +121,23 @@ def test_bench_package_imports_only_public_jaxsync():
 
 
 def test_python_m_jaxsync_bench_help_and_unknown_suite():
-    env = {k: v for k, v in os.environ.items()
-           if k != "XLA_FLAGS" and not k.startswith(_MPI_ENV)}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith(_MPI_ENV)}
     for cmd in (["jaxsync", "bench"], ["jaxsync.bench"]):
-        proc = subprocess.run([sys.executable, "-m", *cmd, "--help"], capture_output=True,
-                              text=True, timeout=60, cwd=ROOT, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-m", *cmd, "--help"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+            env=env,
+        )
         assert proc.returncode == 0 and "--tune-host-allocator" in proc.stdout, proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "jaxsync", "bench", "--suite", "nosuch"],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxsync", "bench", "--suite", "nosuch"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=env,
+    )
     assert proc.returncode == 1 and "unknown suite 'nosuch'" in proc.stderr, proc.stderr

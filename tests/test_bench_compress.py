@@ -23,27 +23,41 @@ def test_ring_model_closed_form():
     assert math.isclose(bc.ring_time("allreduce", 1e6, 4, 8.0, alpha=0.0), 1.5e-3)
     assert math.isclose(bc.ring_time("allgather", 1e6, 4, 8.0, alpha=0.0), 3e-3)
     assert bc.ring_time("allreduce", 1e6, 1, 8.0) == 0.0
-    assert math.isclose(bc.ring_time("allgather", 0.0 + 1, 3, 8.0, alpha=1.0),
-                        2 * (1.0 + 1e-9))
+    assert math.isclose(bc.ring_time("allgather", 0.0 + 1, 3, 8.0, alpha=1.0), 2 * (1.0 + 1e-9))
 
 
 def test_payloads_of_resnet_like_tree():
     from jaxsync.bench.trees import resnet18_like
+
     tree = resnet18_like()
     full = sum(b for _, b in bc.payloads("hierarchical", tree))
     psgd = sum(b for _, b in bc.payloads("powersgd r4", tree))
     sign = sum(b for _, b in bc.payloads("sign", tree))
-    assert full == 4 * 5_502_728   # every leaf float32
-    assert full / psgd >= 20, full / psgd   # the target for rank 4
+    assert full == 4 * 5_502_728  # every leaf float32
+    assert full / psgd >= 20, full / psgd  # the target for rank 4
     assert 25 <= full / sign <= 32, full / sign
 
 
 def test_quick_compress_suite_writes_json(tmp_path):
-    env = {k: v for k, v in os.environ.items()
-           if k != "XLA_FLAGS" and not k.startswith(_MPI_ENV)}
-    proc = subprocess.run([sys.executable, "-m", "jaxsync", "bench", "--suite", "compress",
-                           "--quick", "--out", str(tmp_path)], capture_output=True,
-                          text=True, timeout=600, cwd=ROOT, env=env)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith(_MPI_ENV)}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxsync",
+            "bench",
+            "--suite",
+            "compress",
+            "--quick",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "compress-local.json").read_text())
     rows = {r["sync"]: r for r in result["rows"]}

@@ -16,12 +16,25 @@ _MPI_ENV = ("PMI_", "PMIX_", "OMPI_", "HYDI_", "HYDRA_", "MPI_LOCAL", "MV2_")
 
 
 def test_quick_sparse_suite(tmp_path):
-    env = {k: v for k, v in os.environ.items()
-           if k != "XLA_FLAGS" and not k.startswith(_MPI_ENV)}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith(_MPI_ENV)}
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxsync", "bench", "--suite", "sparse", "--quick",
-         "--out", str(tmp_path)], capture_output=True, text=True, timeout=180,
-        cwd=ROOT, env=env)
+        [
+            sys.executable,
+            "-m",
+            "jaxsync",
+            "bench",
+            "--suite",
+            "sparse",
+            "--quick",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "sparse.json").read_text())
     methods = {r["method"] for r in result["rows"]}

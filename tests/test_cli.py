@@ -14,8 +14,9 @@ MPIRUN = str(Path(sys.executable).with_name("mpirun"))
 
 def run(*args, timeout=240):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT, env=env)
+    return subprocess.run(
+        list(args), capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env
+    )
 
 
 def test_help_lists_commands():
@@ -41,13 +42,11 @@ def test_info_json_single_process():
 
 
 def test_info_under_mpirun_lists_every_rank():
-    r = run(MPIRUN, "-n", "2", sys.executable, "-m", "jaxsync", "info", "--json",
-            "--devices", "2")
+    r = run(MPIRUN, "-n", "2", sys.executable, "-m", "jaxsync", "info", "--json", "--devices", "2")
     assert r.returncode == 0, r.stderr
     infos = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert sorted(i["topology"]["rank"] for i in infos) == [0, 1]
-    assert all(i["topology"]["size"] == 2 and i["mpi_thread_level"] == "multiple"
-               for i in infos)
+    assert all(i["topology"]["size"] == 2 and i["mpi_thread_level"] == "multiple" for i in infos)
 
 
 def test_demo_trains_and_matches_single_process():
@@ -78,6 +77,7 @@ def test_quickstart_example_converges():
 def test_tune_host_allocator_in_a_fresh_process():
     """It changes the process-wide allocator: checked in a child, not in pytest."""
     import platform
+
     code = "import jaxsync; print(jaxsync.tune_host_allocator())"
     r = run(sys.executable, "-c", code)
     assert r.returncode == 0, r.stderr

@@ -33,29 +33,36 @@ def vmapped(tx):
 # --------------------------------------------------------------------------
 # Factory validation (row 7)
 
-@pytest.mark.parametrize("kwargs, exc, words", [
-    (dict(rank=0), ValueError, "rank must be >= 1"),
-    (dict(rank=2.0), TypeError, "'rank'"),
-    (dict(start_step=-1), ValueError, "start_step must be >= 0"),
-    (dict(min_compression_rate=-1.0), ValueError, "min_compression_rate"),
-    (dict(min_compression_rate="2"), TypeError, "'min_compression_rate'"),
-    (dict(error_feedback=1), TypeError, "'error_feedback'"),
-    (dict(warm_start=None), TypeError, "'warm_start'"),
-    (dict(seed=-3), ValueError, "seed must be >= 0"),
-    (dict(staging="gpu"), ValueError, "staging"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        (dict(rank=0), ValueError, "rank must be >= 1"),
+        (dict(rank=2.0), TypeError, "'rank'"),
+        (dict(start_step=-1), ValueError, "start_step must be >= 0"),
+        (dict(min_compression_rate=-1.0), ValueError, "min_compression_rate"),
+        (dict(min_compression_rate="2"), TypeError, "'min_compression_rate'"),
+        (dict(error_feedback=1), TypeError, "'error_feedback'"),
+        (dict(warm_start=None), TypeError, "'warm_start'"),
+        (dict(seed=-3), ValueError, "seed must be >= 0"),
+        (dict(staging="gpu"), ValueError, "staging"),
+    ],
+)
 def test_powersgd_rejects_bad_options(kwargs, exc, words):
     with pytest.raises(exc, match="powersgd_mean") as e:
         jaxsync.powersgd_mean(axis_name="i", comm=None, **kwargs)
     assert words in str(e.value) and "Fix" in str(e.value)
 
 
-@pytest.mark.parametrize("kwargs, exc, words", [
-    (dict(min_size=0), ValueError, "min_size must be >= 1"),
-    (dict(min_size=True), TypeError, "'min_size'"),
-    (dict(error_feedback="yes"), TypeError, "'error_feedback'"),
-    (dict(timeout=-1.0), ValueError, "timeout"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        (dict(min_size=0), ValueError, "min_size must be >= 1"),
+        (dict(min_size=True), TypeError, "'min_size'"),
+        (dict(error_feedback="yes"), TypeError, "'error_feedback'"),
+        (dict(timeout=-1.0), ValueError, "timeout"),
+    ],
+)
 def test_sign_rejects_bad_options(kwargs, exc, words):
     with pytest.raises(exc, match="sign_mean") as e:
         jaxsync.sign_mean(axis_name="i", comm=None, **kwargs)
@@ -75,9 +82,16 @@ def test_wrong_state_raises():
 # --------------------------------------------------------------------------
 # Which leaves are compressed
 
+
 def test_powersgd_layout_rule():
-    leaves = [jnp.zeros((64, 64)), jnp.zeros((3, 3, 32, 64)), jnp.zeros((64,)),
-              jnp.zeros((8, 4)), jnp.zeros((16, 16), jnp.int32), jnp.zeros((0, 5))]
+    leaves = [
+        jnp.zeros((64, 64)),
+        jnp.zeros((3, 3, 32, 64)),
+        jnp.zeros((64,)),
+        jnp.zeros((8, 4)),
+        jnp.zeros((16, 16), jnp.int32),
+        jnp.zeros((0, 5)),
+    ]
     got = _compress._powersgd_layout(leaves, rank=4, min_rate=2.0)
     # 64x64: 4096 / (4 * 128) = 8; conv: last axis against the rest, 288 x 64;
     # 8x4 with r = 4: 32 / 48 < 2 (sent exact); ints, vectors, empty: exact.
@@ -88,6 +102,7 @@ def test_powersgd_layout_rule():
 # --------------------------------------------------------------------------
 # PowerSGD: exact when the rank covers the mean's rank (random data, f64 reference)
 
+
 def low_rank_grads(seed, n=24, m=10, k=3):
     """R replicas whose matrices share a column space of rank k (so the mean has
     rank <= k), plus a bias and an integer leaf sent exact."""
@@ -95,18 +110,21 @@ def low_rank_grads(seed, n=24, m=10, k=3):
     a = rng.standard_normal((n, k))
     b = rng.standard_normal((R, m, k))
     w = np.einsum("nk,rmk->rnm", a, b).astype(np.float32)
-    conv = np.einsum("nk,rmk->rnm", rng.standard_normal((3 * 3 * 4, k)),
-                     rng.standard_normal((R, 8, k))).reshape(R, 3, 3, 4, 8)
-    return {"w": w, "conv": conv.astype(np.float32),
-            "bias": rng.standard_normal((R, m)).astype(np.float32),
-            "step": np.arange(R, dtype=np.int32)}
+    conv = np.einsum(
+        "nk,rmk->rnm", rng.standard_normal((3 * 3 * 4, k)), rng.standard_normal((R, 8, k))
+    ).reshape(R, 3, 3, 4, 8)
+    return {
+        "w": w,
+        "conv": conv.astype(np.float32),
+        "bias": rng.standard_normal((R, m)).astype(np.float32),
+        "step": np.arange(R, dtype=np.int32),
+    }
 
 
 @pytest.mark.parametrize("rank", [3, 8])
 def test_powersgd_exact_when_rank_covers(rank):
     g = low_rank_grads(0)
-    tx = jaxsync.powersgd_mean(axis_name="i", comm=None, rank=rank,
-                               min_compression_rate=0.0)
+    tx = jaxsync.powersgd_mean(axis_name="i", comm=None, rank=rank, min_compression_rate=0.0)
     init, update = vmapped(tx)
     state = init(jax.tree.map(jnp.asarray, g))
     assert len(state.q) == 2  # w and conv compressed; bias, step exact
@@ -121,8 +139,9 @@ def test_powersgd_exact_when_rank_covers(rank):
     # The residual is each replica's deviation from the mean.
     want_res = g["w"] - g["w"].astype(np.float64).mean(0)
     # compressed leaves in tree order: conv, w
-    np.testing.assert_allclose(np.asarray(state.residual[1]), want_res, rtol=0,
-                               atol=2e-5 * np.abs(g["w"]).max())
+    np.testing.assert_allclose(
+        np.asarray(state.residual[1]), want_res, rtol=0, atol=2e-5 * np.abs(g["w"]).max()
+    )
 
 
 def test_powersgd_low_rank_is_not_exact():
@@ -155,11 +174,14 @@ def run_steps(tx, steps, seed=1, shape=(32, 16)):
     return norms, drift, state
 
 
-@pytest.mark.parametrize("make", [
-    lambda ef: jaxsync.powersgd_mean(axis_name="i", comm=None, rank=1,
-                                     error_feedback=ef),
-    lambda ef: jaxsync.sign_mean(axis_name="i", comm=None, min_size=1,
-                                 error_feedback=ef)], ids=["powersgd", "sign"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ef: jaxsync.powersgd_mean(axis_name="i", comm=None, rank=1, error_feedback=ef),
+        lambda ef: jaxsync.sign_mean(axis_name="i", comm=None, min_size=1, error_feedback=ef),
+    ],
+    ids=["powersgd", "sign"],
+)
 def test_error_feedback_tracks_the_true_sum(make):
     """sum(applied) = sum(true means) - mean(residual): the drift is the mean
     residual, and it stops growing; without feedback it grows linearly."""
@@ -179,6 +201,7 @@ def test_error_feedback_tracks_the_true_sum(make):
 # --------------------------------------------------------------------------
 # start_step, warm start
 
+
 def test_powersgd_before_start_step_is_hierarchical_mean():
     rng = np.random.default_rng(2)
     tx = jaxsync.powersgd_mean(axis_name="i", comm=None, start_step=3)
@@ -187,12 +210,14 @@ def test_powersgd_before_start_step_is_hierarchical_mean():
     ref_update = jax.jit(jax.vmap(lambda g: ref.update(g, ref.init(g))[0], axis_name="i"))
     state = init({"w": jnp.zeros((R, 64, 32)), "b": jnp.zeros((R, 32))})
     for step in range(5):
-        g = {"w": jnp.asarray(rng.standard_normal((R, 64, 32)), jnp.float32),
-             "b": jnp.asarray(rng.standard_normal((R, 32)), jnp.float32)}
+        g = {
+            "w": jnp.asarray(rng.standard_normal((R, 64, 32)), jnp.float32),
+            "b": jnp.asarray(rng.standard_normal((R, 32)), jnp.float32),
+        }
         out, state = update(g, state)
         want = ref_update(g)
         same = (bits(out["w"]) == bits(want["w"])).all()
-        assert same == (step < 3), step   # exact before, compressed from step 3
+        assert same == (step < 3), step  # exact before, compressed from step 3
         assert (bits(out["b"]) == bits(want["b"])).all()
         res = np.asarray(state.residual[0])
         assert (res == 0).all() == (step < 3), step
@@ -202,8 +227,9 @@ def test_powersgd_before_start_step_is_hierarchical_mean():
 def test_powersgd_warm_start_keeps_q():
     g = jax.tree.map(jnp.asarray, low_rank_grads(3))
     for warm in (True, False):
-        tx = jaxsync.powersgd_mean(axis_name="i", comm=None, warm_start=warm,
-                                   min_compression_rate=0.0)
+        tx = jaxsync.powersgd_mean(
+            axis_name="i", comm=None, warm_start=warm, min_compression_rate=0.0
+        )
         init, update = vmapped(tx)
         s0 = init(g)
         _, s1 = update(g, s0)
@@ -213,6 +239,7 @@ def test_powersgd_warm_start_keeps_q():
 
 # --------------------------------------------------------------------------
 # sign_mean: exact by construction, packing
+
 
 def test_pack_signs_round_trip():
     x = jnp.asarray(np.random.default_rng(4).standard_normal(21), jnp.float32)
@@ -230,8 +257,7 @@ def test_sign_exact_by_construction():
     scaled sign is the value itself and the mean is exact; other leaves exact."""
     signs = np.where(np.arange(40).reshape(8, 5) % 3 == 0, 1.0, -1.0)
     w = np.stack([(r + 1) * signs * (-1) ** r for r in range(R)]).astype(np.float32)
-    g = {"w": jnp.asarray(w), "b": jnp.asarray(np.arange(R * 3.0).reshape(R, 3),
-                                                jnp.float32)}
+    g = {"w": jnp.asarray(w), "b": jnp.asarray(np.arange(R * 3.0).reshape(R, 3), jnp.float32)}
     tx = jaxsync.sign_mean(axis_name="i", comm=None, min_size=8)
     init, update = vmapped(tx)
     state = init(g)
@@ -239,8 +265,12 @@ def test_sign_exact_by_construction():
     out, state = update(g, state)
     want = np.broadcast_to(w.mean(0), w.shape)
     assert (bits(out["w"]) == bits(want.astype(np.float32))).all()
-    assert (bits(out["b"]) == bits(np.broadcast_to(
-        np.arange(R * 3.0).reshape(R, 3).mean(0), (R, 3)).astype(np.float32))).all()
+    assert (
+        bits(out["b"])
+        == bits(
+            np.broadcast_to(np.arange(R * 3.0).reshape(R, 3).mean(0), (R, 3)).astype(np.float32)
+        )
+    ).all()
     assert (np.asarray(state.residual[0]) == 0).all()
 
 
@@ -248,11 +278,17 @@ def test_sign_exact_by_construction():
 # Both stages in one process: (host=2, local=4) mesh, AxisComm("host"),
 # shard_map with state_specs; replicated parameters (autodiff already summed).
 
-@pytest.mark.parametrize("make", [
-    lambda: jaxsync.powersgd_mean(axis_name="local", comm=jaxsync.AxisComm("host"),
-                                  rank=2, start_step=2),
-    lambda: jaxsync.sign_mean(axis_name="local", comm=jaxsync.AxisComm("host"),
-                              min_size=16)], ids=["powersgd", "sign"])
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jaxsync.powersgd_mean(
+            axis_name="local", comm=jaxsync.AxisComm("host"), rank=2, start_step=2
+        ),
+        lambda: jaxsync.sign_mean(axis_name="local", comm=jaxsync.AxisComm("host"), min_size=16),
+    ],
+    ids=["powersgd", "sign"],
+)
 def test_mesh_two_stages_with_state_specs(make):
     tx = optax.chain(make(), optax.sgd(0.05))
     params = {"w": jnp.ones((16, 8)), "b": jnp.zeros(8)}
@@ -270,13 +306,15 @@ def test_mesh_two_stages_with_state_specs(make):
         u, s = tx.update(g, s, p)
         new = optax.apply_updates(p, u)
         # every device's own copy, to compare them bitwise
-        mine = jax.tree.map(lambda a: jax.lax.pcast(a, ("host", "local"),
-                                                    to="varying")[None], new)
+        mine = jax.tree.map(lambda a: jax.lax.pcast(a, ("host", "local"), to="varying")[None], new)
         return new, s, mine
 
     data = P(("host", "local"))
-    f = jax.jit(jax.shard_map(step, mesh=MESH2, in_specs=(P(), specs, data, data),
-                              out_specs=(P(), specs, data)))
+    f = jax.jit(
+        jax.shard_map(
+            step, mesh=MESH2, in_specs=(P(), specs, data, data), out_specs=(P(), specs, data)
+        )
+    )
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
     y = jnp.asarray(rng.standard_normal((64, 8)), jnp.float32)
@@ -293,17 +331,28 @@ def test_mesh_two_stages_with_state_specs(make):
 # --------------------------------------------------------------------------
 # Checkpoint round trip (in process; under MPI in tests/mpi)
 
-@pytest.mark.parametrize("make", [
-    lambda: jaxsync.powersgd_mean(axis_name="i", comm=None, rank=2,
-                                  min_compression_rate=0.0, start_step=1),
-    lambda: jaxsync.sign_mean(axis_name="i", comm=None, min_size=1)],
-    ids=["powersgd", "sign"])
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jaxsync.powersgd_mean(
+            axis_name="i", comm=None, rank=2, min_compression_rate=0.0, start_step=1
+        ),
+        lambda: jaxsync.sign_mean(axis_name="i", comm=None, min_size=1),
+    ],
+    ids=["powersgd", "sign"],
+)
 def test_checkpoint_round_trip_is_bit_identical(make):
     tx = optax.chain(make(), optax.sgd(0.1, momentum=0.9))
     init, update = vmapped(tx)
     rng = np.random.default_rng(6)
-    grads = [{"w": jnp.asarray(rng.standard_normal((R, 12, 6)), jnp.float32),
-              "b": jnp.asarray(rng.standard_normal((R, 6)), jnp.float32)} for _ in range(8)]
+    grads = [
+        {
+            "w": jnp.asarray(rng.standard_normal((R, 12, 6)), jnp.float32),
+            "b": jnp.asarray(rng.standard_normal((R, 6)), jnp.float32),
+        }
+        for _ in range(8)
+    ]
     state = init(grads[0])
     outs = []
     for g in grads:
@@ -319,7 +368,8 @@ def test_checkpoint_round_trip_is_bit_identical(make):
     buf.seek(0)
     with np.load(buf) as z:
         restored = jax.tree_util.tree_unflatten(
-            treedef, [jnp.asarray(z[f"arr_{i}"]) for i in range(len(leaves))])
+            treedef, [jnp.asarray(z[f"arr_{i}"]) for i in range(len(leaves))]
+        )
     for k, g in enumerate(grads[4:], start=4):
         out, restored = update(g, restored)
         for name in ("w", "b"):
@@ -330,12 +380,12 @@ def test_checkpoint_round_trip_is_bit_identical(make):
 # --------------------------------------------------------------------------
 # Convergence on digits, same seeds as the uncompressed run
 
+
 def test_convergence_on_digits_within_one_point():
     # optax.adam's bias correction mixes a Python float with int32 counts.
     with jax.numpy_dtype_promotion("standard"):
         _, exact = digits.train(jaxsync.hierarchical_mean(axis_name="i", comm=None))
-        _, psgd = digits.train(jaxsync.powersgd_mean(axis_name="i", comm=None,
-                                                                rank=4))
+        _, psgd = digits.train(jaxsync.powersgd_mean(axis_name="i", comm=None, rank=4))
         _, sign = digits.train(jaxsync.sign_mean(axis_name="i", comm=None))
     base = exact[-1][2]
     assert base > 0.95, exact
@@ -346,6 +396,7 @@ def test_convergence_on_digits_within_one_point():
 # --------------------------------------------------------------------------
 # Per-leaf policy with optax.partition (the README's example)
 
+
 def test_partition_policy_and_state_specs():
     def label(params):
         def one(path, x):
@@ -353,35 +404,46 @@ def test_partition_policy_and_state_specs():
             if "embed" in name:
                 return "sign"
             return "powersgd" if x.ndim >= 2 else "exact"
+
         return jax.tree_util.tree_map_with_path(one, params)
 
     sync = optax.partition(
-        {"powersgd": jaxsync.powersgd_mean(axis_name="i", comm=None, rank=2),
-         "sign": jaxsync.sign_mean(axis_name="i", comm=None),
-         "exact": jaxsync.hierarchical_mean(axis_name="i", comm=None)}, label)
+        {
+            "powersgd": jaxsync.powersgd_mean(axis_name="i", comm=None, rank=2),
+            "sign": jaxsync.sign_mean(axis_name="i", comm=None),
+            "exact": jaxsync.hierarchical_mean(axis_name="i", comm=None),
+        },
+        label,
+    )
     rng = np.random.default_rng(7)
-    g = {"embed": rng.standard_normal((R, 100, 8)), "dense": rng.standard_normal((R, 32, 16)),
-         "norm": rng.standard_normal((R, 16))}
+    g = {
+        "embed": rng.standard_normal((R, 100, 8)),
+        "dense": rng.standard_normal((R, 32, 16)),
+        "norm": rng.standard_normal((R, 16)),
+    }
     g = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), g)
     init, update = vmapped(sync)
     state = init(g)
     out, state = update(g, state)
     ref = jaxsync.hierarchical_mean(axis_name="i", comm=None)
     want = jax.vmap(lambda t: ref.update(t, ref.init(t))[0], axis_name="i")(g)
-    assert (bits(out["norm"]) == bits(want["norm"])).all()          # exact
-    for name in ("embed", "dense"):                                    # compressed
+    assert (bits(out["norm"]) == bits(want["norm"])).all()  # exact
+    for name in ("embed", "dense"):  # compressed
         assert not np.allclose(np.asarray(out[name]), np.asarray(want[name]), atol=1e-3)
         assert (bits(out[name]) == bits(out[name][:1])).all()
-    specs = jaxsync.state_specs(jax.eval_shape(sync.init, jax.tree.map(lambda a: a[0], g)),
-                                "local")
+    specs = jaxsync.state_specs(jax.eval_shape(sync.init, jax.tree.map(lambda a: a[0], g)), "local")
     flat = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
     assert flat.count(P("local")) == 2 and all(s in (P(), P("local")) for s in flat)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: jaxsync.powersgd_mean(axis_name="i", comm=None, rank=2),
-    lambda: jaxsync.sign_mean(axis_name="i", comm=None, min_size=1)],
-    ids=["powersgd", "sign"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jaxsync.powersgd_mean(axis_name="i", comm=None, rank=2),
+        lambda: jaxsync.sign_mean(axis_name="i", comm=None, min_size=1),
+    ],
+    ids=["powersgd", "sign"],
+)
 def test_bfloat16_leaves_keep_their_dtype_with_float32_residuals(make):
     tx = make()
     init, update = vmapped(tx)
@@ -396,15 +458,21 @@ def test_bfloat16_leaves_keep_their_dtype_with_float32_residuals(make):
     assert np.sum(np.asarray(out["w"][0], np.float64) * mean) > 0
 
 
-@pytest.mark.parametrize("make", [
-    lambda: jaxsync.powersgd_mean(axis_name=None, comm=None),
-    lambda: jaxsync.sign_mean(axis_name=None, comm=None, min_size=1)],
-    ids=["powersgd", "sign"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jaxsync.powersgd_mean(axis_name=None, comm=None),
+        lambda: jaxsync.sign_mean(axis_name=None, comm=None, min_size=1),
+    ],
+    ids=["powersgd", "sign"],
+)
 def test_row_sparse_leaves_are_refused(make):
     tx = make()
     dense = {"w": jnp.ones((8, 8))}
     state = tx.init(dense)
-    g = {"w": jnp.ones((8, 8)),
-         "emb": jaxsync.RowSparse(jnp.array([1, 3]), jnp.ones((2, 4)), num_rows=10)}
+    g = {
+        "w": jnp.ones((8, 8)),
+        "emb": jaxsync.RowSparse(jnp.array([1, 3]), jnp.ones((2, 4)), num_rows=10),
+    }
     with pytest.raises(TypeError, match="RowSparse.*optax.partition"):
         tx.update(g, state)

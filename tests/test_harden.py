@@ -79,33 +79,44 @@ def test_auto_single_process_launch_is_fine(monkeypatch):
 # --------------------------------------------------------------------------
 # Item 9: argument checks.
 
+
 def test_invalid_comm_does_not_import_mpi():
-    code = ("import sys, jaxsync\n"
-            "try:\n    jaxsync.flat_mean(axis_name='i', comm=42)\n"
-            "except TypeError as e:\n    assert 'comm' in str(e), e\n"
-            "else:\n    raise SystemExit('no TypeError')\n"
-            "assert 'mpi4py.MPI' not in sys.modules, 'mpi4py.MPI was imported'\n")
-    env = {k: v for k, v in __import__("os").environ.items()
-           if k not in _topology._MPI_ENV + _topology._LAUNCHER_SIZE_ENV}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env=env, timeout=120)
+    code = (
+        "import sys, jaxsync\n"
+        "try:\n    jaxsync.flat_mean(axis_name='i', comm=42)\n"
+        "except TypeError as e:\n    assert 'comm' in str(e), e\n"
+        "else:\n    raise SystemExit('no TypeError')\n"
+        "assert 'mpi4py.MPI' not in sys.modules, 'mpi4py.MPI was imported'\n"
+    )
+    env = {
+        k: v
+        for k, v in __import__("os").environ.items()
+        if k not in _topology._MPI_ENV + _topology._LAUNCHER_SIZE_ENV
+    }
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_single_node_rejects_a_comm():
     with pytest.raises(ValueError, match="single_node.*ignores comm"):
-        jaxsync.sync_gradients({"w": jnp.ones(2)}, axis_name="i", strategy="single_node",
-                               comm=jaxsync.AxisComm("host"))
+        jaxsync.sync_gradients(
+            {"w": jnp.ones(2)}, axis_name="i", strategy="single_node", comm=jaxsync.AxisComm("host")
+        )
 
 
 def test_sync_gradients_returns_the_finite_flag():
     g = {"w": jnp.arange(8.0)}
-    plain = jax.vmap(lambda t: jaxsync.sync_gradients(t, axis_name="i", comm=None),
-                     axis_name="i")(g)
+    plain = jax.vmap(lambda t: jaxsync.sync_gradients(t, axis_name="i", comm=None), axis_name="i")(
+        g
+    )
     assert isinstance(plain, dict)  # default unchanged
     g = {"w": jnp.arange(8.0).at[3].set(jnp.nan)}
-    out, ok = jax.vmap(lambda t: jaxsync.sync_gradients(
-        t, axis_name="i", comm=None, check_finite=True), axis_name="i")(g)
+    out, ok = jax.vmap(
+        lambda t: jaxsync.sync_gradients(t, axis_name="i", comm=None, check_finite=True),
+        axis_name="i",
+    )(g)
     assert ok.shape == (8,) and not bool(ok.any())
     assert np.isnan(np.asarray(out["w"])).all()
 
@@ -137,6 +148,7 @@ def test_unsynced_device_axis_raises_with_the_fix(axis_name):
 # --------------------------------------------------------------------------
 # Item 4: the agreed text has no auxiliary data.
 
+
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class _Static:
@@ -162,11 +174,15 @@ def test_options_text_includes_staging_and_check_finite():
 # --------------------------------------------------------------------------
 # Item 5: broadcast keeps shardings.
 
+
 def test_broadcast_axis_comm_keeps_sharding():
     sh = NamedSharding(MESH1, P("i"))
     rep = NamedSharding(MESH1, P())
-    tree = {"w": jax.device_put(jnp.arange(8.0), sh),
-            "r": jax.device_put(jnp.ones((2, 3), jnp.bfloat16), rep), "n": np.int32(3)}
+    tree = {
+        "w": jax.device_put(jnp.arange(8.0), sh),
+        "r": jax.device_put(jnp.ones((2, 3), jnp.bfloat16), rep),
+        "n": np.int32(3),
+    }
     out = jaxsync.broadcast_params(tree, comm=jaxsync.AxisComm("host"))
     assert out["w"].sharding == sh, out["w"].sharding
     assert out["r"].sharding == rep and out["r"].dtype == jnp.bfloat16
@@ -176,6 +192,7 @@ def test_broadcast_axis_comm_keeps_sharding():
 
 # --------------------------------------------------------------------------
 # Item 10: graphs and messages that do not grow with the process count.
+
 
 def _left_fold_f32(rows):
     acc = rows[0].astype(np.float32)
@@ -188,7 +205,7 @@ def _left_fold_f32(rows):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_rows_sum_f32_is_the_left_fold_bitwise(k, dtype):
     rng = np.random.default_rng(k)
-    rows = (rng.standard_normal((k, 257)) * 10.0 ** rng.integers(-3, 3, (k, 1)))
+    rows = rng.standard_normal((k, 257)) * 10.0 ** rng.integers(-3, 3, (k, 1))
     rows = np.asarray(jnp.asarray(rows, dtype))
     got = np.asarray(jax.jit(rows_sum_f32)(jnp.asarray(rows)))
     want = _left_fold_f32(rows.astype(np.float32))
@@ -197,8 +214,10 @@ def test_rows_sum_f32_is_the_left_fold_bitwise(k, dtype):
 
 
 def test_rows_sum_f32_graph_is_constant_in_the_row_count():
-    sizes = {k: len(jax.make_jaxpr(rows_sum_f32)(jnp.zeros((k, 4), jnp.bfloat16)).eqns)
-             for k in (16, 1024)}
+    sizes = {
+        k: len(jax.make_jaxpr(rows_sum_f32)(jnp.zeros((k, 4), jnp.bfloat16)).eqns)
+        for k in (16, 1024)
+    }
     assert sizes[1024] == sizes[16] and sizes[1024] < 20, sizes
 
 
@@ -237,12 +256,14 @@ def test_broadcast_params_sends_digests_not_texts_at_scale(monkeypatch):
     finally:
         jaxsync.free_communicators(comm)
     assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(tree)
-    assert comm.gathered and all(isinstance(g, bytes) and len(g) == 32
-                                 for g in comm.gathered), [type(g) for g in comm.gathered]
+    assert comm.gathered and all(isinstance(g, bytes) and len(g) == 32 for g in comm.gathered), [
+        type(g) for g in comm.gathered
+    ]
 
 
 # --------------------------------------------------------------------------
 # Item 7: the watchdog stops promptly and ignores late replies.
+
 
 class _Status:
     def __init__(self):
@@ -267,6 +288,7 @@ class _WatchComm:
 
     def Iprobe(self, source=None, tag=None, status=None):
         from jaxsync._watchdog import _REPLY
+
         if tag == _REPLY and self.replies:
             status.source = 1
             return True
@@ -293,6 +315,7 @@ def _stalled(comm, timeout):
     import io
 
     from jaxsync._watchdog import Watchdog
+
     wd = Watchdog(comm, timeout, stream=io.StringIO())
     wd.enter(None)  # inside a stage...
     with wd._lock:
@@ -302,6 +325,7 @@ def _stalled(comm, timeout):
 
 def test_watchdog_stop_does_not_wait_out_a_report(fake_mpi_status):
     import time
+
     wd = _stalled(_WatchComm([]), timeout=5.0)  # rank 1 never answers
     deadline = time.monotonic() + 5
     while not wd.comm.queries and time.monotonic() < deadline:
@@ -316,6 +340,7 @@ def test_watchdog_stop_does_not_wait_out_a_report(fake_mpi_status):
 
 def test_watchdog_ignores_replies_of_an_earlier_round(fake_mpi_status):
     import time
+
     # A reply from an earlier round (rank 1 had entered 0) arrives first; this
     # round's reply says rank 1 has entered 1 stage, like rank 0.
     comm = _WatchComm([(0, 0, 0), (1, 1, 0)])
@@ -332,6 +357,7 @@ def test_watchdog_ignores_replies_of_an_earlier_round(fake_mpi_status):
 def test_mpi_side_effects_are_io_callbacks():
     """Host-staged MPI calls and watchdog hooks are effects JAX keeps, once each."""
     from jaxsync._watchdog import _tie
+
     ops = _mpi_backend._HostOps(_FakeComm(size=2))
     jaxpr = str(jax.make_jaxpr(lambda x: ops.allgather(ops.allreduce([x])[0]))(jnp.ones(3)))
     jaxpr += str(jax.make_jaxpr(lambda x: _tie(lambda h: h, x))(jnp.ones(3)))
@@ -341,22 +367,44 @@ def test_mpi_side_effects_are_io_callbacks():
 # --------------------------------------------------------------------------
 # The MPI suite may be skipped without MPI, but never in CI.
 
+
 @pytest.mark.parametrize("ci", ["", "true"])
 def test_mpi_suite_without_mpirun_fails_in_ci(ci):
     import os
     from pathlib import Path
+
     root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("CI", "XLA_FLAGS") and not k.startswith(
-               ("PMI_", "PMIX_", "OMPI_", "HYDI_", "HYDRA_", "MPI_LOCAL", "MV2_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("CI", "XLA_FLAGS")
+        and not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDI_", "HYDRA_", "MPI_LOCAL", "MV2_"))
+    }
     env.update(JAXSYNC_MPIRUN="/nonexistent/mpirun", CI=ci)
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:nbmake",
-                        "-o", "addopts=", "tests/mpi/test_mpi.py",
-                        "-k", "test_exact_mesh_backend and mean and naive"],
-                       capture_output=True, text=True, cwd=root, env=env, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:nbmake",
+            "-o",
+            "addopts=",
+            "tests/mpi/test_mpi.py",
+            "-k",
+            "test_exact_mesh_backend and mean and naive",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=env,
+        timeout=300,
+    )
     if ci:
-        assert r.returncode != 0 and ("1 failed" in r.stdout or "1 error" in r.stdout), \
-            r.stdout[-2000:]
+        assert r.returncode != 0 and ("1 failed" in r.stdout or "1 error" in r.stdout), r.stdout[
+            -2000:
+        ]
         assert "CI is set but the MPI suite cannot run" in r.stdout, r.stdout[-2000:]
     else:
         assert r.returncode == 0 and "1 skipped" in r.stdout, r.stdout[-2000:]
@@ -382,9 +430,11 @@ class _FakeOps:
 
 def _sum_low_eqns(size):
     from jaxsync import _strategies
+
     ops = _FakeOps(size)
     jaxpr = jax.make_jaxpr(lambda x: _strategies._sum_low(ops, x))(
-        jnp.zeros(4 * size, jnp.bfloat16))
+        jnp.zeros(4 * size, jnp.bfloat16)
+    )
     return len(jaxpr.eqns)
 
 

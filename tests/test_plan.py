@@ -41,8 +41,9 @@ def assert_tree_bitexact(got, want):
     assert got_def == want_def, f"structure changed: {got_def} != {want_def}"
     for (path, g), (_, w) in zip(got_leaves, want_leaves):
         name = jax.tree_util.keystr(path)
-        assert jnp.dtype(g.dtype) == jnp.dtype(w.dtype), \
+        assert jnp.dtype(g.dtype) == jnp.dtype(w.dtype), (
             f"{name}: dtype {g.dtype} != {w.dtype} (promotion?)"
+        )
         assert np.shape(g) == np.shape(w), f"{name}: shape {np.shape(g)} != {np.shape(w)}"
         if w.dtype == jax.dtypes.float0:
             continue  # float0 has no data
@@ -80,21 +81,36 @@ class Pair(NamedTuple):
 NESTED_TREES = {
     "dict_list_tuple_namedtuple": lambda: {
         "layers": [
-            {"w": special_values(jnp.float32, (3, 4), 1), "b": special_values(jnp.float32, (4,), 2)},
+            {
+                "w": special_values(jnp.float32, (3, 4), 1),
+                "b": special_values(jnp.float32, (4,), 2),
+            },
             {"w": special_values(jnp.float32, (4, 2), 3), "b": None},
         ],
-        "pair": Pair(first=special_values(jnp.bfloat16, (5,), 4),
-                     second=(special_values(jnp.float16, (2, 2), 5), None)),
+        "pair": Pair(
+            first=special_values(jnp.bfloat16, (5,), 4),
+            second=(special_values(jnp.float16, (2, 2), 5), None),
+        ),
         "tuple": (jnp.float32(-0.0), jnp.float32(np.nan)),
     },
-    "scalars": lambda: {"a": jnp.float32(1.25), "b": jnp.bfloat16(-3.0),
-                        "c": jnp.float16(np.inf), "d": jnp.zeros((), jnp.float32)},
-    "zero_size": lambda: {"e": jnp.zeros((0,), jnp.float32), "f": jnp.zeros((3, 0, 2), jnp.bfloat16),
-                          "g": special_values(jnp.float32, (2,), 6)},
-    "int_bool_passthrough": lambda: {"step": jnp.int32(7), "mask": jnp.array([True, False]),
-                                     "u": jnp.arange(3, dtype=jnp.uint8),
-                                     "i8": jnp.array([-1, 2], jnp.int8),
-                                     "w": special_values(jnp.float32, (3,), 7)},
+    "scalars": lambda: {
+        "a": jnp.float32(1.25),
+        "b": jnp.bfloat16(-3.0),
+        "c": jnp.float16(np.inf),
+        "d": jnp.zeros((), jnp.float32),
+    },
+    "zero_size": lambda: {
+        "e": jnp.zeros((0,), jnp.float32),
+        "f": jnp.zeros((3, 0, 2), jnp.bfloat16),
+        "g": special_values(jnp.float32, (2,), 6),
+    },
+    "int_bool_passthrough": lambda: {
+        "step": jnp.int32(7),
+        "mask": jnp.array([True, False]),
+        "u": jnp.arange(3, dtype=jnp.uint8),
+        "i8": jnp.array([-1, 2], jnp.int8),
+        "w": special_values(jnp.float32, (3,), 7),
+    },
     "only_none": lambda: {"a": None, "b": [None, (None,)]},
     "bare_array": lambda: special_values(jnp.float32, (2, 3), 8),
 }
@@ -119,8 +135,11 @@ def test_round_trip_any_bucketing(bucket_bytes, pack_threshold):
     assert_tree_bitexact(back, tree)
 
 
-@pytest.mark.parametrize("tree", [{}, [], (), None, {"a": None}, [None, {}]],
-                         ids=["dict", "list", "tuple", "None", "None_leaf", "nested_empty"])
+@pytest.mark.parametrize(
+    "tree",
+    [{}, [], (), None, {"a": None}, [None, {}]],
+    ids=["dict", "list", "tuple", "None", "None_leaf", "nested_empty"],
+)
 def test_empty_trees(tree):
     plan = jaxsync.make_plan(tree)
     assert plan.buckets == ()
@@ -135,8 +154,13 @@ def test_passthrough_leaves_are_classified_and_untouched():
     tree = NESTED_TREES["int_bool_passthrough"]()
     plan = jaxsync.make_plan(tree)
     reduced = {s.path: s.reduced for s in plan.leaves}
-    assert reduced == {"['i8']": False, "['mask']": False, "['step']": False,
-                       "['u']": False, "['w']": True}
+    assert reduced == {
+        "['i8']": False,
+        "['mask']": False,
+        "['step']": False,
+        "['u']": False,
+        "['w']": True,
+    }
     assert [b.dtype for b in plan.buckets] == ["float32"]
     back = plan.unpack(plan.pack(tree), tree)
     for k in ("step", "mask", "u", "i8"):
@@ -151,8 +175,11 @@ def test_zero_size_leaves_take_no_buffer_space():
 
 
 def _float0_grads():
-    params = {"w": jnp.arange(3.0, dtype=jnp.float32), "n": jnp.arange(3, dtype=jnp.int32),
-              "flag": jnp.array(True)}
+    params = {
+        "w": jnp.arange(3.0, dtype=jnp.float32),
+        "n": jnp.arange(3, dtype=jnp.int32),
+        "flag": jnp.array(True),
+    }
 
     def loss(p):
         return jnp.sum(p["w"] * p["n"].astype(jnp.float32))
@@ -169,9 +196,13 @@ def test_float0_leaves_pass_through():
     except TypeError as e:
         pytest.fail(
             "BUG: make_plan rejects float0 leaves from jax.grad(allow_int=True), which the "
-            f"module docstring says pass through unchanged. Got TypeError: {e}")
+            f"module docstring says pass through unchanged. Got TypeError: {e}"
+        )
     assert {s.path: s.reduced for s in plan.leaves} == {
-        "['flag']": False, "['n']": False, "['w']": True}
+        "['flag']": False,
+        "['n']": False,
+        "['w']": True,
+    }
     back = plan.unpack(plan.pack(grads), grads)
     assert_tree_bitexact(back, grads)
 
@@ -192,7 +223,11 @@ def test_mixed_dtypes_one_buffer_per_dtype_no_promotion():
         assert_tree_bitexact(back, tree)
     # one bucket per dtype, in order of first appearance (sorted dict keys)
     assert [(b.dtype, b.size) for b in plan.buckets] == [
-        ("float64", 5), ("float32", 5), ("bfloat16", 7), ("float16", 4)]
+        ("float64", 5),
+        ("float32", 5),
+        ("bfloat16", 7),
+        ("float16", 4),
+    ]
     for b in plan.buckets:
         assert {plan.leaves[i].dtype for i in b.leaves} == {b.dtype}
 
@@ -226,6 +261,7 @@ def test_pack_unpack_under_jit_is_bit_exact():
 # ----------------------------------------------------------------------------
 # bucketing
 # ----------------------------------------------------------------------------
+
 
 def _check_bucket_invariants(plan, bucket_bytes, pack_threshold):
     cap = float("inf") if bucket_bytes is None else bucket_bytes
@@ -307,9 +343,14 @@ def test_default_threshold_keeps_small_leaves_together():
 # hashability and fingerprints
 # ----------------------------------------------------------------------------
 
+
 def _base_tree():
-    return {"w": jnp.ones((2, 3), jnp.float32), "b": jnp.zeros(3, jnp.bfloat16),
-            "l": [jnp.ones(4, jnp.float16), None], "step": jnp.int32(0)}
+    return {
+        "w": jnp.ones((2, 3), jnp.float32),
+        "b": jnp.zeros(3, jnp.bfloat16),
+        "l": [jnp.ones(4, jnp.float16), None],
+        "step": jnp.int32(0),
+    }
 
 
 def test_plan_is_hashable_and_equal_when_rebuilt():
@@ -324,8 +365,9 @@ def test_plan_is_hashable_and_equal_when_rebuilt():
 
 def test_rebuilt_plan_as_static_argument_does_not_recompile():
     traces = []
-    f = jax.jit(lambda t, plan: (traces.append(1), plan.unpack(plan.pack(t), t))[1],
-                static_argnums=1)
+    f = jax.jit(
+        lambda t, plan: (traces.append(1), plan.unpack(plan.pack(t), t))[1], static_argnums=1
+    )
     for _ in range(3):
         tree = _base_tree()
         f(tree, jaxsync.make_plan(tree))  # a fresh, equal plan each time
@@ -362,8 +404,19 @@ def _variant(kind):
     return t
 
 
-@pytest.mark.parametrize("kind", ["shape_same_size", "shape", "dtype", "key", "list_to_tuple",
-                                  "none_to_leaf", "int_dtype", "namedtuple"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "shape_same_size",
+        "shape",
+        "dtype",
+        "key",
+        "list_to_tuple",
+        "none_to_leaf",
+        "int_dtype",
+        "namedtuple",
+    ],
+)
 def test_fingerprint_differs_for_different_plans(kind):
     base = jaxsync.make_plan(_base_tree())
     other = jaxsync.make_plan(_variant(kind))
@@ -373,9 +426,11 @@ def test_fingerprint_differs_for_different_plans(kind):
 
 def test_fingerprint_differs_for_different_bucketing():
     t = _base_tree()
-    fps = {jaxsync.make_plan(t).fingerprint,
-           jaxsync.make_plan(t, bucket_bytes=4).fingerprint,
-           jaxsync.make_plan(t, per_leaf=True, pack_threshold=10**6, bucket_bytes=10**6).fingerprint}
+    fps = {
+        jaxsync.make_plan(t).fingerprint,
+        jaxsync.make_plan(t, bucket_bytes=4).fingerprint,
+        jaxsync.make_plan(t, per_leaf=True, pack_threshold=10**6, bucket_bytes=10**6).fingerprint,
+    }
     assert len(fps) == 3
 
 
@@ -383,11 +438,15 @@ def test_fingerprint_differs_for_different_bucketing():
 # errors
 # ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("tree,path", [
-    ({"a": {"c": jnp.ones(2, jnp.complex64)}}, "['a']['c']"),
-    ([jnp.ones(2), (jnp.ones(1, jnp.complex64),)], "[1][0]"),
-    (jnp.ones(3, jnp.complex64), "<root>"),
-])
+
+@pytest.mark.parametrize(
+    "tree,path",
+    [
+        ({"a": {"c": jnp.ones(2, jnp.complex64)}}, "['a']['c']"),
+        ([jnp.ones(2), (jnp.ones(1, jnp.complex64),)], "[1][0]"),
+        (jnp.ones(3, jnp.complex64), "<root>"),
+    ],
+)
 def test_complex_leaf_is_rejected_naming_its_path(tree, path):
     with pytest.raises(TypeError, match=re.escape(path)) as info:
         jaxsync.make_plan(tree)
@@ -396,10 +455,19 @@ def test_complex_leaf_is_rejected_naming_its_path(tree, path):
 
 
 @pytest.mark.parametrize("arg", ["bucket_bytes", "pack_threshold"])
-@pytest.mark.parametrize("value,exc", [
-    ("1", TypeError), (1.5, TypeError), (True, TypeError), (2.0**20, TypeError),
-    (jnp.int32(4), TypeError), (0, ValueError), (-1, ValueError), (np.int64(-5), ValueError),
-])
+@pytest.mark.parametrize(
+    "value,exc",
+    [
+        ("1", TypeError),
+        (1.5, TypeError),
+        (True, TypeError),
+        (2.0**20, TypeError),
+        (jnp.int32(4), TypeError),
+        (0, ValueError),
+        (-1, ValueError),
+        (np.int64(-5), ValueError),
+    ],
+)
 def test_bad_byte_sizes(arg, value, exc):
     with pytest.raises(exc, match=arg):
         jaxsync.make_plan(_base_tree(), **{arg: value})

@@ -33,6 +33,7 @@ def _no_glob(pattern):
 
 # ---------------------------------------------------------------- CUDA root choice
 
+
 def test_cuda_root_from_the_usual_link_not_nvcc_parent(tmp_path):
     # The layout: <prefix>/cuda-13.0 holds the headers, <prefix>/cuda links to
     # it, and nvcc is a wrapper in <prefix>/bin next to an unrelated <prefix>/include.
@@ -43,8 +44,9 @@ def test_cuda_root_from_the_usual_link_not_nvcc_parent(tmp_path):
     nvcc = prefix / "bin" / "nvcc"
     nvcc.parent.mkdir()
     nvcc.write_text(f'#!/bin/sh\nexec {real}/bin/nvcc "$@"\n')
-    got = _toolkit.find_cuda_root(env={}, nvcc=str(nvcc), glob_fn=_no_glob,
-                                  usual_link=str(prefix / "cuda"))
+    got = _toolkit.find_cuda_root(
+        env={}, nvcc=str(nvcc), glob_fn=_no_glob, usual_link=str(prefix / "cuda")
+    )
     assert Path(got).resolve() == real.resolve()
     assert not _toolkit.has_headers(str(prefix))  # what mpi4jax would have guessed
 
@@ -54,8 +56,9 @@ def test_cuda_root_follows_an_nvcc_wrapper_script(tmp_path):
     wrapper = tmp_path / "bin" / "nvcc"
     wrapper.parent.mkdir()
     wrapper.write_text(f'#!/bin/sh\nexec {real}/bin/nvcc "$@"\n')
-    got = _toolkit.find_cuda_root(env={}, nvcc=str(wrapper), glob_fn=_no_glob,
-                                  usual_link=str(tmp_path / "missing"))
+    got = _toolkit.find_cuda_root(
+        env={}, nvcc=str(wrapper), glob_fn=_no_glob, usual_link=str(tmp_path / "missing")
+    )
     assert got == str(real)
 
 
@@ -64,34 +67,47 @@ def test_cuda_root_follows_an_nvcc_symlink(tmp_path):
     link = tmp_path / "bin" / "nvcc"
     link.parent.mkdir()
     link.symlink_to(real / "bin" / "nvcc")
-    got = _toolkit.find_cuda_root(env={}, nvcc=str(link), glob_fn=_no_glob,
-                                  usual_link=str(tmp_path / "missing"))
+    got = _toolkit.find_cuda_root(
+        env={}, nvcc=str(link), glob_fn=_no_glob, usual_link=str(tmp_path / "missing")
+    )
     assert got == str(real)
 
 
 def test_cuda_home_wins_over_everything(tmp_path):
     a = _toolkit_at(tmp_path / "cuda-12.1")
     b = _toolkit_at(tmp_path / "cuda-12.8")
-    got = _toolkit.find_cuda_root(env={"CUDA_HOME": str(a), "CUDA_PATH": str(b)},
-                                  nvcc=None, glob_fn=_no_glob,
-                                  usual_link=str(b))
+    got = _toolkit.find_cuda_root(
+        env={"CUDA_HOME": str(a), "CUDA_PATH": str(b)},
+        nvcc=None,
+        glob_fn=_no_glob,
+        usual_link=str(b),
+    )
     assert got == str(a)
 
 
 def test_several_toolkits_newest_first(tmp_path):
     for v in ("11.8", "12.10", "12.4"):
         _toolkit_at(tmp_path / f"cuda-{v}")
-    got = _toolkit.find_cuda_root(env={}, nvcc=None,
-                                  glob_fn=lambda p: [str(x) for x in tmp_path.glob("cuda-*")],
-                                  usual_link=str(tmp_path / "cuda"))
+    got = _toolkit.find_cuda_root(
+        env={},
+        nvcc=None,
+        glob_fn=lambda p: [str(x) for x in tmp_path.glob("cuda-*")],
+        usual_link=str(tmp_path / "cuda"),
+    )
     assert got == str(tmp_path / "cuda-12.10")
 
 
 def test_variable_without_headers_is_an_error(tmp_path):
     _toolkit_at(tmp_path / "cuda")
-    with pytest.raises(_toolkit.ToolkitNotFound, match=r"CUDA_PATH=.*has no include/cuda_runtime.h.*Fix"):
-        _toolkit.find_cuda_root(env={"CUDA_PATH": str(tmp_path)}, nvcc=None,
-                                glob_fn=_no_glob, usual_link=str(tmp_path / "cuda"))
+    with pytest.raises(
+        _toolkit.ToolkitNotFound, match=r"CUDA_PATH=.*has no include/cuda_runtime.h.*Fix"
+    ):
+        _toolkit.find_cuda_root(
+            env={"CUDA_PATH": str(tmp_path)},
+            nvcc=None,
+            glob_fn=_no_glob,
+            usual_link=str(tmp_path / "cuda"),
+        )
 
 
 def test_no_toolkit_names_every_folder_tried(tmp_path):
@@ -100,8 +116,9 @@ def test_no_toolkit_names_every_folder_tried(tmp_path):
     nvcc.write_text("#!/bin/sh\n")
     (tmp_path / "include").mkdir()
     with pytest.raises(_toolkit.ToolkitNotFound) as e:
-        _toolkit.find_cuda_root(env={}, nvcc=str(nvcc), glob_fn=_no_glob,
-                                usual_link=str(tmp_path / "cuda"))
+        _toolkit.find_cuda_root(
+            env={}, nvcc=str(nvcc), glob_fn=_no_glob, usual_link=str(tmp_path / "cuda")
+        )
     msg = str(e.value)
     assert str(tmp_path / "cuda") in msg and str(tmp_path) + "  (the toolkit of" in msg
     assert "CUDA_HOME" in msg and "unset JAXSYNC_CUDA" in msg
@@ -109,27 +126,41 @@ def test_no_toolkit_names_every_folder_tried(tmp_path):
 
 def test_toolkit_script_runs_without_jaxsync_installed(tmp_path):
     # setup.sh runs the file before jaxsync is installed: standard library only.
-    r = subprocess.run([sys.executable, "-S", "-I", str(ROOT / "jaxsync" / "_toolkit.py"),
-                        "cuda-root"], capture_output=True, text=True, timeout=30,
-                       env={"PATH": str(tmp_path), "CUDA_HOME": str(tmp_path)})
+    r = subprocess.run(
+        [sys.executable, "-S", "-I", str(ROOT / "jaxsync" / "_toolkit.py"), "cuda-root"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"PATH": str(tmp_path), "CUDA_HOME": str(tmp_path)},
+    )
     assert r.returncode == 1
     assert "has no include/cuda_runtime.h" in r.stderr
 
 
 # ---------------------------------------------------------------- setup.sh
 
+
 def _setup_env(venv: Path, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("JAXSYNC_", "VIRTUAL_ENV", "XLA_FLAGS"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("JAXSYNC_", "VIRTUAL_ENV", "XLA_FLAGS"))
+    }
     env.update(JAXSYNC_VENV=str(venv), PIP_NO_CACHE_DIR="1", **extra)
     return env
 
 
 def test_failed_step_stops_setup_names_it_and_writes_no_stamp(tmp_path):
     venv = tmp_path / "venv"
-    r = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True, timeout=600,
-                       env=_setup_env(venv, JAXSYNC_SETUP_EXTRA_PACKAGES=
-                                      "jaxsync-no-such-package-for-tests==0.0.1"))
+    r = subprocess.run(
+        ["bash", str(SETUP)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_setup_env(
+            venv, JAXSYNC_SETUP_EXTRA_PACKAGES="jaxsync-no-such-package-for-tests==0.0.1"
+        ),
+    )
     assert r.returncode != 0
     assert "[setup] FAILED: install JAXSYNC_SETUP_EXTRA_PACKAGES" in r.stderr
     assert "No matching distribution found for jaxsync-no-such-package" in r.stderr
@@ -141,8 +172,13 @@ def test_failed_step_stops_setup_names_it_and_writes_no_stamp(tmp_path):
 
 
 def test_bad_cuda_choice_is_refused(tmp_path):
-    r = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True, timeout=60,
-                       env=_setup_env(tmp_path / "venv", JAXSYNC_CUDA="yes"))
+    r = subprocess.run(
+        ["bash", str(SETUP)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_setup_env(tmp_path / "venv", JAXSYNC_CUDA="yes"),
+    )
     assert r.returncode == 2
     assert "JAXSYNC_CUDA must be 12, 13 or unset" in r.stderr
 
@@ -159,18 +195,21 @@ def test_fresh_setup_with_a_headerless_nvcc_first_on_path_then_demo(tmp_path):
     (fake / "bin" / "nvcc").chmod(0o755)
     venv = tmp_path / "venv"
     env = _setup_env(venv, PATH=f"{fake / 'bin'}:{os.environ['PATH']}")
-    r = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True,
-                       timeout=1800, env=env)
+    r = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True, timeout=1800, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "build mpi4jax from source (CPU bridge only" in r.stdout
     assert "[setup] ok:" in r.stdout and "bridges: cpu)" in r.stdout
     assert (venv / ".jaxsync-setup").exists()
     # A second run is a no-op.
-    r2 = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True, timeout=120,
-                        env=env)
+    r2 = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True, timeout=120, env=env)
     assert r2.returncode == 0 and r2.stdout == "", r2.stdout + r2.stderr
-    demo = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh"), "--steps", "20"],
-                          capture_output=True, text=True, timeout=600, env=env)
+    demo = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "demo.sh"), "--steps", "20"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert "demo OK" in demo.stdout
     shutil.rmtree(venv, ignore_errors=True)

@@ -18,11 +18,14 @@ from jax.sharding import PartitionSpec as P
 import jaxsync
 from jaxsync import _sparse
 
-R = 8          # replicas (fake devices, tests/conftest.py)
+R = 8  # replicas (fake devices, tests/conftest.py)
 V, D, K = 256, 3, 3
-STRATEGIES = dict(naive=jaxsync.naive_mean, flat=jaxsync.flat_mean,
-                  hierarchical=jaxsync.hierarchical_mean,
-                  two_dimensional=jaxsync.two_dimensional_mean)
+STRATEGIES = dict(
+    naive=jaxsync.naive_mean,
+    flat=jaxsync.flat_mean,
+    hierarchical=jaxsync.hierarchical_mean,
+    two_dimensional=jaxsync.two_dimensional_mean,
+)
 
 
 def rows(r, dtype=np.float32, v=V, k=K, d=D):
@@ -48,17 +51,26 @@ def stacked_tree(n=R):
     idx, vals = zip(*(rows(r) for r in range(n)))
     idx2, vals2 = zip(*(rows(r, jnp.bfloat16) for r in range(n)))
     w = np.stack([np.full((4,), r, np.float32) for r in range(n)])
-    return {"emb": _sparse.RowSparse.tree_unflatten(V, (jnp.asarray(np.stack(idx)),
-                                                        jnp.asarray(np.stack(vals)))),
-            "emb16": _sparse.RowSparse.tree_unflatten(V, (jnp.asarray(np.stack(idx2)),
-                                                          jnp.asarray(np.stack(vals2)))),
-            "w": jnp.asarray(w)}
+    return {
+        "emb": _sparse.RowSparse.tree_unflatten(
+            V, (jnp.asarray(np.stack(idx)), jnp.asarray(np.stack(vals)))
+        ),
+        "emb16": _sparse.RowSparse.tree_unflatten(
+            V, (jnp.asarray(np.stack(idx2)), jnp.asarray(np.stack(vals2)))
+        ),
+        "w": jnp.asarray(w),
+    }
 
 
 def bitwise(got, want, what):
     got, want = np.asarray(got), np.asarray(want)
-    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype,
-                                                                 got.shape, want.shape)
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        what,
+        got.dtype,
+        want.dtype,
+        got.shape,
+        want.shape,
+    )
     assert got.tobytes() == want.tobytes(), f"{what}:\n{got}\n!=\n{want}"
 
 
@@ -96,12 +108,16 @@ def test_vmap_every_strategy(strategy, reduce):
     check_result(f(stacked_tree()), reduce=reduce)
 
 
-@pytest.mark.parametrize("opts", [
-    jaxsync.SparseOptions(coalesce=True),
-    jaxsync.SparseOptions(densify=True),
-    jaxsync.SparseOptions(mode={"emb": "dense"}),
-    jaxsync.SparseOptions(mode="sparse", coalesce=True),
-], ids=["coalesce", "densify", "emb-dense", "sparse-coalesce"])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        jaxsync.SparseOptions(coalesce=True),
+        jaxsync.SparseOptions(densify=True),
+        jaxsync.SparseOptions(mode={"emb": "dense"}),
+        jaxsync.SparseOptions(mode="sparse", coalesce=True),
+    ],
+    ids=["coalesce", "densify", "emb-dense", "sparse-coalesce"],
+)
 def test_vmap_options(opts):
     tx = jaxsync.hierarchical_mean(axis_name="i", comm=None, sparse=opts)
     f = jax.jit(jax.vmap(lambda t: tx.update(t, tx.init(t))[0], axis_name="i"))
@@ -112,8 +128,9 @@ def test_single_node_and_sync_gradients():
     tx = jaxsync.single_node_mean(axis_name="i")
     f = jax.jit(jax.vmap(lambda t: tx.update(t, tx.init(t))[0], axis_name="i"))
     check_result(f(stacked_tree()))
-    g = jax.jit(jax.vmap(lambda t: jaxsync.sync_gradients(t, axis_name="i", comm=None),
-                         axis_name="i"))
+    g = jax.jit(
+        jax.vmap(lambda t: jaxsync.sync_gradients(t, axis_name="i", comm=None), axis_name="i")
+    )
     check_result(g(stacked_tree()))
 
 
@@ -124,8 +141,11 @@ def test_pmap():
 
 
 def _spec_tree(spec):
-    return {"emb": _sparse.RowSparse.tree_unflatten(V, (spec, spec)),
-            "emb16": _sparse.RowSparse.tree_unflatten(V, (spec, spec)), "w": spec}
+    return {
+        "emb": _sparse.RowSparse.tree_unflatten(V, (spec, spec)),
+        "emb16": _sparse.RowSparse.tree_unflatten(V, (spec, spec)),
+        "w": spec,
+    }
 
 
 @pytest.mark.parametrize("strategy", ["hierarchical", "two_dimensional", "flat"])
@@ -137,11 +157,12 @@ def test_shard_map(strategy, coalesce):
     tx = STRATEGIES[strategy](axis_name="i", comm=None, sparse=opts)
 
     def step(t):
-        t = jax.tree.map(lambda x: x[0], t)   # drop the per-device leading axis
+        t = jax.tree.map(lambda x: x[0], t)  # drop the per-device leading axis
         return tx.update(t, tx.init(t))[0]
 
-    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(_spec_tree(P("i")),),
-                              out_specs=_spec_tree(P())))
+    f = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(_spec_tree(P("i")),), out_specs=_spec_tree(P()))
+    )
     out = f(stacked_tree())
     # Replicated output: one copy; restack it R times for check_result.
     out = jax.tree.map(lambda x: jnp.broadcast_to(x, (R, *x.shape)), out)
@@ -158,15 +179,17 @@ def test_shard_map_invariant_gradient_counted_once():
         # rows_in is replicated: jax.grad of it is summed over "i" (invariant).
         def loss(rw):
             return jnp.sum(rw * (jax.lax.axis_index("i") + 1).astype(jnp.float32))
+
         g = jax.grad(loss)(rows_in)
-        out = tx.update({"e": jaxsync.RowSparse(idx, g, V)},
-                        tx.init({"e": jaxsync.RowSparse(idx, g, V)}))[0]
+        out = tx.update(
+            {"e": jaxsync.RowSparse(idx, g, V)}, tx.init({"e": jaxsync.RowSparse(idx, g, V)})
+        )[0]
         return out["e"].todense()
 
     f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P(), out_specs=P()))
     got = np.asarray(f(jnp.ones((2, D))))
     want = np.zeros((V, D), np.float32)
-    want[[1, 5]] = sum(range(1, R + 1)) / R     # the mean of the per-device gradients
+    want[[1, 5]] = sum(range(1, R + 1)) / R  # the mean of the per-device gradients
     bitwise(got, want, "invariant sparse gradient")
 
 
@@ -174,32 +197,34 @@ def test_axis_comm():
     """2 simulated hosts x 4 local devices, the inter stage over the 'host' axis."""
     mesh = Mesh(np.array(jax.devices()[:R]).reshape(2, 4), ("host", "local"))
     for opts in (jaxsync.SparseOptions(), jaxsync.SparseOptions(coalesce=True)):
-        tx = jaxsync.hierarchical_mean(axis_name="local", comm=jaxsync.AxisComm("host"),
-                                       sparse=opts)
+        tx = jaxsync.hierarchical_mean(
+            axis_name="local", comm=jaxsync.AxisComm("host"), sparse=opts
+        )
 
         def step(t, tx=tx):
             t = jax.tree.map(lambda x: x[0], t)
             return tx.update(t, tx.init(t))[0]
 
         spec = P(("host", "local"))
-        f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(_spec_tree(spec),),
-                                  out_specs=_spec_tree(P())))
-        out = jax.tree.map(lambda x: jnp.broadcast_to(x, (R, *x.shape)),
-                           f(stacked_tree()))
+        f = jax.jit(
+            jax.shard_map(step, mesh=mesh, in_specs=(_spec_tree(spec),), out_specs=_spec_tree(P()))
+        )
+        out = jax.tree.map(lambda x: jnp.broadcast_to(x, (R, *x.shape)), f(stacked_tree()))
         check_result(out, opts=opts)
 
 
 def test_rank_major_order_and_size():
     """R*k rows, replica r's rows at [r*k, (r+1)*k), values divided by R."""
-    tx = jaxsync.hierarchical_mean(axis_name="i", comm=None,
-                                   sparse=jaxsync.SparseOptions(mode="sparse"))
+    tx = jaxsync.hierarchical_mean(
+        axis_name="i", comm=None, sparse=jaxsync.SparseOptions(mode="sparse")
+    )
     f = jax.jit(jax.vmap(lambda t: tx.update(t, tx.init(t))[0], axis_name="i"))
     out = f(stacked_tree())["emb"]
     assert out.indices.shape == (R, R * K) and out.values.shape == (R, R * K, D)
     for r in range(R):
         idx, vals = rows(r)
-        bitwise(out.indices[0, r * K:(r + 1) * K], idx, f"indices of replica {r}")
-        bitwise(out.values[0, r * K:(r + 1) * K], vals / np.float32(R), f"values {r}")
+        bitwise(out.indices[0, r * K : (r + 1) * K], idx, f"indices of replica {r}")
+        bitwise(out.values[0, r * K : (r + 1) * K], vals / np.float32(R), f"values {r}")
 
 
 def test_auto_choice():
@@ -211,22 +236,26 @@ def test_auto_choice():
     assert _sparse.choose("sparse", 8, g_big) == "sparse"
     # A big k goes dense automatically: the result is a dense array.
     tx = jaxsync.hierarchical_mean(axis_name="i", comm=None)
-    tree = {"e": _sparse.RowSparse.tree_unflatten(
-        4, (jnp.tile(jnp.arange(4, dtype=jnp.int32), (R, 1)), jnp.ones((R, 4, 2))))}
+    tree = {
+        "e": _sparse.RowSparse.tree_unflatten(
+            4, (jnp.tile(jnp.arange(4, dtype=jnp.int32), (R, 1)), jnp.ones((R, 4, 2)))
+        )
+    }
     out = jax.vmap(lambda t: tx.update(t, tx.init(t))[0], axis_name="i")(tree)
     assert not isinstance(out["e"], jaxsync.RowSparse)
     bitwise(out["e"][0], np.ones((4, 2), np.float32), "auto dense")
 
 
 def test_out_of_range_dropped_and_flagged():
-    idx = jnp.array([[0, V, -1]] * R, jnp.int32)     # two out-of-range indices
+    idx = jnp.array([[0, V, -1]] * R, jnp.int32)  # two out-of-range indices
     vals = jnp.ones((R, 3, D))
     tree = {"e": _sparse.RowSparse.tree_unflatten(V, (idx, vals))}
     tx = jaxsync.hierarchical_mean(axis_name="i", comm=None, check_finite=True)
     out, state = jax.vmap(lambda t: tx.update(t, tx.init(t)), axis_name="i")(tree)
     assert not bool(state.all_finite.any())
-    dense = np.asarray(_sparse.RowSparse.tree_unflatten(
-        V, (out["e"].indices[0], out["e"].values[0])).todense())
+    dense = np.asarray(
+        _sparse.RowSparse.tree_unflatten(V, (out["e"].indices[0], out["e"].values[0])).todense()
+    )
     want = np.zeros((V, D), np.float32)
     want[0] = 1.0
     bitwise(dense, want, "out-of-range rows dropped")
@@ -235,11 +264,13 @@ def test_out_of_range_dropped_and_flagged():
     _, state = jax.vmap(lambda t: tx.update(t, tx.init(t)), axis_name="i")(ok_tree)
     assert bool(state.all_finite.all())
     # Synced dense (mode="dense"): the flag is raised too, on every replica.
-    txd = jaxsync.hierarchical_mean(axis_name="i", comm=None, check_finite=True,
-                                    sparse=jaxsync.SparseOptions(mode="dense"))
-    one_bad = idx.at[1:].set(idx[1:] % V)      # only replica 0 has bad indices
+    txd = jaxsync.hierarchical_mean(
+        axis_name="i", comm=None, check_finite=True, sparse=jaxsync.SparseOptions(mode="dense")
+    )
+    one_bad = idx.at[1:].set(idx[1:] % V)  # only replica 0 has bad indices
     _, state = jax.vmap(lambda t: txd.update(t, txd.init(t)), axis_name="i")(
-        {"e": _sparse.RowSparse.tree_unflatten(V, (one_bad, vals))})
+        {"e": _sparse.RowSparse.tree_unflatten(V, (one_bad, vals))}
+    )
     assert not bool(state.all_finite.any())
     _, state = jax.vmap(lambda t: txd.update(t, txd.init(t)), axis_name="i")(ok_tree)
     assert bool(state.all_finite.all())
@@ -260,6 +291,7 @@ def test_agreement_text_names_k_and_num_rows():
 
     cfg = jaxsync._config.make_config("t", "hierarchical", "i", None)
     import dataclasses
+
     cfg = dataclasses.replace(cfg, backend=Recorder())
     tree = stacked_tree()
     jax.vmap(lambda t: jaxsync._sync.sync(t, cfg)[0], axis_name="i")(tree)
@@ -281,13 +313,13 @@ def test_densify_then_adam_matches_dense():
 
 
 def test_sparse_sgd_and_adagrad_against_dense():
-    params = {"emb": jnp.arange(V * D, dtype=jnp.float32).reshape(V, D) / 8,
-              "w": jnp.ones(4)}
+    params = {"emb": jnp.arange(V * D, dtype=jnp.float32).reshape(V, D) / 8, "w": jnp.ones(4)}
     idx, vals = rows(2)
-    g_sparse = {"emb": jaxsync.RowSparse(jnp.asarray(idx), jnp.asarray(vals), V),
-                "w": jnp.full(4, 2.0)}
-    g_dense = {"emb": jnp.asarray(dense_of(idx, vals).astype(np.float32)),
-               "w": jnp.full(4, 2.0)}
+    g_sparse = {
+        "emb": jaxsync.RowSparse(jnp.asarray(idx), jnp.asarray(vals), V),
+        "w": jnp.full(4, 2.0),
+    }
+    g_dense = {"emb": jnp.asarray(dense_of(idx, vals).astype(np.float32)), "w": jnp.full(4, 2.0)}
     # SGD: lr a power of two, integer gradients: exact.
     tx = jaxsync.sparse_sgd(0.5)
     u, _ = tx.update(g_sparse, tx.init(params))
@@ -307,14 +339,17 @@ def test_sparse_sgd_and_adagrad_against_dense():
         ub, sb = tb.update(g_dense, sb, pb)
         pb = optax.apply_updates(pb, ub)
     for k in params:
-        np.testing.assert_allclose(np.asarray(pa[k]), np.asarray(pb[k]), rtol=1e-6,
-                                   atol=0, err_msg=f"adagrad {k}")
+        np.testing.assert_allclose(
+            np.asarray(pa[k]), np.asarray(pb[k]), rtol=1e-6, atol=0, err_msg=f"adagrad {k}"
+        )
 
 
 def test_row_sparse_grad_plain_and_array_ids():
     rng = np.random.default_rng(0)
-    params = {"emb": jnp.asarray(rng.normal(size=(50, 4)), jnp.float32),
-              "dense": {"w": jnp.asarray(rng.normal(size=(4, 2)), jnp.float32)}}
+    params = {
+        "emb": jnp.asarray(rng.normal(size=(50, 4)), jnp.float32),
+        "dense": {"w": jnp.asarray(rng.normal(size=(4, 2)), jnp.float32)},
+    }
     batch = {"ids": jnp.array([[3, 7, 3], [49, 0, 7]]), "y": jnp.array([0, 1])}
 
     def loss_fn(p, b):
@@ -324,20 +359,27 @@ def test_row_sparse_grad_plain_and_array_ids():
 
     ref = jax.grad(loss_fn)(params, batch)
     for tables in ({"emb": "ids"}, {"emb": batch["ids"]}):
-        g = jax.jit(lambda p, b, t=tables: jaxsync.row_sparse_grad(
-            loss_fn, p, b, tables=t))(params, batch) if isinstance(
-                tables["emb"], str) else jaxsync.row_sparse_grad(loss_fn, params, batch,
-                                                                 tables=tables)
+        g = (
+            jax.jit(lambda p, b, t=tables: jaxsync.row_sparse_grad(loss_fn, p, b, tables=t))(
+                params, batch
+            )
+            if isinstance(tables["emb"], str)
+            else jaxsync.row_sparse_grad(loss_fn, params, batch, tables=tables)
+        )
         assert isinstance(g["emb"], jaxsync.RowSparse) and g["emb"].k == 6
         np.testing.assert_allclose(g["emb"].todense(), ref["emb"], rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(g["dense"]["w"], ref["dense"]["w"], rtol=1e-6)
-    v, g = jaxsync.row_sparse_grad(loss_fn, params, batch, tables={"emb": "ids"},
-                                   return_value=True)
+    v, g = jaxsync.row_sparse_grad(loss_fn, params, batch, tables={"emb": "ids"}, return_value=True)
     np.testing.assert_allclose(v, loss_fn(params, batch), rtol=1e-6)
     # has_aux: the aux comes back beside the gradient (the ids seen are positions
     # in the compact table, 0..5).
-    g, aux = jaxsync.row_sparse_grad(lambda p, b: (loss_fn(p, b), b["ids"].max()),
-                                     params, batch, tables={"emb": "ids"}, has_aux=True)
+    g, aux = jaxsync.row_sparse_grad(
+        lambda p, b: (loss_fn(p, b), b["ids"].max()),
+        params,
+        batch,
+        tables={"emb": "ids"},
+        has_aux=True,
+    )
     assert int(aux) <= 5 and isinstance(g["emb"], jaxsync.RowSparse)
 
 
@@ -356,13 +398,13 @@ def test_row_sparse_grad_flax():
 
     def loss_fn(p, b):
         return optax.softmax_cross_entropy_with_integer_labels(
-            model.apply(p, b["ids"]), b["y"]).mean()
+            model.apply(p, b["ids"]), b["y"]
+        ).mean()
 
     batch = {"ids": ids, "y": y}
     ref = jax.grad(loss_fn)(params, batch)
     # nn.Embed checks its table's shape: pass the ids as an array.
-    g = jaxsync.row_sparse_grad(loss_fn, params, batch,
-                                tables={"params/Embed_0/embedding": ids})
+    g = jaxsync.row_sparse_grad(loss_fn, params, batch, tables={"params/Embed_0/embedding": ids})
     emb = g["params"]["Embed_0"]["embedding"]
     assert isinstance(emb, jaxsync.RowSparse) and emb.num_rows == 40
     bitwise(emb.todense(), ref["params"]["Embed_0"]["embedding"], "flax embedding")
@@ -382,20 +424,27 @@ def test_validation_errors():
     with pytest.raises(ValueError, match="learning_rate"):
         jaxsync.sparse_sgd(-1.0)
     with pytest.raises(KeyError, match="no leaf 'nope'"):
-        jaxsync.row_sparse_grad(lambda p, b: 0.0, {"e": jnp.zeros((2, 1))},
-                                {"ids": jnp.zeros(1, jnp.int32)}, tables={"nope": "ids"})
+        jaxsync.row_sparse_grad(
+            lambda p, b: 0.0,
+            {"e": jnp.zeros((2, 1))},
+            {"ids": jnp.zeros(1, jnp.int32)},
+            tables={"nope": "ids"},
+        )
 
 
 def test_check_finite_raise_names_sparse_leaf():
     tx = jaxsync.hierarchical_mean(axis_name="i", comm=None, check_finite="raise")
     f = jax.jit(jax.vmap(lambda t: tx.update(t, tx.init(t))[0], axis_name="i"))
     idx = jnp.tile(jnp.array([0, 1, 2], jnp.int32), (R, 1))
-    good = {"e": _sparse.RowSparse.tree_unflatten(V, (idx, jnp.ones((R, 3, D)))),
-            "w": jnp.ones((R, 2))}
+    good = {
+        "e": _sparse.RowSparse.tree_unflatten(V, (idx, jnp.ones((R, 3, D)))),
+        "w": jnp.ones((R, 2)),
+    }
     jax.block_until_ready(f(good))  # no error
-    bad = {"e": _sparse.RowSparse.tree_unflatten(V, (idx.at[5, 1].set(V + 3),
-                                                     jnp.ones((R, 3, D)))),
-           "w": jnp.ones((R, 2))}
+    bad = {
+        "e": _sparse.RowSparse.tree_unflatten(V, (idx.at[5, 1].set(V + 3), jnp.ones((R, 3, D)))),
+        "w": jnp.ones((R, 2)),
+    }
     try:
         with pytest.raises((FloatingPointError, jax.errors.JaxRuntimeError)) as info:
             jax.block_until_ready(f(bad))

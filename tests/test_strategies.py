@@ -1,6 +1,7 @@
 """Numerical tests of the five strategies in one process (8 fake CPU devices).
 
-Reliability rows (the table in tests/_common.py) covered: 12 (many buckets and several syncs in one step, no
+Reliability rows (the table in tests/_common.py) covered: 12 (many buckets and several syncs in
+one step, no
 recompilation), 13 (integer-valued gradients are exact; divisor = devices x
 processes), 14 (random f32, bf16 and f16 vs a float64 reference within a stated ULP
 bound), 15 (determinism, replicas bit-identical).
@@ -117,8 +118,9 @@ def check_closed_form(out, tree, reduce):
         assert y.shape == x.shape, f"{name}: shape {y.shape} != {x.shape}"
         want = (N - 1) / 2 + k if reduce == "mean" else N * (N - 1) / 2 + N * k
         want = np.full(x.shape, want, np.float64).astype(x.dtype)  # exactly representable
-        assert np.array_equal(bits(y), bits(want)), \
+        assert np.array_equal(bits(y), bits(want)), (
             f"{name} ({x.dtype}): got {np.asarray(y).ravel()[:8]}, want {want.ravel()[0]}"
+        )
     # pass-through leaves are not reduced: each replica keeps its own value
     assert np.array_equal(np.asarray(out["step"]), np.asarray(tree["step"]))
     assert out["step"].dtype == jnp.int32
@@ -153,14 +155,19 @@ def test_sync_gradients_function_matches_closed_form(strategy):
 # row 14: random f32 data vs a float64 reference
 # ----------------------------------------------------------------------------
 
+
 def random_tree(seed=0):
     rng = np.random.default_rng(seed)
     return {
         "big": jnp.asarray(rng.standard_normal((N, 6, 5)) * 1e3, jnp.float32),
-        "mixed": jnp.asarray(rng.standard_normal((N, 37)) * 10.0 ** rng.integers(-3, 4, (N, 37)),
-                             jnp.float32),
-        "cancel": jnp.asarray(np.concatenate([np.full((N // 2, 11), 1.0), np.full((N // 2, 11), -1.0)])
-                              + rng.standard_normal((N, 11)) * 1e-4, jnp.float32),
+        "mixed": jnp.asarray(
+            rng.standard_normal((N, 37)) * 10.0 ** rng.integers(-3, 4, (N, 37)), jnp.float32
+        ),
+        "cancel": jnp.asarray(
+            np.concatenate([np.full((N // 2, 11), 1.0), np.full((N // 2, 11), -1.0)])
+            + rng.standard_normal((N, 11)) * 1e-4,
+            jnp.float32,
+        ),
         "scalar": jnp.asarray(rng.standard_normal(N), jnp.float32),
         # 256 KiB + 12 bytes: above the default pack_threshold, so every strategy but
         # flat sends it in a buffer of its own
@@ -176,7 +183,9 @@ def all_strategies_fn(layout, strategies, **opts):
 RANDOM_LAYOUTS = [("shard_map", STRATEGIES), ("axiscomm", INTER), ("axis_tuple", STRATEGIES)]
 
 
-@pytest.mark.parametrize("layout,strategies", RANDOM_LAYOUTS, ids=[name for name, _ in RANDOM_LAYOUTS])
+@pytest.mark.parametrize(
+    "layout,strategies", RANDOM_LAYOUTS, ids=[name for name, _ in RANDOM_LAYOUTS]
+)
 def test_random_f32_within_ulp_bound_of_float64_reference(layout, strategies):
     tree = random_tree()
     outs = all_strategies_fn(layout, strategies)(tree)
@@ -193,20 +202,27 @@ def test_random_f32_within_ulp_bound_of_float64_reference(layout, strategies):
             got = np.asarray(outs[s][name])
             assert got.dtype == np.float32
             err = np.abs(got.astype(np.float64) - ref[None])
-            assert np.all(err <= bound[None]), \
+            assert np.all(err <= bound[None]), (
                 f"{s}/{name}: error {np.max(err / bound[None]) * 8:.2f} ULP(M) > 8"
+            )
             for r in range(1, N):
-                assert np.array_equal(bits(got[r]), bits(got[0])), \
+                assert np.array_equal(bits(got[r]), bits(got[0])), (
                     f"{s}/{name}: replica {r} differs from replica 0"
+                )
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("layout,strategies", RANDOM_LAYOUTS, ids=[name for name, _ in RANDOM_LAYOUTS])
+@pytest.mark.parametrize(
+    "layout,strategies", RANDOM_LAYOUTS, ids=[name for name, _ in RANDOM_LAYOUTS]
+)
 def test_strategies_within_ulp_of_float64_reference(layout, strategies, dtype):
     """Every strategy against an independent numpy float64 mean (not against
     another strategy of the library), at a tolerance from the dtype's ULP."""
-    tree = {k: v.astype(dtype) for k, v in random_tree(seed=3).items()
-            if k != "large" or dtype == jnp.float32}
+    tree = {
+        k: v.astype(dtype)
+        for k, v in random_tree(seed=3).items()
+        if k != "large" or dtype == jnp.float32
+    }
     outs = all_strategies_fn(layout, strategies)(tree)
     for name, x in tree.items():
         x64 = np.asarray(x.astype(jnp.float32), np.float64)  # exact
@@ -216,21 +232,28 @@ def test_strategies_within_ulp_of_float64_reference(layout, strategies, dtype):
             got = np.asarray(outs[s][name])
             assert got.dtype == jnp.dtype(dtype), f"{s}/{name}: dtype {got.dtype}"
             err = np.abs(got.astype(np.float64) - ref[None])
-            assert np.all(err <= bound[None]), \
+            assert np.all(err <= bound[None]), (
                 f"{s}/{name} ({jnp.dtype(dtype)}): error {np.max(err / bound[None]):.2f} x bound"
+            )
 
 
 # ----------------------------------------------------------------------------
 # low-precision transport
 # ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("layout,strategies", [("shard_map", STRATEGIES), ("axiscomm", INTER)],
-                         ids=["shard_map", "axiscomm"])
+
+@pytest.mark.parametrize(
+    "layout,strategies",
+    [("shard_map", STRATEGIES), ("axiscomm", INTER)],
+    ids=["shard_map", "axiscomm"],
+)
 def test_comm_dtype_bfloat16_on_f32_data(layout, strategies):
     rng = np.random.default_rng(5)
     d = np.arange(N, dtype=np.float64)[:, None]
-    tree = {"rand": jnp.asarray(rng.standard_normal((N, 40)), jnp.float32),
-            "ints": jnp.asarray(d + np.arange(5)[None], jnp.float32)}
+    tree = {
+        "rand": jnp.asarray(rng.standard_normal((N, 40)), jnp.float32),
+        "ints": jnp.asarray(d + np.arange(5)[None], jnp.float32),
+    }
     outs = all_strategies_fn(layout, strategies, comm_dtype=jnp.bfloat16)(tree)
     x64 = np.asarray(tree["rand"], np.float64)
     ref = x64.mean(axis=0)
@@ -246,8 +269,9 @@ def test_comm_dtype_bfloat16_on_f32_data(layout, strategies):
         # The sum really travelled in bf16: N * result is a bf16 number (the division by
         # N = 8 is exact), and it is not the f32 result.
         scaled = r * np.float32(N)
-        assert np.array_equal(scaled.astype(jnp.bfloat16).astype(np.float32), scaled), \
+        assert np.array_equal(scaled.astype(jnp.bfloat16).astype(np.float32), scaled), (
             f"{s}: sum was not rounded to bfloat16 (comm_dtype ignored?)"
+        )
         assert not np.array_equal(r[0], ref.astype(np.float32)), f"{s}: no bf16 rounding at all"
         # small integer-valued data is exact: mean of d + k is 3.5 + k
         want = (N - 1) / 2 + np.arange(5, dtype=np.float32)
@@ -258,18 +282,29 @@ def test_comm_dtype_bfloat16_on_f32_data(layout, strategies):
 # row 12: many buckets, several syncs per step, no recompilation
 # ----------------------------------------------------------------------------
 
+
 def bucket_tree(seed=7):
     rng = np.random.default_rng(seed)
     tree = {}
-    for k, (shape, dt) in enumerate([((3,), jnp.float32), ((2, 2), jnp.bfloat16), ((5,), jnp.float32),
-                                     ((1,), jnp.float16), ((), jnp.float32), ((6,), jnp.float16)]):
+    for k, (shape, dt) in enumerate(
+        [
+            ((3,), jnp.float32),
+            ((2, 2), jnp.bfloat16),
+            ((5,), jnp.float32),
+            ((1,), jnp.float16),
+            ((), jnp.float32),
+            ((6,), jnp.float16),
+        ]
+    ):
         tree[f"l{k}"] = jnp.asarray(rng.standard_normal((N,) + shape), dt)
     return tree
 
 
 # naive is left out: it always uses one buffer per leaf, whatever bucket_bytes says.
 BUCKET_CASES = [(s, "shard_map") for s in STRATEGIES if s != "naive"] + [
-    ("hierarchical", "axiscomm"), ("two_dimensional", "axiscomm")]
+    ("hierarchical", "axiscomm"),
+    ("two_dimensional", "axiscomm"),
+]
 
 
 @pytest.mark.parametrize("strategy,layout", BUCKET_CASES)
@@ -320,12 +355,17 @@ def test_no_recompilation_on_second_step(strategy):
 # row 15: determinism
 # ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("layout,strategies", [("shard_map", STRATEGIES), ("axiscomm", INTER)],
-                         ids=["shard_map", "axiscomm"])
+
+@pytest.mark.parametrize(
+    "layout,strategies",
+    [("shard_map", STRATEGIES), ("axiscomm", INTER)],
+    ids=["shard_map", "axiscomm"],
+)
 def test_training_steps_deterministic_and_replicas_identical(layout, strategies):
     """Each replica sees different gradients every step; after 3 SGD steps the
     parameters are bit-identical on every replica, and a second run (freshly
     traced and compiled) gives bit-identical parameters."""
+
     def build():
         txs = {s: optax.chain(make_tx(s, layout), optax.sgd(0.1)) for s in strategies}
 
@@ -344,9 +384,12 @@ def test_training_steps_deterministic_and_replicas_identical(layout, strategies)
 
     rng = np.random.default_rng(11)
     params = {"w": rng.standard_normal((3, 4)), "b": rng.standard_normal(4)}
-    args = {"params": jax.tree.map(lambda p: jnp.asarray(np.broadcast_to(p, (N,) + p.shape),
-                                                         jnp.float32), params),
-            "noise": jnp.asarray(rng.standard_normal((N, 3)), jnp.float32)}
+    args = {
+        "params": jax.tree.map(
+            lambda p: jnp.asarray(np.broadcast_to(p, (N,) + p.shape), jnp.float32), params
+        ),
+        "noise": jnp.asarray(rng.standard_normal((N, 3)), jnp.float32),
+    }
     first = build()(args)
     second = build()(args)
     for s in strategies:

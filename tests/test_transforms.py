@@ -1,6 +1,7 @@
 """Tests of the public optax factories and ``sync_gradients`` (jaxsync/_transforms.py).
 
-Reliability rows (the table in tests/_common.py) covered: 5 (float0 leaves), 6 (unbound axis, outside any mapped
+Reliability rows (the table in tests/_common.py) covered: 5 (float0 leaves), 6 (unbound axis,
+outside any mapped
 context), 7 (bad arguments), 8 (wrong state), 16 (f16 overflow and predivide),
 17 (NaN/Inf on one replica, check_finite), 18 (eager == jit), plus training
 parity with single-device optax.
@@ -50,6 +51,7 @@ def on_mesh(fn, layout="shard_map", jit=True):
 # factories and states
 # ----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_factories_return_stateless_gradient_transformations(strategy):
     tx = make_tx(strategy)
@@ -73,26 +75,42 @@ def test_factory_names_and_sync_gradients_default_strategy():
     for s, fac in FACTORIES.items():
         assert fac.__name__ == f"{s}_mean"
     g = {"w": jnp.arange(N, dtype=jnp.float32)}
-    out = jax.vmap(lambda t: jaxsync.sync_gradients(t, axis_name="i", comm=None),
-                   axis_name="i")(g)
+    out = jax.vmap(lambda t: jaxsync.sync_gradients(t, axis_name="i", comm=None), axis_name="i")(g)
     assert np.array_equal(np.asarray(out["w"]), np.full(N, 3.5, np.float32))
-
 
 
 # Every public callable taking options spells them out: explicit keyword arguments
 # with a type and a default (what IDEs, help() and type checkers show), and an
 # optax-style docstring (Args / Returns / Example).
-PUBLIC_FUNCTIONS = ["naive_mean", "flat_mean", "hierarchical_mean", "two_dimensional_mean",
-                    "single_node_mean", "auto_mean", "sync_gradients", "powersgd_mean",
-                    "sign_mean", "sparse_sgd", "sparse_adagrad", "densify",
-                    "row_sparse_grad", "apply_sparse_updates", "broadcast_params",
-                    "state_specs", "make_plan", "topology", "default_comm", "tune_host_allocator",
-                    "free_communicators"]
+PUBLIC_FUNCTIONS = [
+    "naive_mean",
+    "flat_mean",
+    "hierarchical_mean",
+    "two_dimensional_mean",
+    "single_node_mean",
+    "auto_mean",
+    "sync_gradients",
+    "powersgd_mean",
+    "sign_mean",
+    "sparse_sgd",
+    "sparse_adagrad",
+    "densify",
+    "row_sparse_grad",
+    "apply_sparse_updates",
+    "broadcast_params",
+    "state_specs",
+    "make_plan",
+    "topology",
+    "default_comm",
+    "tune_host_allocator",
+    "free_communicators",
+]
 
 
 @pytest.mark.parametrize("name", PUBLIC_FUNCTIONS)
 def test_public_signatures_are_explicit_and_typed(name):
     import inspect
+
     fn = getattr(jaxsync, name)
     sig = inspect.signature(fn)
     kinds = {p.kind for p in sig.parameters.values()}
@@ -105,25 +123,32 @@ def test_public_signatures_are_explicit_and_typed(name):
     for part in (["Args:"] if sig.parameters else []) + ["Returns:", "Example:"]:
         assert part in doc, f"{name}'s docstring has no {part!r} section"
 
+
 # ----------------------------------------------------------------------------
 # row 17: NaN/Inf on one replica; check_finite
 # ----------------------------------------------------------------------------
 
+
 def nonfinite_tree():
     a = np.tile(np.arange(4, dtype=np.float32), (N, 1))
-    a[3, 1] = np.nan                      # NaN on replica 3 only
+    a[3, 1] = np.nan  # NaN on replica 3 only
     b = np.ones((N, 3), np.float32)
-    b[5, 0], b[6, 0] = np.inf, -np.inf    # +inf and -inf on two replicas -> NaN
-    b[2, 2] = np.inf                      # +inf on one replica -> inf
-    c = np.ones((N, 2), np.float32)       # all finite
+    b[5, 0], b[6, 0] = np.inf, -np.inf  # +inf and -inf on two replicas -> NaN
+    b[2, 2] = np.inf  # +inf on one replica -> inf
+    c = np.ones((N, 2), np.float32)  # all finite
     return {"a": jnp.asarray(a), "b": jnp.asarray(b, jnp.bfloat16), "c": jnp.asarray(c)}
 
 
-@pytest.mark.parametrize("layout,strategies", [("shard_map", STRATEGIES), ("axiscomm", INTER)],
-                         ids=["shard_map", "axiscomm"])
+@pytest.mark.parametrize(
+    "layout,strategies",
+    [("shard_map", STRATEGIES), ("axiscomm", INTER)],
+    ids=["shard_map", "axiscomm"],
+)
 def test_nonfinite_on_one_replica_same_result_everywhere(layout, strategies):
-    txs = {s: make_tx(s, "axiscomm" if layout == "axiscomm" else "i", check_finite=True)
-           for s in strategies}
+    txs = {
+        s: make_tx(s, "axiscomm" if layout == "axiscomm" else "i", check_finite=True)
+        for s in strategies
+    }
 
     def step(g):
         out = {}
@@ -137,8 +162,9 @@ def test_nonfinite_on_one_replica_same_result_everywhere(layout, strategies):
         res, finite = outs[s]
         for name, leaf in res.items():
             for r in range(1, N):
-                assert np.array_equal(bits(leaf[r]), bits(leaf[0])), \
+                assert np.array_equal(bits(leaf[r]), bits(leaf[0])), (
                     f"{s}/{name}: replica {r} differs from replica 0"
+                )
         a = np.asarray(res["a"][0])
         assert np.isnan(a[1]) and np.array_equal(a[[0, 2, 3]], [0, 2, 3]), f"{s}: a = {a}"
         b = np.asarray(res["b"][0]).astype(np.float32)
@@ -148,8 +174,7 @@ def test_nonfinite_on_one_replica_same_result_everywhere(layout, strategies):
 
 
 def test_check_finite_true_usable_in_optax_chain():
-    tx = optax.chain(jaxsync.flat_mean(axis_name="i", comm=None, check_finite=True),
-                     optax.sgd(1.0))
+    tx = optax.chain(jaxsync.flat_mean(axis_name="i", comm=None, check_finite=True), optax.sgd(1.0))
     params = {"w": jnp.zeros(2)}
     state = tx.init(params)
     assert isinstance(state[0], jaxsync.SyncState)
@@ -205,6 +230,7 @@ def test_check_finite_raise_names_the_leaf(layout):
 # row 16: f16 overflow and predivide
 # ----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_predivide_keeps_f16_finite(strategy):
     """Replica values 30000 on 8 replicas: the sum 240000 exceeds float16's 65504.
@@ -215,10 +241,16 @@ def test_predivide_keeps_f16_finite(strategy):
     which divides float16 data by n before the sum), with predivide=8 and with
     float32 transport it is exactly 30000.
     """
-    cases = {"f16": (jnp.float16, None), "f32_over_f16": (jnp.float32, jnp.float16),
-             "f32": (jnp.float32, None)}
-    txs = {(c, p): make_tx(strategy, comm_dtype=cd, predivide=p)
-           for c, (_, cd) in cases.items() for p in (None, 1.0, 8.0)}
+    cases = {
+        "f16": (jnp.float16, None),
+        "f32_over_f16": (jnp.float32, jnp.float16),
+        "f32": (jnp.float32, None),
+    }
+    txs = {
+        (c, p): make_tx(strategy, comm_dtype=cd, predivide=p)
+        for c, (_, cd) in cases.items()
+        for p in (None, 1.0, 8.0)
+    }
     tree = {c: jnp.full((N, 5), 30000, dt) for c, (dt, _) in cases.items()}
 
     def step(g):
@@ -231,8 +263,9 @@ def test_predivide_keeps_f16_finite(strategy):
             assert got.dtype == dt
             vals = np.asarray(got, np.float32)
             if c != "f32" and p == 1.0:
-                assert np.all(np.isposinf(vals)), \
+                assert np.all(np.isposinf(vals)), (
                     f"{c}: default f16 transport no longer overflows - update this test/docs"
+                )
             else:
                 assert np.array_equal(vals, np.full((N, 5), 30000, np.float32)), f"{c}/{p}: {vals}"
 
@@ -316,8 +349,10 @@ def test_sync_gradients_validates_comm_for_every_strategy(strategy):
     except TypeError as e:
         assert "comm" in str(e)
         return
-    pytest.fail(f"BUG: sync_gradients(strategy={strategy!r}, comm='x') silently accepts an "
-                "invalid comm (make_config skips _make_backend for single_node)")
+    pytest.fail(
+        f"BUG: sync_gradients(strategy={strategy!r}, comm='x') silently accepts an "
+        "invalid comm (make_config skips _make_backend for single_node)"
+    )
 
 
 def test_sync_gradients_rejects_unknown_strategy():
@@ -344,8 +379,9 @@ def test_bad_argument_message_says_how_to_fix(case):
     _, kwargs, exc, _ = case
     with pytest.raises(exc) as info:
         jaxsync.flat_mean(**{"axis_name": "i", "comm": None, **kwargs})
-    assert "Fix" in str(info.value) or "Make sure" in str(info.value), \
+    assert "Fix" in str(info.value) or "Make sure" in str(info.value), (
         f"row 7 (tests/_common.py): the error for {kwargs} gives no fix: {info.value}"
+    )
 
 
 def test_integer_axis_name_is_rejected_or_works():
@@ -362,7 +398,8 @@ def test_integer_axis_name_is_rejected_or_works():
         pytest.fail(
             "BUG: flat_mean(axis_name=0) is accepted at factory time (the TypeError text "
             "says 'expected: a str, a tuple of str, or None') but cannot work: "
-            f"vmap(axis_name=0) then fails with {type(e).__name__}: {e}")
+            f"vmap(axis_name=0) then fails with {type(e).__name__}: {e}"
+        )
     assert np.array_equal(np.asarray(out), np.full(4, 1.5, np.float32))
 
 
@@ -371,8 +408,10 @@ def test_integer_axis_name_is_rejected_or_works():
 def test_no_axis_means_a_single_replica(strategy, axis_name):
     """axis_name=None (or ()): no mapped axis, one process -> the identity, under plain jit."""
     rng = np.random.default_rng(4)
-    tree = {"w": jnp.asarray(rng.standard_normal((3, 2)), jnp.float32),
-            "h": jnp.asarray(rng.standard_normal(5), jnp.bfloat16)}
+    tree = {
+        "w": jnp.asarray(rng.standard_normal((3, 2)), jnp.float32),
+        "h": jnp.asarray(rng.standard_normal(5), jnp.bfloat16),
+    }
     opts = {} if strategy == "single_node" else {"comm": None}
     tx = FACTORIES[strategy](axis_name=axis_name, **opts)
     out = jax.jit(lambda g: apply(tx, g))(tree)
@@ -384,6 +423,7 @@ def test_no_axis_means_a_single_replica(strategy, axis_name):
 # ----------------------------------------------------------------------------
 # row 6: unbound axes
 # ----------------------------------------------------------------------------
+
 
 def test_unbound_axis_under_vmap_lists_bound_axes():
     tx = jaxsync.flat_mean(axis_name="i", comm=None)
@@ -429,6 +469,7 @@ def test_sync_gradients_unbound_axis():
 # broadcast_params in one process
 # ----------------------------------------------------------------------------
 
+
 def test_broadcast_params_single_process_is_identity():
     tree = {"w": jnp.arange(3.0), "n": jnp.int32(2), "h": jnp.ones(2, jnp.bfloat16)}
     out = jaxsync.broadcast_params(tree, comm=None)
@@ -438,12 +479,15 @@ def test_broadcast_params_single_process_is_identity():
         assert np.array_equal(bits(out[k]), bits(tree[k]))
 
 
-@pytest.mark.parametrize("root,comm,exc,word", [
-    (1, None, ValueError, "root"),
-    (True, None, TypeError, "root"),
-    (1.0, None, TypeError, "root"),
-    (1, jaxsync.AxisComm("host"), ValueError, "root"),
-])
+@pytest.mark.parametrize(
+    "root,comm,exc,word",
+    [
+        (1, None, ValueError, "root"),
+        (True, None, TypeError, "root"),
+        (1.0, None, TypeError, "root"),
+        (1, jaxsync.AxisComm("host"), ValueError, "root"),
+    ],
+)
 def test_broadcast_params_bad_root(root, comm, exc, word):
     with pytest.raises(exc, match=word):
         jaxsync.broadcast_params({"w": jnp.ones(2)}, root=root, comm=comm)
@@ -453,16 +497,28 @@ def test_broadcast_params_bad_root(root, comm, exc, word):
 # row 8: wrong state
 # ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("check_finite,state", [
-    (True, optax.EmptyState()),
-    (True, (jnp.array(True),)),
-    (True, None),
-    (False, jaxsync.SyncState(jnp.array(True))),
-    (False, ()),
-    (False, None),
-    (False, optax.ScaleByAdamState(jnp.zeros([], jnp.int32), {}, {})),
-], ids=["empty_for_check", "tuple_for_check", "none_for_check", "syncstate_for_plain",
-        "tuple_for_plain", "none_for_plain", "adam_state"])
+
+@pytest.mark.parametrize(
+    "check_finite,state",
+    [
+        (True, optax.EmptyState()),
+        (True, (jnp.array(True),)),
+        (True, None),
+        (False, jaxsync.SyncState(jnp.array(True))),
+        (False, ()),
+        (False, None),
+        (False, optax.ScaleByAdamState(jnp.zeros([], jnp.int32), {}, {})),
+    ],
+    ids=[
+        "empty_for_check",
+        "tuple_for_check",
+        "none_for_check",
+        "syncstate_for_plain",
+        "tuple_for_plain",
+        "none_for_plain",
+        "adam_state",
+    ],
+)
 @pytest.mark.parametrize("strategy", ["flat", "single_node"])
 def test_update_with_wrong_state(strategy, check_finite, state):
     tx = make_tx(strategy, check_finite=check_finite)
@@ -475,6 +531,7 @@ def test_update_with_wrong_state(strategy, check_finite, state):
 # row 5: float0 leaves through a sync
 # ----------------------------------------------------------------------------
 
+
 def test_float0_gradients_pass_through_sync():
     def step(p):
         g = jax.grad(lambda p: jnp.sum(p["w"] * p["n"].astype(jnp.float32)), allow_int=True)(p)
@@ -484,8 +541,10 @@ def test_float0_gradients_pass_through_sync():
     try:
         out = jax.vmap(step, axis_name="i")(params)
     except TypeError as e:
-        pytest.fail("BUG: sync of a jax.grad(allow_int=True) tree fails on its float0 leaf "
-                    f"(documented to pass through): {e}")
+        pytest.fail(
+            "BUG: sync of a jax.grad(allow_int=True) tree fails on its float0 leaf "
+            f"(documented to pass through): {e}"
+        )
     assert out["n"].dtype == jax.dtypes.float0
     assert np.array_equal(np.asarray(out["w"]), np.tile(np.arange(3, dtype=np.float32), (N, 1)))
 
@@ -503,9 +562,11 @@ EAGER_CASES = [(s, "vmap") for s in STRATEGIES] + [("two_dimensional", "shard_ma
 @pytest.mark.parametrize("strategy,layout", EAGER_CASES)
 def test_eager_and_jit_agree(strategy, layout):
     rng = np.random.default_rng(9)
-    tree = {"w": jnp.asarray(rng.standard_normal((N, 3, 2)), jnp.float32),
-            "h": jnp.asarray(rng.standard_normal((N, 5)), jnp.bfloat16),
-            "i": jnp.arange(N, dtype=jnp.int32)}
+    tree = {
+        "w": jnp.asarray(rng.standard_normal((N, 3, 2)), jnp.float32),
+        "h": jnp.asarray(rng.standard_normal((N, 5)), jnp.bfloat16),
+        "i": jnp.arange(N, dtype=jnp.int32),
+    }
     tx = make_tx(strategy)
     f = lambda g: apply(tx, g)
     if layout == "vmap":
@@ -524,12 +585,17 @@ def test_eager_and_jit_agree(strategy, layout):
 # training parity with single-device optax
 # ----------------------------------------------------------------------------
 
+
 def _regression_problem():
     rng = np.random.default_rng(0)
     X = rng.standard_normal((64, 4))
     Y = np.tanh(X @ rng.standard_normal((4, 2))) + 0.1 * rng.standard_normal((64, 2))
-    params = {"w1": rng.standard_normal((4, 8)) * 0.5, "b1": np.zeros(8),
-              "w2": rng.standard_normal((8, 2)) * 0.5, "b2": np.zeros(2)}
+    params = {
+        "w1": rng.standard_normal((4, 8)) * 0.5,
+        "b1": np.zeros(8),
+        "w2": rng.standard_normal((8, 2)) * 0.5,
+        "b2": np.zeros(2),
+    }
     f32 = lambda a: jnp.asarray(a, jnp.float32)
     return jax.tree.map(f32, params), f32(X), f32(Y)
 
@@ -576,8 +642,9 @@ def _train_synced(params, X, Y, steps, layout, opt_name, replicated_grads=False)
         u, s = opt.update(g, s, p)
         return optax.apply_updates(p, u), s
 
-    step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(), data, data),
-                                 out_specs=(P(), P())))
+    step = jax.jit(
+        jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(), data, data), out_specs=(P(), P()))
+    )
     put = lambda tree, spec: jax.device_put(tree, NamedSharding(mesh, spec))
     params, X, Y = put(params, P()), put(X, data), put(Y, data)
     state = put(opt.init(params), P())
@@ -606,5 +673,10 @@ def test_training_matches_single_device(layout, opt_name, replicated_grads):
     for k in params:
         # The gradient is the same mean in a different summation order (a few ULP);
         # over 25 steps that stays well inside rtol 1e-5 / atol 1e-6.
-        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-6,
-                                   err_msg=f"{layout}/{opt_name}: parameter {k} diverged")
+        np.testing.assert_allclose(
+            np.asarray(got[k]),
+            np.asarray(want[k]),
+            rtol=1e-5,
+            atol=1e-6,
+            err_msg=f"{layout}/{opt_name}: parameter {k} diverged",
+        )

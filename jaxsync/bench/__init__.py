@@ -84,4 +84,5 @@ and ``jaxsync``'s public API; each docstring says what it may import):
 def main(argv: list[str] | None = None) -> int:
     """``python -m jaxsync bench [options]``; returns the exit status."""
     from .cli import main as run
+
     return run(argv)

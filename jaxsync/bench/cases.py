@@ -44,16 +44,21 @@ class _MeshBench:
         import jax.numpy as jnp
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
+
         sharding = NamedSharding(self.mesh, P(self.axis))
-        make = jax.jit(lambda: jax.tree.map(
-            lambda s: jnp.ones((self.n, *s.shape), s.dtype), tree), out_shardings=sharding)
+        make = jax.jit(
+            lambda: jax.tree.map(lambda s: jnp.ones((self.n, *s.shape), s.dtype), tree),
+            out_shardings=sharding,
+        )
         return jax.block_until_ready(make())
 
     def _mapped(self, body):
         import jax
         from jax.sharding import PartitionSpec as P
-        return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=P(self.axis),
-                                     out_specs=P(self.axis)))
+
+        return jax.jit(
+            jax.shard_map(body, mesh=self.mesh, in_specs=P(self.axis), out_specs=P(self.axis))
+        )
 
     def _step(self, sync):
         """The README's step: per device, fake gradients, then the sync."""
@@ -64,6 +69,7 @@ class _MeshBench:
             if sync is not None:
                 g = sync(g)
             return jax.tree.map(lambda x: x[None], g)
+
         return self._mapped(body)
 
 
@@ -76,6 +82,7 @@ class IntraBench(_MeshBench):
     def __init__(self, sweeps: bool):
         import jax
         from jax.sharding import Mesh
+
         self.mesh = Mesh(np.array(jax.devices()), (AXIS,))
         self.n = jax.device_count()
         self.methods = jaxsync_methods(AXIS, None, mpi=False)
@@ -86,6 +93,7 @@ class IntraBench(_MeshBench):
         import jax
         import jax.numpy as jnp
         from jax import lax
+
         arg = self._stacked(tree)
         buf = self._stacked(jax.ShapeDtypeStruct((tree_info(tree)[2] // 4,), jnp.float32))
         sweeps, skipped = sweep_methods(tree, AXIS, None) if sweep else ({}, {})
@@ -93,12 +101,14 @@ class IntraBench(_MeshBench):
         def case(method, kind, sync, base="base tree", x=arg):
             return Case(method, kind, base, step=self._step(sync), arg=x)
 
-        cases = [case("base tree", "base", None, None),
-                 case("base buffer", "base", None, None, buf),
-                 *(case(m, "jaxsync", s) for m, s in self.methods.items()),
-                 *(case(m, "peer", s) for m, s in INTRA_PEERS.items()),
-                 case("psum bare", "bare", lambda b: lax.psum(b, AXIS), "base buffer", buf),
-                 *(case(m, "sweep", s) for m, s in sweeps.items())]
+        cases = [
+            case("base tree", "base", None, None),
+            case("base buffer", "base", None, None, buf),
+            *(case(m, "jaxsync", s) for m, s in self.methods.items()),
+            *(case(m, "peer", s) for m, s in INTRA_PEERS.items()),
+            case("psum bare", "bare", lambda b: lax.psum(b, AXIS), "base buffer", buf),
+            *(case(m, "sweep", s) for m, s in sweeps.items()),
+        ]
         compile_cases(cases, self.n, 1)
         return cases, skipped
 
@@ -120,6 +130,7 @@ class MPIBench(_MeshBench):
     def __init__(self, comm, sweeps: bool, devices: int = 1):
         import jax
         from jax.sharding import Mesh
+
         self.comm = comm
         self.peer_comm = comm.Dup()
         self.rank, self.procs = comm.Get_rank(), comm.Get_size()
@@ -127,22 +138,33 @@ class MPIBench(_MeshBench):
         self.n = devices
         self.mesh = Mesh(np.array(jax.local_devices()[:devices]), (LOCAL,))
         self.methods = jaxsync_methods(LOCAL, comm, mpi=True)
-        self.jit_methods = ({f"{m} (jit)": s for m, s in
-                             jaxsync_methods(None, comm, mpi=True, host=True).items()}
-                            if devices == 1 else {})
+        self.jit_methods = (
+            {f"{m} (jit)": s for m, s in jaxsync_methods(None, comm, mpi=True, host=True).items()}
+            if devices == 1
+            else {}
+        )
         self.sweeps = sweeps
         c = self.peer_comm
-        self.jit_peers = ({"mpi4jax/leaf": lambda g: mpi4jax_per_leaf(g, c),
-                           "ravel+mpi4jax": lambda g: ravel_mpi4jax(g, c)}
-                          if devices == 1 else {})
+        self.jit_peers = (
+            {
+                "mpi4jax/leaf": lambda g: mpi4jax_per_leaf(g, c),
+                "ravel+mpi4jax": lambda g: ravel_mpi4jax(g, c),
+            }
+            if devices == 1
+            else {}
+        )
 
     def _train_step(self, tree, sync_factory):
         """A whole step: gradients of a loss, the sync, Adam, the new parameters."""
         import jax
         import jax.numpy as jnp
         import optax
-        tx = optax.adam(1e-3) if sync_factory is None else optax.chain(
-            sync_factory(), optax.adam(1e-3))
+
+        tx = (
+            optax.adam(1e-3)
+            if sync_factory is None
+            else optax.chain(sync_factory(), optax.adam(1e-3))
+        )
         state0 = jax.eval_shape(tx.init, tree)
 
         def body(stacked):
@@ -150,11 +172,15 @@ class MPIBench(_MeshBench):
             state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), state0)
 
             def loss(p):
-                return sum(jnp.vdot(x, x * jnp.asarray(0.5, x.dtype)).astype(jnp.float32)
-                           for x in jax.tree.leaves(p))
+                return sum(
+                    jnp.vdot(x, x * jnp.asarray(0.5, x.dtype)).astype(jnp.float32)
+                    for x in jax.tree.leaves(p)
+                )
+
             grads = jax.grad(loss)(params)
             updates, _ = tx.update(grads, state, params)
             return jax.tree.map(lambda x: x[None], optax.apply_updates(params, updates))
+
         return self._mapped(body)
 
     def cases(self, tree, sweep: bool) -> tuple[list[Case], dict]:
@@ -164,6 +190,7 @@ class MPIBench(_MeshBench):
         from mpi4py import MPI
 
         import jaxsync
+
         arg = self._stacked(tree)
         nbytes = tree_info(tree)[2]
         buf = self._stacked(jax.ShapeDtypeStruct((nbytes // 4,), jnp.float32))
@@ -179,28 +206,37 @@ class MPIBench(_MeshBench):
 
         def mpi4jax_sum(b):
             import mpi4jax
+
             return mpi4jax.allreduce(b, op=MPI.SUM, comm=self.peer_comm)
 
         train = functools.partial(jaxsync.hierarchical_mean, axis_name=LOCAL, comm=self.comm)
-        cases = [case("base tree", "base", None, None),
-                 case("base buffer", "base", None, None, buf),
-                 Case("train step (no sync)", "base", None, step=self._train_step(tree, None),
-                      arg=arg),
-                 *(case(m, "jaxsync", s) for m, s in self.methods.items()),
-                 Case(f"{DEFAULT_METHOD} in a train step", "jaxsync", "train step (no sync)",
-                      step=self._train_step(tree, train), arg=arg)]
+        cases = [
+            case("base tree", "base", None, None),
+            case("base buffer", "base", None, None, buf),
+            Case("train step (no sync)", "base", None, step=self._train_step(tree, None), arg=arg),
+            *(case(m, "jaxsync", s) for m, s in self.methods.items()),
+            Case(
+                f"{DEFAULT_METHOD} in a train step",
+                "jaxsync",
+                "train step (no sync)",
+                step=self._train_step(tree, train),
+                arg=arg,
+            ),
+        ]
         if self.n > 1:  # the intra stage alone, for "bare allreduce + bare psum"
-            cases.append(case("psum bare", "limit", lambda b: lax.psum(b, LOCAL),
-                              "base buffer", buf))
+            cases.append(
+                case("psum bare", "limit", lambda b: lax.psum(b, LOCAL), "base buffer", buf)
+            )
         if self.n == 1:
-            cases += [jit_case("base tree (jit)", "base", None, None),
-                      jit_case("base buffer (jit)", "base", None, None, buf[0]),
-                      *(jit_case(m, "jaxsync", s) for m, s in self.jit_methods.items()),
-                      *(jit_case(m, "peer", s) for m, s in self.jit_peers.items()),
-                      # the bare collective inside a jitted step, to tell MPI's cost
-                      # from the cost of calling it from XLA
-                      jit_case("mpi4jax bare", "limit", mpi4jax_sum, "base buffer (jit)",
-                               buf[0])]
+            cases += [
+                jit_case("base tree (jit)", "base", None, None),
+                jit_case("base buffer (jit)", "base", None, None, buf[0]),
+                *(jit_case(m, "jaxsync", s) for m, s in self.jit_methods.items()),
+                *(jit_case(m, "peer", s) for m, s in self.jit_peers.items()),
+                # the bare collective inside a jitted step, to tell MPI's cost
+                # from the cost of calling it from XLA
+                jit_case("mpi4jax bare", "limit", mpi4jax_sum, "base buffer (jit)", buf[0]),
+            ]
         cases += [case(m, "sweep", s) for m, s in sweeps.items()]
         compile_cases(cases, self.n, self.procs)
 
@@ -208,22 +244,44 @@ class MPIBench(_MeshBench):
         extra = []
         if self.n == 1:
             base = next(c for c in cases if c.method == "base tree (jit)").run
-            extra.append(Case(
-                "mpi4py/leaf host", "peer", "base tree (jit)",
-                run=lambda: mpi4py_host_per_leaf(base(), self.peer_comm),
-                arrays=len(leaves), ops=len(leaves), wire_bytes=sum(
-                    _wire("allreduce", math.prod(x.shape) * max(x.dtype.itemsize, 4),
-                          self.procs) for x in leaves)))
+            extra.append(
+                Case(
+                    "mpi4py/leaf host",
+                    "peer",
+                    "base tree (jit)",
+                    run=lambda: mpi4py_host_per_leaf(base(), self.peer_comm),
+                    arrays=len(leaves),
+                    ops=len(leaves),
+                    wire_bytes=sum(
+                        _wire(
+                            "allreduce", math.prod(x.shape) * max(x.dtype.itemsize, 4), self.procs
+                        )
+                        for x in leaves
+                    ),
+                )
+            )
         send = np.ones(nbytes // 4, np.float32)
         recv = np.ones_like(send)
         wire = _wire("allreduce", send.nbytes, self.procs)
-        extra += [Case("mpi4py bare", "bare", None,
-                       run=lambda: self.peer_comm.Allreduce(send, recv, op=MPI.SUM),
-                       arrays=1, ops=1, wire_bytes=wire),
-                  Case("mpi4py bare in-place", "limit", None,
-                       run=lambda: self.peer_comm.Allreduce(MPI.IN_PLACE, recv, op=MPI.SUM),
-                       arrays=1, ops=1, wire_bytes=wire)]
+        extra += [
+            Case(
+                "mpi4py bare",
+                "bare",
+                None,
+                run=lambda: self.peer_comm.Allreduce(send, recv, op=MPI.SUM),
+                arrays=1,
+                ops=1,
+                wire_bytes=wire,
+            ),
+            Case(
+                "mpi4py bare in-place",
+                "limit",
+                None,
+                run=lambda: self.peer_comm.Allreduce(MPI.IN_PLACE, recv, op=MPI.SUM),
+                arrays=1,
+                ops=1,
+                wire_bytes=wire,
+            ),
+        ]
         k = next(i for i, c in enumerate(cases) if c.kind == "sweep") if sweeps else len(cases)
         return cases[:k] + extra + cases[k:], skipped
-
-

@@ -43,13 +43,12 @@ from pathlib import Path
 
 # Ring alpha-beta model: a collective over P members in a ring takes
 # ``steps * ALPHA + bytes_sent_per_member / bandwidth``.
-ALPHA_S = 5e-6            # per message latency (a typical TCP/RoCE figure)
+ALPHA_S = 5e-6  # per message latency (a typical TCP/RoCE figure)
 BANDWIDTHS_GBPS = (10.0, 100.0)
 MODEL_HOSTS = (2, 8, 32)
 
 
-def ring_time(kind: str, nbytes: float, members: int, gbps: float,
-              alpha: float = ALPHA_S) -> float:
+def ring_time(kind: str, nbytes: float, members: int, gbps: float, alpha: float = ALPHA_S) -> float:
     """Seconds for one ring collective whose per-member payload is ``nbytes``.
 
     jaxsync's cost model (:func:`jaxsync._cost.collective_seconds`, ring
@@ -60,6 +59,7 @@ def ring_time(kind: str, nbytes: float, members: int, gbps: float,
     every other member).
     """
     from jaxsync import _cost  # private: see the module docstring
+
     if members <= 1 or nbytes == 0:
         return 0.0
     if kind not in ("allreduce", "allgather"):
@@ -75,6 +75,7 @@ def payloads(name: str, tree) -> list[tuple[str, int]]:
     import numpy as np
 
     from jaxsync import _compress  # private: see the module docstring
+
     leaves = jax.tree.leaves(tree)
     nbytes = [math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves]
     if name == "hierarchical":
@@ -99,16 +100,17 @@ SYNCS = ("hierarchical", "powersgd r4", "powersgd r1", "sign")
 
 def make_sync(name: str, comm):
     import jaxsync
+
     if name == "hierarchical":
         return jaxsync.hierarchical_mean(axis_name="local", comm=comm)
     if name.startswith("powersgd"):
-        return jaxsync.powersgd_mean(axis_name="local", comm=comm,
-                                     rank=int(name.split("r")[-1]))
+        return jaxsync.powersgd_mean(axis_name="local", comm=comm, rank=int(name.split("r")[-1]))
     return jaxsync.sign_mean(axis_name="local", comm=comm)
 
 
 def _trees(quick: bool):
     from .trees import resnet18_like, transformer_like
+
     if quick:
         return {"transformer_tiny": lambda: transformer_like(2, 64, 256)}
     return {"resnet18": resnet18_like, "transformer": transformer_like}
@@ -121,6 +123,7 @@ class _Steps:
         import jax
         import numpy as np
         from jax.sharding import Mesh
+
         self.comm = comm
         self.mesh = Mesh(np.array(jax.local_devices()), ("local",))
 
@@ -133,6 +136,7 @@ class _Steps:
         def body(p):
             g = fake_grads(p)
             return jax.tree.map(lambda a, b: a - 1e-3 * b, p, g)
+
         f = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=P(), out_specs=P()))
         return lambda p, s: (f(p), s), None
 
@@ -143,18 +147,21 @@ class _Steps:
         import jaxsync
 
         from .methods import fake_grads
+
         tx = make_sync(name, self.comm)
         specs = jaxsync.state_specs(jax.eval_shape(tx.init, params), "local")
-        state = jax.jit(jax.shard_map(tx.init, mesh=self.mesh, in_specs=P(),
-                                      out_specs=specs))(params)
+        state = jax.jit(jax.shard_map(tx.init, mesh=self.mesh, in_specs=P(), out_specs=specs))(
+            params
+        )
 
         def body(p, s):
-            g = jax.tree.map(lambda a: jax.lax.pcast(a, "local", to="varying"),
-                             fake_grads(p))
+            g = jax.tree.map(lambda a: jax.lax.pcast(a, "local", to="varying"), fake_grads(p))
             u, s = tx.update(g, s, p)
             return jax.tree.map(lambda a, b: a - 1e-3 * b, p, u), s
-        f = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(P(), specs),
-                                  out_specs=(P(), specs)))
+
+        f = jax.jit(
+            jax.shard_map(body, mesh=self.mesh, in_specs=(P(), specs), out_specs=(P(), specs))
+        )
         return f, state
 
 
@@ -162,6 +169,7 @@ def _bare(comm, kind, nbytes):
     """A bare mpi4py collective of ``nbytes`` (float32 buffers, preallocated)."""
     import numpy as np
     from mpi4py import MPI
+
     n = max(1, nbytes // 4)
     x = np.ones(n, np.float32)
     if kind == "allreduce":
@@ -183,6 +191,7 @@ def _time(fn, iters, comm):
     t = statistics.median(times)
     if comm is not None:
         from mpi4py import MPI
+
         t = comm.allreduce(t, op=MPI.MAX)
     return t
 
@@ -191,6 +200,7 @@ def measure(tree_name, tree, comm, rounds, iters):
     """Marginal step cost of each sync (median over rounds), and bare collectives."""
     import jax
     import jax.numpy as jnp
+
     steps = _Steps(comm)
     params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), tree)
     cases = {"base": steps.base(tree)}
@@ -206,6 +216,7 @@ def measure(tree_name, tree, comm, rounds, iters):
             p, s = f(p, s)
             jax.block_until_ready(p)
             carry[key] = (p, s)
+
         return go
 
     for key in cases:  # compile and warm up
@@ -220,15 +231,19 @@ def measure(tree_name, tree, comm, rounds, iters):
     for _ in range(rounds):
         for key in cases:
             samples[key].append(_time(runner(key), iters, comm))
-        for key, (fn, got) in bare.items():
+        for fn, got in bare.values():
             got.append(_time(fn, iters, comm))
     base = samples["base"]
-    marg = {k: statistics.median([a - b for a, b in zip(v, base)])
-            for k, v in samples.items() if k != "base"}
+    marg = {
+        k: statistics.median([a - b for a, b in zip(v, base)])
+        for k, v in samples.items()
+        if k != "base"
+    }
     bares = {}
     for name in SYNCS:
-        bares[name] = sum(statistics.median(got) for key, (_, got) in bare.items()
-                          if key.startswith(name + ":"))
+        bares[name] = sum(
+            statistics.median(got) for key, (_, got) in bare.items() if key.startswith(name + ":")
+        )
     return marg, (bares if comm is not None else {}), statistics.median(base)
 
 
@@ -236,13 +251,18 @@ def _parse(argv):
     p = argparse.ArgumentParser(
         prog="python -m jaxsync bench --suite compress",
         description="Bytes, marginal step cost and modelled time of powersgd_mean and "
-                    "sign_mean against hierarchical_mean. Run plainly (one process: "
-                    "compute overhead only) or under mpirun -n 2.")
+        "sign_mean against hierarchical_mean. Run plainly (one process: "
+        "compute overhead only) or under mpirun -n 2.",
+    )
     p.add_argument("--quick", action="store_true", help="a tiny tree, 2 rounds (smoke test)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5)")
     p.add_argument("--iters", type=int, default=None, help="calls per sample (default 10)")
-    p.add_argument("--out", type=Path, default=Path("bench-results"),
-                   help="directory for compress-<mode>.json (default bench-results/)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-results"),
+        help="directory for compress-<mode>.json (default bench-results/)",
+    )
     args = p.parse_args(argv)
     args.rounds = args.rounds or (2 if args.quick else 5)
     args.iters = args.iters or (2 if args.quick else 10)
@@ -255,8 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     from .trees import tree_info
     from .world import mpi_world
+
     comm = mpi_world()
     import jax
+
     rank = 0 if comm is None else comm.Get_rank()
     procs = 1 if comm is None else comm.Get_size()
     rows = []
@@ -270,17 +292,28 @@ def main(argv: list[str] | None = None) -> int:
         for name in SYNCS:
             pay = payloads(name, tree)
             total = sum(b for _, b in pay)
-            row = {"tree": tree_name, "sync": name, "payload_bytes": total,
-                   "bytes_ratio": full / total, "collectives": pay,
-                   "marginal_ms": marg[name] * 1e3, "base_step_ms": base * 1e3,
-                   "bare_ms": bares.get(name, float("nan")) * 1e3, "processes": procs,
-                   "devices": jax.local_device_count(), "modelled_ms": {}}
+            row = {
+                "tree": tree_name,
+                "sync": name,
+                "payload_bytes": total,
+                "bytes_ratio": full / total,
+                "collectives": pay,
+                "marginal_ms": marg[name] * 1e3,
+                "base_step_ms": base * 1e3,
+                "bare_ms": bares.get(name, float("nan")) * 1e3,
+                "processes": procs,
+                "devices": jax.local_device_count(),
+                "modelled_ms": {},
+            }
             rows.append(row)
         # Modelled: one-process compute overhead (measured when run plainly;
         # under MPI the marginal minus the bare collective) + ring model.
         for row in (r for r in rows if r["tree"] == tree_name):
-            over = row["marginal_ms"] if comm is None else max(
-                0.0, row["marginal_ms"] - row["bare_ms"])
+            over = (
+                row["marginal_ms"]
+                if comm is None
+                else max(0.0, row["marginal_ms"] - row["bare_ms"])
+            )
             row["overhead_ms"] = over
             for hosts in MODEL_HOSTS:
                 for gbps in BANDWIDTHS_GBPS:
@@ -289,27 +322,45 @@ def main(argv: list[str] | None = None) -> int:
     if rank != 0:
         return 0
     mode = "mpi" if comm is not None else "local"
-    print(f"\ncompress suite, {mode}: {procs} process(es) x {jax.local_device_count()} "
-          f"device(s); marginal = step with sync - step without (median of "
-          f"{args.rounds} rounds, slowest rank); load average {os.getloadavg()[0]:.1f}")
-    hdr = (f"{'tree':<16} {'sync':<13} {'bytes/replica':>13} {'less':>6} "
-           f"{'marginal':>9} {'bare':>8} " + " ".join(
-               f"{f'{h}h@{g:g}G':>9}" for h in MODEL_HOSTS for g in BANDWIDTHS_GBPS))
+    print(
+        f"\ncompress suite, {mode}: {procs} process(es) x {jax.local_device_count()} "
+        f"device(s); marginal = step with sync - step without (median of "
+        f"{args.rounds} rounds, slowest rank); load average {os.getloadavg()[0]:.1f}"
+    )
+    hdr = (
+        f"{'tree':<16} {'sync':<13} {'bytes/replica':>13} {'less':>6} "
+        f"{'marginal':>9} {'bare':>8} "
+        + " ".join(f"{f'{h}h@{g:g}G':>9}" for h in MODEL_HOSTS for g in BANDWIDTHS_GBPS)
+    )
     print(hdr)
     for r in rows:
-        print(f"{r['tree']:<16} {r['sync']:<13} {r['payload_bytes'] / 1e6:>11.3f}MB "
-              f"{r['bytes_ratio']:>5.1f}x {r['marginal_ms']:>7.2f}ms "
-              f"{r['bare_ms']:>6.2f}ms " + " ".join(
-                  f"{r['modelled_ms'][f'{h}x{g:g}']:>7.2f}ms"
-                  for h in MODEL_HOSTS for g in BANDWIDTHS_GBPS))
-    print(f"modelled: compute overhead + ring alpha-beta (alpha {ALPHA_S * 1e6:g} us), "
-          f"columns <hosts>h@<Gb/s>")
+        print(
+            f"{r['tree']:<16} {r['sync']:<13} {r['payload_bytes'] / 1e6:>11.3f}MB "
+            f"{r['bytes_ratio']:>5.1f}x {r['marginal_ms']:>7.2f}ms "
+            f"{r['bare_ms']:>6.2f}ms "
+            + " ".join(
+                f"{r['modelled_ms'][f'{h}x{g:g}']:>7.2f}ms"
+                for h in MODEL_HOSTS
+                for g in BANDWIDTHS_GBPS
+            )
+        )
+    print(
+        f"modelled: compute overhead + ring alpha-beta (alpha {ALPHA_S * 1e6:g} us), "
+        f"columns <hosts>h@<Gb/s>"
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"compress-{mode}.json"
-    meta = {"mode": mode, "processes": procs, "devices": jax.local_device_count(),
-            "rounds": args.rounds, "iters": args.iters, "quick": args.quick,
-            "alpha_s": ALPHA_S, "loadavg": os.getloadavg(),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    meta = {
+        "mode": mode,
+        "processes": procs,
+        "devices": jax.local_device_count(),
+        "rounds": args.rounds,
+        "iters": args.iters,
+        "quick": args.quick,
+        "alpha_s": ALPHA_S,
+        "loadavg": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {path}")
     return 0

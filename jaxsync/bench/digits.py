@@ -22,6 +22,7 @@ import optax
 def load(seed: int = 0):
     """``(x_train, y_train, x_test, y_test)``: a fixed 80/20 split of digits."""
     from sklearn.datasets import load_digits
+
     d = load_digits()
     x = (d.data / 16.0).astype(np.float32)
     y = d.target.astype(np.int32)
@@ -33,10 +34,13 @@ def load(seed: int = 0):
 
 def init_params(seed: int = 0, hidden: int = 64):
     k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-    return {"l1": {"kernel": jax.random.normal(k1, (64, hidden)) / 8.0,
-                   "bias": jnp.zeros(hidden)},
-            "l2": {"kernel": jax.random.normal(k2, (hidden, 10)) / np.sqrt(hidden),
-                   "bias": jnp.zeros(10)}}
+    return {
+        "l1": {"kernel": jax.random.normal(k1, (64, hidden)) / 8.0, "bias": jnp.zeros(hidden)},
+        "l2": {
+            "kernel": jax.random.normal(k2, (hidden, 10)) / np.sqrt(hidden),
+            "bias": jnp.zeros(10),
+        },
+    }
 
 
 def logits(params, x):
@@ -48,8 +52,15 @@ def loss_fn(params, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits(params, x), y).mean()
 
 
-def train(sync, steps: int = 300, replicas: int = 4, batch: int = 32, lr: float = 3e-3,
-          seed: int = 0, every: int = 25):
+def train(
+    sync,
+    steps: int = 300,
+    replicas: int = 4,
+    batch: int = 32,
+    lr: float = 3e-3,
+    seed: int = 0,
+    every: int = 25,
+):
     """Train with ``optax.chain(sync, optax.adam(lr))``.
 
     Returns ``(params, curve)``: replica 0's final parameters (every replica

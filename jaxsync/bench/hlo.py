@@ -28,23 +28,40 @@ from __future__ import annotations
 
 import re
 
-_AXIS_KIND = {"psum": "allreduce", "psum_invariant": "allreduce", "pmax": "allreduce",
-              "pmin": "allreduce", "reduce_scatter": "reduce_scatter",
-              "all_gather": "allgather", "all_gather_invariant": "allgather",
-              "all_to_all": "alltoall"}
-_MPI_KIND = {"allreduce_mpi": "allreduce", "allgather_mpi": "allgather",
-             "alltoall_mpi": "alltoall", "bcast_mpi": "bcast"}
-_HOST_KIND = {"host_allreduce": "allreduce", "host_alltoall": "alltoall",
-              "host_allgather": "allgather"}
+_AXIS_KIND = {
+    "psum": "allreduce",
+    "psum_invariant": "allreduce",
+    "pmax": "allreduce",
+    "pmin": "allreduce",
+    "reduce_scatter": "reduce_scatter",
+    "all_gather": "allgather",
+    "all_gather_invariant": "allgather",
+    "all_to_all": "alltoall",
+}
+_MPI_KIND = {
+    "allreduce_mpi": "allreduce",
+    "allgather_mpi": "allgather",
+    "alltoall_mpi": "alltoall",
+    "bcast_mpi": "bcast",
+}
+_HOST_KIND = {
+    "host_allreduce": "allreduce",
+    "host_alltoall": "alltoall",
+    "host_allgather": "allgather",
+}
 
 
 def _wire(kind: str, nbytes: int, p: int) -> float:
     """Bytes one member sends for a collective whose local operand has nbytes."""
     if p <= 1:
         return 0.0
-    return {"allreduce": 2 * (p - 1) / p * nbytes, "reduce_scatter": (p - 1) / p * nbytes,
-            "alltoall": (p - 1) / p * nbytes, "allgather": (p - 1) * nbytes,
-            "bcast": nbytes}[kind]
+    return {
+        "allreduce": 2 * (p - 1) / p * nbytes,
+        "reduce_scatter": (p - 1) / p * nbytes,
+        "alltoall": (p - 1) / p * nbytes,
+        "allgather": (p - 1) * nbytes,
+        "bcast": nbytes,
+    }[kind]
 
 
 def _eqn_collective(eqn, axis_size: int, procs: int):
@@ -71,6 +88,7 @@ def collective_stats(jaxpr, axis_size: int, procs: int) -> tuple[int, float]:
     """(arrays handed to collectives, wire bytes) of one execution, from the
     jaxpr; of cond branches, the costliest is counted (only one runs)."""
     from jax.extend.core import jaxprs_in_params
+
     arrays, wire = 0, 0.0
     for eqn in jaxpr.eqns:
         got = _eqn_collective(eqn, axis_size, procs)
@@ -92,7 +110,8 @@ def collective_stats(jaxpr, axis_size: int, procs: int) -> tuple[int, float]:
 _HLO_COLLECTIVE = re.compile(
     r"\s(all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)(-start)?\(|"
     r'custom_call_target="(mpi_\w+_ffi|jaxsync_\w+|xla_ffi_python_cpu_callback)"|'
-    r"custom_call @(mpi_\w+_ffi|jaxsync_\w+|xla_ffi_python_cpu_callback)\(")
+    r"custom_call @(mpi_\w+_ffi|jaxsync_\w+|xla_ffi_python_cpu_callback)\("
+)
 
 
 def hlo_collectives(hlo_text: str) -> int:
@@ -100,4 +119,3 @@ def hlo_collectives(hlo_text: str) -> int:
     into one multi-operand all-reduce; MPI and host callbacks count one each).
     Also counts MPI custom calls in StableHLO text."""
     return sum(1 for line in hlo_text.splitlines() if _HLO_COLLECTIVE.search(line))
-

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from .trees import KiB, MiB
 
 AXIS = "d"
-LOCAL = "local"   # the local mesh axis under mpirun (the README's pattern)
+LOCAL = "local"  # the local mesh axis under mpirun (the README's pattern)
 STRATEGY_METHODS = ("naive", "flat", "hierarchical", "two_dimensional")
 DEFAULT_METHOD = "hierarchical"
 FLAT_DEFAULTS = {"bucket_bytes": 16 * MiB, "pack_threshold": None}
@@ -37,8 +37,8 @@ def fake_grads(tree):
     """Cheap per-leaf work standing in for the gradient computation."""
     import jax
     import jax.numpy as jnp
-    return jax.tree.map(lambda x: x * jnp.asarray(1.0001, x.dtype) + jnp.asarray(1, x.dtype),
-                        tree)
+
+    return jax.tree.map(lambda x: x * jnp.asarray(1.0001, x.dtype) + jnp.asarray(1, x.dtype), tree)
 
 
 def _transform_sync(factory, **options):
@@ -46,6 +46,7 @@ def _transform_sync(factory, **options):
 
     def sync(g):
         return tx.update(g, tx.init(g))[0]
+
     return sync
 
 
@@ -54,18 +55,22 @@ def jaxsync_methods(axis_name, comm, mpi: bool, host: bool = False) -> dict[str,
     import jax.numpy as jnp
 
     import jaxsync
+
     common = dict(axis_name=axis_name, comm=comm)
-    out = {"naive": _transform_sync(jaxsync.naive_mean, **common),
-           "flat": _transform_sync(jaxsync.flat_mean, **common),
-           # the default: hierarchical_mean with default options
-           DEFAULT_METHOD: _transform_sync(jaxsync.hierarchical_mean, **common),
-           "two_dimensional": _transform_sync(jaxsync.two_dimensional_mean, **common)}
+    out = {
+        "naive": _transform_sync(jaxsync.naive_mean, **common),
+        "flat": _transform_sync(jaxsync.flat_mean, **common),
+        # the default: hierarchical_mean with default options
+        DEFAULT_METHOD: _transform_sync(jaxsync.hierarchical_mean, **common),
+        "two_dimensional": _transform_sync(jaxsync.two_dimensional_mean, **common),
+    }
     if host:
         out["flat host"] = _transform_sync(jaxsync.flat_mean, staging="host", **common)
     if not mpi:
         out["single_node"] = _transform_sync(jaxsync.single_node_mean, axis_name=axis_name)
     out[f"{DEFAULT_METHOD} bf16"] = _transform_sync(
-        jaxsync.hierarchical_mean, comm_dtype=jnp.bfloat16, **common)
+        jaxsync.hierarchical_mean, comm_dtype=jnp.bfloat16, **common
+    )
     return out
 
 
@@ -82,8 +87,10 @@ def sweep_methods(tree, axis_name, comm) -> tuple[dict[str, Callable], dict[str,
     ``(methods, skipped)`` with ``skipped[name]`` naming the equal one.
     """
     import jaxsync
+
     configs: list[tuple[int | None, int | None]] = [
-        (b, None) for b in (256 * KiB, 4 * MiB, 64 * MiB, None)]
+        (b, None) for b in (256 * KiB, 4 * MiB, 64 * MiB, None)
+    ]
     configs += [(64 * MiB, t) for t in (64 * KiB, 256 * KiB, 1 * MiB)]
 
     def plan(b, t):
@@ -98,6 +105,7 @@ def sweep_methods(tree, axis_name, comm) -> tuple[dict[str, Callable], dict[str,
             skipped[name] = seen[key]
             continue
         seen[key] = name
-        methods[name] = _transform_sync(jaxsync.flat_mean, axis_name=axis_name, comm=comm,
-                                        bucket_bytes=b, pack_threshold=t)
+        methods[name] = _transform_sync(
+            jaxsync.flat_mean, axis_name=axis_name, comm=comm, bucket_bytes=b, pack_threshold=t
+        )
     return methods, skipped

@@ -253,16 +253,16 @@ def main(argv: list[str]) -> int:
         native=comm is not None,
         broadcast=comm is not None,
     )
-    trees = {**trees.make_trees(False), **trees.make_trees(True)}
+    known = {**trees.make_trees(False), **trees.make_trees(True)}
     names = args.trees or (["mixed_tiny"] if args.quick else list(DEFAULT_TREES))
-    unknown = [n for n in names if n not in trees]
+    unknown = [n for n in names if n not in known]
     if unknown:
         raise SystemExit(
-            f"jaxsync bench --suite model: unknown tree(s) {unknown}; choose from {list(trees)}"
+            f"jaxsync bench --suite model: unknown tree(s) {unknown}; choose from {list(known)}"
         )
     results = []
     for name in names:
-        tree = trees[name]()
+        tree = known[name]()
         rows, _ = run_tree(
             bench, name, tree, args.repeats, args.min_sample_ms / 1e3, 3 if args.quick else 15
         )

@@ -26,16 +26,19 @@ from .methods import AXIS
 
 # Peers inside one process (traced inside shard_map over AXIS).
 
+
 def pmean_per_leaf(g):
     """One ``lax.pmean`` per leaf."""
     import jax
     from jax import lax
+
     return jax.tree.map(lambda x: lax.pmean(x, AXIS), g)
 
 
 def pmean_tree(g):
     """One ``lax.pmean`` of the whole tree (XLA emits one multi-operand all-reduce)."""
     from jax import lax
+
     return lax.pmean(g, AXIS)
 
 
@@ -43,25 +46,28 @@ def ravel_pmean(g):
     """``ravel_pytree`` (promotes to one dtype), one ``pmean``, unravel."""
     from jax import lax
     from jax.flatten_util import ravel_pytree
+
     flat, unravel = ravel_pytree(g)
     return unravel(lax.pmean(flat, AXIS))
 
 
-INTRA_PEERS = {"pmean/leaf": pmean_per_leaf, "pmean/tree": pmean_tree,
-               "ravel+pmean": ravel_pmean}
+INTRA_PEERS = {"pmean/leaf": pmean_per_leaf, "pmean/tree": pmean_tree, "ravel+pmean": ravel_pmean}
 
 
 # Peers across processes (plain jit, one device per process).
 
+
 def _wide(x):
     """MPI has no 16-bit float type: send float16/bfloat16 as float32."""
     import jax.numpy as jnp
+
     return x.astype(jnp.float32) if x.dtype.itemsize == 2 else x
 
 
 def mpi4jax_mean(x, comm):
     import mpi4jax
     from mpi4py import MPI
+
     y = mpi4jax.allreduce(_wide(x), op=MPI.SUM, comm=comm)
     return (y / comm.Get_size()).astype(x.dtype)
 
@@ -69,12 +75,14 @@ def mpi4jax_mean(x, comm):
 def mpi4jax_per_leaf(g, comm):
     """One ``mpi4jax.allreduce`` per leaf."""
     import jax
+
     return jax.tree.map(lambda x: mpi4jax_mean(x, comm), g)
 
 
 def ravel_mpi4jax(g, comm):
     """``ravel_pytree`` + one ``mpi4jax.allreduce`` + unravel."""
     from jax.flatten_util import ravel_pytree
+
     flat, unravel = ravel_pytree(g)
     return unravel(mpi4jax_mean(flat, comm))
 
@@ -84,6 +92,7 @@ def mpi4py_host_per_leaf(g, comm):
     to the device (runs outside jit, on the result of the step)."""
     import jax
     from mpi4py import MPI
+
     size = comm.Get_size()
 
     def one(x):
@@ -93,6 +102,5 @@ def mpi4py_host_per_leaf(g, comm):
         comm.Allreduce(a, out, op=MPI.SUM)
         out /= size
         return jax.device_put(out.astype(x.dtype))
+
     return jax.tree.map(one, g)
-
-

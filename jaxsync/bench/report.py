@@ -25,12 +25,12 @@ from .timing import Row
 from .trees import KiB, MiB
 
 # Targets of the issues (evaluated and printed here, never asserted in tests).
-LIMIT_MPI_VS_BARE = 1.0      # default (README's step, 1 device/process) vs out-of-place bare
-LIMIT_MPI_VS_INPLACE = 1.4   # ... vs the in-place bare allreduce
-LIMIT_MPI_SMALL = 4.0        # ... on 500 small leaves, vs bare
-LIMIT_FLAT_2D = 1.25         # flat (ResNet-like) and two_dimensional vs bare
-LIMIT_MULTI_DEVICE = 1.5     # several devices: vs bare allreduce + bare psum (or psum alone)
-LIMIT_BF16_SPEEDUP = 1.7     # comm_dtype=bf16 at least this much faster than f32
+LIMIT_MPI_VS_BARE = 1.0  # default (README's step, 1 device/process) vs out-of-place bare
+LIMIT_MPI_VS_INPLACE = 1.4  # ... vs the in-place bare allreduce
+LIMIT_MPI_SMALL = 4.0  # ... on 500 small leaves, vs bare
+LIMIT_FLAT_2D = 1.25  # flat (ResNet-like) and two_dimensional vs bare
+LIMIT_MULTI_DEVICE = 1.5  # several devices: vs bare allreduce + bare psum (or psum alone)
+LIMIT_BF16_SPEEDUP = 1.7  # comm_dtype=bf16 at least this much faster than f32
 LARGE_PARAMS = 10**6
 
 
@@ -40,7 +40,7 @@ class Target:
     tree: str
     ratio: float
     limit: str
-    passed: bool | None     # None: not applicable / not measurable
+    passed: bool | None  # None: not applicable / not measurable
     note: str = ""
 
 
@@ -74,8 +74,9 @@ def evaluate_targets(rows: list[Row], devices: int = 1) -> list[Target]:
         by_tree.setdefault(r.tree, {})[r.method] = r
 
     def target(name, tree, ratio, limit, note=""):
-        out.append(Target(name, tree, ratio, f"<= {limit:.2f}",
-                          _check(ratio, lambda x: x <= limit), note))
+        out.append(
+            Target(name, tree, ratio, f"<= {limit:.2f}", _check(ratio, lambda x: x <= limit), note)
+        )
 
     for tree, rs in by_tree.items():
         d = rs[DEFAULT_METHOD]
@@ -88,35 +89,60 @@ def evaluate_targets(rows: list[Row], devices: int = 1) -> list[Target]:
             note = f"best peer {best.method}"
             if _overlap(d, best):
                 note += "; IQRs overlap (within noise)"
-            target("default no slower than best peer", tree,
-                   _ratio(d.median_ms, best.median_ms), 1.0, note)
+            target(
+                "default no slower than best peer",
+                tree,
+                _ratio(d.median_ms, best.median_ms),
+                1.0,
+                note,
+            )
         loop = rs.get("mpi4jax/leaf")
         if loop is not None:
             for m in STRATEGY_METHODS:
                 for name in (m, f"{m} (jit)"):
                     if name in rs:
-                        target(f"{name} no slower than the mpi4jax loop", tree,
-                               _ratio(rs[name].median_ms, loop.median_ms), 1.0)
+                        target(
+                            f"{name} no slower than the mpi4jax loop",
+                            tree,
+                            _ratio(rs[name].median_ms, loop.median_ms),
+                            1.0,
+                        )
         bare = d.median_ms / d.ratio_to_bare if d.ratio_to_bare else float("nan")
         if mode == "mpi" and devices == 1:
             inplace = rs.get("mpi4py bare in-place")
             if large:
                 target("default vs bare allreduce", tree, d.ratio_to_bare, LIMIT_MPI_VS_BARE)
                 if inplace is not None:
-                    target("default vs in-place bare allreduce", tree,
-                           _ratio(d.median_ms, inplace.median_ms), LIMIT_MPI_VS_INPLACE)
+                    target(
+                        "default vs in-place bare allreduce",
+                        tree,
+                        _ratio(d.median_ms, inplace.median_ms),
+                        LIMIT_MPI_VS_INPLACE,
+                    )
                 if "two_dimensional" in rs:
-                    target("two_dimensional vs bare", tree,
-                           rs["two_dimensional"].ratio_to_bare, LIMIT_FLAT_2D)
+                    target(
+                        "two_dimensional vs bare",
+                        tree,
+                        rs["two_dimensional"].ratio_to_bare,
+                        LIMIT_FLAT_2D,
+                    )
                 if tree.startswith("resnet") and "flat" in rs:
                     target("flat vs bare", tree, rs["flat"].ratio_to_bare, LIMIT_FLAT_2D)
             if small:
-                target(f"default vs bare, {d.leaves} small leaves", tree, d.ratio_to_bare,
-                       LIMIT_MPI_SMALL)
+                target(
+                    f"default vs bare, {d.leaves} small leaves",
+                    tree,
+                    d.ratio_to_bare,
+                    LIMIT_MPI_SMALL,
+                )
         elif mode == "mpi" and large and "psum bare" in rs:
             both = bare + rs["psum bare"].median_ms
-            target("default vs bare allreduce + bare psum", tree,
-                   _ratio(d.median_ms, both), LIMIT_MULTI_DEVICE)
+            target(
+                "default vs bare allreduce + bare psum",
+                tree,
+                _ratio(d.median_ms, both),
+                LIMIT_MULTI_DEVICE,
+            )
         elif mode == "intra" and large:
             target("default vs bare psum", tree, d.ratio_to_bare, LIMIT_MULTI_DEVICE)
         low = rs.get(f"{DEFAULT_METHOD} bf16")
@@ -127,10 +153,16 @@ def evaluate_targets(rows: list[Row], devices: int = 1) -> list[Target]:
             narrower = low.wire_bytes < d.wire_bytes
             if not narrower:
                 note += "; not narrower on the wire here, so not applicable"
-            out.append(Target(f"bf16 comm >= {LIMIT_BF16_SPEEDUP}x faster than f32", tree,
-                              speed, f">= {LIMIT_BF16_SPEEDUP:.2f}",
-                              _check(speed, lambda x: x >= LIMIT_BF16_SPEEDUP)
-                              if narrower else None, note))
+            out.append(
+                Target(
+                    f"bf16 comm >= {LIMIT_BF16_SPEEDUP}x faster than f32",
+                    tree,
+                    speed,
+                    f">= {LIMIT_BF16_SPEEDUP:.2f}",
+                    _check(speed, lambda x: x >= LIMIT_BF16_SPEEDUP) if narrower else None,
+                    note,
+                )
+            )
     return out
 
 
@@ -140,54 +172,90 @@ def _check(x, ok):
 
 # Output: table, files, plot
 
+
 def print_report(rows: list[Row], targets: list[Target], meta: dict) -> None:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
+
     console = Console()
     if not console.is_terminal:
         console = Console(width=132)
-    table = Table(title=f"jaxsync bench, {meta['mode']}: {meta['devices']} device(s) x "
-                        f"{meta['processes']} process(es); marginal cost of the sync "
-                        f"inside a jitted step, median over {meta['repeats']} rounds")
-    for col in ("tree", "method", "ms", "IQR ms", "x bare", "wire MiB", "arrays", "ops",
-                "faults", "compile s"):
+    table = Table(
+        title=f"jaxsync bench, {meta['mode']}: {meta['devices']} device(s) x "
+        f"{meta['processes']} process(es); marginal cost of the sync "
+        f"inside a jitted step, median over {meta['repeats']} rounds"
+    )
+    for col in (
+        "tree",
+        "method",
+        "ms",
+        "IQR ms",
+        "x bare",
+        "wire MiB",
+        "arrays",
+        "ops",
+        "faults",
+        "compile s",
+    ):
         table.add_column(col, justify="left" if col in ("tree", "method") else "right")
     last = None
     for r in rows:
         if last is not None and r.tree != last:
             table.add_section()
-        style = {"bare": "dim", "limit": "dim", "peer": "cyan", "sweep": "magenta"}.get(
-            r.kind, "")
+        style = {"bare": "dim", "limit": "dim", "peer": "cyan", "sweep": "magenta"}.get(r.kind, "")
         if r.method == DEFAULT_METHOD:
             style = "bold"
-        table.add_row(r.tree if r.tree != last else "", r.method, f"{r.median_ms:.3f}",
-                      f"{r.q25_ms:.2f}..{r.q75_ms:.2f}", f"{r.ratio_to_bare:.2f}",
-                      f"{r.wire_bytes / MiB:.2f}", str(r.arrays), str(r.ops),
-                      f"{r.faults_per_call:.0f}", f"{r.compile_s:.2f}", style=style)
+        table.add_row(
+            r.tree if r.tree != last else "",
+            r.method,
+            f"{r.median_ms:.3f}",
+            f"{r.q25_ms:.2f}..{r.q75_ms:.2f}",
+            f"{r.ratio_to_bare:.2f}",
+            f"{r.wire_bytes / MiB:.2f}",
+            str(r.arrays),
+            str(r.ops),
+            f"{r.faults_per_call:.0f}",
+            f"{r.compile_s:.2f}",
+            style=style,
+        )
         last = r.tree
     console.print(table)
-    console.print("[dim]ms: marginal cost (step with sync - step without); x bare: ratio of "
-                  "medians to the bare collective of the same bytes; wire: modelled bytes "
-                  "sent per replica; arrays: arrays handed to collectives; ops: collective "
-                  "instructions after XLA; faults: extra minor page faults per call. "
-                  f"{'Host allocator tuned. ' if meta['tune_host_allocator'] else ''}"
-                  f"{meta['seconds']} s, load average {meta['loadavg_start'][0]:.1f} -> "
-                  f"{meta['loadavg_end'][0]:.1f}.[/dim]")
+    console.print(
+        "[dim]ms: marginal cost (step with sync - step without); x bare: ratio of "
+        "medians to the bare collective of the same bytes; wire: modelled bytes "
+        "sent per replica; arrays: arrays handed to collectives; ops: collective "
+        "instructions after XLA; faults: extra minor page faults per call. "
+        f"{'Host allocator tuned. ' if meta['tune_host_allocator'] else ''}"
+        f"{meta['seconds']} s, load average {meta['loadavg_start'][0]:.1f} -> "
+        f"{meta['loadavg_end'][0]:.1f}.[/dim]"
+    )
     for t in targets:
-        tag = {True: "[green]PASS[/green]", False: "[red]MISS[/red]",
-               None: "[yellow]N/A [/yellow]"}[t.passed]
-        console.print(f"{tag} {escape(t.name)} ({t.tree}): {t.ratio:.2f} (target "
-                      f"{t.limit})" + (f"  {escape(t.note)}" if t.note else ""))
+        tag = {
+            True: "[green]PASS[/green]",
+            False: "[red]MISS[/red]",
+            None: "[yellow]N/A [/yellow]",
+        }[t.passed]
+        console.print(
+            f"{tag} {escape(t.name)} ({t.tree}): {t.ratio:.2f} (target "
+            f"{t.limit})" + (f"  {escape(t.note)}" if t.note else "")
+        )
 
 
 def write_files(rows: list[Row], targets: list[Target], meta: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     stem = out / meta["mode"]
     paths = [stem.with_suffix(".json"), stem.with_suffix(".csv"), stem.with_suffix(".png")]
-    paths[0].write_text(json.dumps(
-        {"meta": meta, "rows": [dataclasses.asdict(r) for r in rows],
-         "targets": [dataclasses.asdict(t) for t in targets]}, indent=1))
+    paths[0].write_text(
+        json.dumps(
+            {
+                "meta": meta,
+                "rows": [dataclasses.asdict(r) for r in rows],
+                "targets": [dataclasses.asdict(t) for t in targets],
+            },
+            indent=1,
+        )
+    )
     fields = [f.name for f in dataclasses.fields(Row) if f.name != "samples_ms"]
     with open(paths[1], "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
@@ -202,13 +270,21 @@ def plot(rows: list[Row], meta: dict, path: Path) -> None:
     """Grouped bars of the marginal cost, methods per tree (log scale); the flat
     sweep in a second panel, next to flat, hierarchical and the bare collective."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     swept = {r.tree for r in rows if r.kind == "sweep"}
     panels = [[r for r in rows if r.kind != "sweep"]]
     if swept:
-        panels.append([r for r in rows if r.tree in swept and (
-            r.kind in ("sweep", "bare") or r.method in ("flat", DEFAULT_METHOD))])
+        panels.append(
+            [
+                r
+                for r in rows
+                if r.tree in swept
+                and (r.kind in ("sweep", "bare") or r.method in ("flat", DEFAULT_METHOD))
+            ]
+        )
     fig, axes = plt.subplots(len(panels), 1, figsize=(15, 5 * len(panels)), squeeze=False)
     cmap = plt.get_cmap("tab20")
     for ax, prow in zip(axes[:, 0], panels):
@@ -230,21 +306,29 @@ def plot(rows: list[Row], meta: dict, path: Path) -> None:
                 ys.append(y)
                 lo.append(y - min(max(r.q25_ms, floor), y))
                 hi.append(max(r.q75_ms - y, 0))
-            ax.bar(xs, ys, width, yerr=[lo, hi], label=m, color=cmap(j % 20), capsize=2,
-                   edgecolor="black" if m == DEFAULT_METHOD else "none")
+            ax.bar(
+                xs,
+                ys,
+                width,
+                yerr=[lo, hi],
+                label=m,
+                color=cmap(j % 20),
+                capsize=2,
+                edgecolor="black" if m == DEFAULT_METHOD else "none",
+            )
         ax.set_xticks(range(len(trees)), trees)
         ax.set_yscale("log")
         ax.set_ylim(bottom=floor)
         ax.set_ylabel("marginal ms per step (log)")
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         ax.grid(axis="y", alpha=0.3)
-    axes[0, 0].set_title(f"jaxsync bench ({meta['mode']}: {meta['devices']} device(s) x "
-                         f"{meta['processes']} process(es)); bars: median, whiskers: IQR; "
-                         "black edge: the default")
+    axes[0, 0].set_title(
+        f"jaxsync bench ({meta['mode']}: {meta['devices']} device(s) x "
+        f"{meta['processes']} process(es)); bars: median, whiskers: IQR; "
+        "black edge: the default"
+    )
     if swept:
         axes[1, 0].set_title("flat swept over bucket_bytes (b) and pack_threshold (t)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-

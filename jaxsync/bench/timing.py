@@ -38,16 +38,16 @@ class Case:
     """One timed thing on one tree: a jitted step, or a host-side callable."""
 
     method: str
-    kind: str                  # "base", "jaxsync", "peer", "bare", "limit", "sweep"
-    base: str | None           # the case whose time is subtracted (None: raw time)
-    step: Any = None           # a jitted step, compiled by compile_cases ...
-    arg: Any = None            # ... and called on this argument
+    kind: str  # "base", "jaxsync", "peer", "bare", "limit", "sweep"
+    base: str | None  # the case whose time is subtracted (None: raw time)
+    step: Any = None  # a jitted step, compiled by compile_cases ...
+    arg: Any = None  # ... and called on this argument
     run: Callable[[], Any] | None = None
-    arrays: int = 0            # arrays handed to collectives (jaxpr)
-    ops: int = 0               # collective instructions (compiled HLO)
+    arrays: int = 0  # arrays handed to collectives (jaxpr)
+    ops: int = 0  # collective instructions (compiled HLO)
     wire_bytes: float = 0.0
     compile_s: float = 0.0
-    program: str = ""          # hash of the lowered program: equal hash, same program
+    program: str = ""  # hash of the lowered program: equal hash, same program
 
 
 def _compile(lowered):
@@ -68,6 +68,7 @@ def compile_cases(cases: list[Case], axis_size: int, procs: int) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     import jax
+
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         futures = {}
         for c in cases:
@@ -100,6 +101,7 @@ def time_calls(fn: Callable[[], Any], iters: int, barrier=None) -> tuple[float, 
     """Median seconds of ``iters`` calls of ``fn`` (each blocked until ready) and
     the minor page faults per call. ``barrier`` synchronises processes first."""
     import jax
+
     if barrier is not None:
         barrier()
     faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -136,7 +138,7 @@ class Row:
     compile_s: float
     program: str
     iters: int
-    correct: bool | None       # the result is the mean (None: not a mean)
+    correct: bool | None  # the result is the mean (None: not a mean)
     samples_ms: list[float]
 
 
@@ -153,8 +155,8 @@ def check_results(cases: list[Case]) -> dict[str, bool]:
     def result(c: Case):
         assert c.run is not None, c.method  # compiled by compile_cases
         return jax.tree.map(np.asarray, jax.block_until_ready(c.run()))
-    bases = {c.method: result(c) for c in cases
-             if c.method in ("base tree", "base tree (jit)")}
+
+    bases = {c.method: result(c) for c in cases if c.method in ("base tree", "base tree (jit)")}
     out = {}
     for c in cases:
         if c.base not in bases or c.kind == "base":
@@ -164,16 +166,21 @@ def check_results(cases: list[Case]) -> dict[str, bool]:
         ok = str(jax.tree.structure(got)) == str(jax.tree.structure(want))
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)) if ok else ():
             g64, w64 = np.asarray(g, np.float64), np.asarray(w, np.float64)
-            bits = 8 if "bf16" in c.method or str(w.dtype) == "bfloat16" else (
-                11 if str(w.dtype) == "float16" else 24)
-            ok = ok and g.shape == w.shape and bool(np.all(
-                np.abs(g64 - w64) <= 4.0 * 2.0 ** -bits * np.abs(w64)))
+            bits = (
+                8
+                if "bf16" in c.method or str(w.dtype) == "bfloat16"
+                else (11 if str(w.dtype) == "float16" else 24)
+            )
+            ok = (
+                ok
+                and g.shape == w.shape
+                and bool(np.all(np.abs(g64 - w64) <= 4.0 * 2.0**-bits * np.abs(w64)))
+            )
         out[c.method] = ok
     return out
 
 
-def make_rows(mode, tree_name, info, cases, iters, samples, faults,
-              correct=None) -> list[Row]:
+def make_rows(mode, tree_name, info, cases, iters, samples, faults, correct=None) -> list[Row]:
     """Marginal statistics per case; ``samples[r, i]``: round r, case i (seconds)."""
     index = {c.method: i for i, c in enumerate(cases)}
     samples = np.asarray(samples) * 1e3
@@ -193,15 +200,33 @@ def make_rows(mode, tree_name, info, cases, iters, samples, faults,
             continue
         m, f = marginal(c)
         med = float(np.median(m))
-        rows.append(Row(
-            mode, tree_name, c.method, c.kind, leaves, params, nbytes, int(c.wire_bytes),
-            c.arrays, c.ops, med, float(np.quantile(m, .25)), float(np.quantile(m, .75)),
-            float(m.min()), float(m.max()), med / bare if bare > 0 else float("nan"),
-            float(f), round(c.compile_s, 3), c.program, int(iters[index[c.method]]),
-            (correct or {}).get(c.method), [round(float(x), 4) for x in m]))
+        rows.append(
+            Row(
+                mode,
+                tree_name,
+                c.method,
+                c.kind,
+                leaves,
+                params,
+                nbytes,
+                int(c.wire_bytes),
+                c.arrays,
+                c.ops,
+                med,
+                float(np.quantile(m, 0.25)),
+                float(np.quantile(m, 0.75)),
+                float(m.min()),
+                float(m.max()),
+                med / bare if bare > 0 else float("nan"),
+                float(f),
+                round(c.compile_s, 3),
+                c.program,
+                int(iters[index[c.method]]),
+                (correct or {}).get(c.method),
+                [round(float(x), 4) for x in m],
+            )
+        )
     return rows
-
-
 
 
 def _log(bench, msg):
@@ -209,12 +234,16 @@ def _log(bench, msg):
         print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
-def run_tree(bench, tree_name: str, tree, repeats: int, min_sample_s: float,
-             max_iters: int) -> tuple[list[Row], dict]:
+def run_tree(
+    bench, tree_name: str, tree, repeats: int, min_sample_s: float, max_iters: int
+) -> tuple[list[Row], dict]:
     """Compile, warm up, calibrate and time every case of one tree, interleaved."""
     info = tree_info(tree)
-    _log(bench, f"{tree_name}: {info[0]} leaves, {info[1] / 1e6:.2f}M params, "
-                f"{info[2] / MiB:.1f} MiB; compiling")
+    _log(
+        bench,
+        f"{tree_name}: {info[0]} leaves, {info[1] / 1e6:.2f}M params, "
+        f"{info[2] / MiB:.1f} MiB; compiling",
+    )
     t0 = time.perf_counter()
     cases, skipped = bench.cases(tree, bench.sweeps and tree_name in SWEEP_TREES)
     t1 = time.perf_counter()
@@ -224,10 +253,14 @@ def run_tree(bench, tree_name: str, tree, repeats: int, min_sample_s: float,
     warm = np.array([time_calls(c.run, 2, bench.barrier)[0] for c in cases])
     if bench.comm is not None:
         from mpi4py import MPI
+
         bench.comm.Allreduce(MPI.IN_PLACE, warm, op=MPI.MAX)
     iters = np.clip(np.ceil(min_sample_s / np.maximum(warm, 1e-6)), 1, max_iters).astype(int)
-    _log(bench, f"{tree_name}: {len(cases)} cases ({len({c.program for c in cases})} "
-                f"programs) compiled in {t1 - t0:.0f} s; timing {repeats} rounds")
+    _log(
+        bench,
+        f"{tree_name}: {len(cases)} cases ({len({c.program for c in cases})} "
+        f"programs) compiled in {t1 - t0:.0f} s; timing {repeats} rounds",
+    )
     samples = np.zeros((repeats, len(cases)))
     faults = np.zeros((repeats, len(cases)))
     for r in range(repeats):
@@ -236,7 +269,6 @@ def run_tree(bench, tree_name: str, tree, repeats: int, min_sample_s: float,
             samples[r, i], faults[r, i] = time_calls(cases[i].run, iters[i], bench.barrier)
     if bench.comm is not None:  # a step is done when the slowest process is
         from mpi4py import MPI
-        bench.comm.Allreduce(MPI.IN_PLACE, samples, op=MPI.MAX)
-    return make_rows(bench.mode, tree_name, info, cases, iters, samples, faults,
-                     correct), skipped
 
+        bench.comm.Allreduce(MPI.IN_PLACE, samples, op=MPI.MAX)
+    return make_rows(bench.mode, tree_name, info, cases, iters, samples, faults, correct), skipped

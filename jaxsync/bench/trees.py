@@ -23,10 +23,10 @@ SWEEP_TREES = ("resnet18", "small500", "mixed_tiny")
 """Trees on which the flat bucket_bytes / pack_threshold sweep runs."""
 
 
-
 def _spec(shape, dtype="float32"):
     import jax
     import jax.numpy as jnp
+
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
 
 
@@ -37,8 +37,10 @@ def resnet18_like() -> dict:
     tree: dict = {}
 
     def conv(name, k, cin, cout):
-        tree[name] = {"kernel": _spec((k, k, cin, cout)),
-                      "bn": {"scale": _spec((cout,)), "bias": _spec((cout,))}}
+        tree[name] = {
+            "kernel": _spec((k, k, cin, cout)),
+            "bn": {"scale": _spec((cout,)), "bias": _spec((cout,))},
+        }
 
     conv("stem1", 3, 3, 32)
     conv("stem2", 3, 32, 64)
@@ -60,22 +62,32 @@ def small_leaves(n: int = 500, size: int = 256) -> dict:
     return {f"p{i:03d}": _spec((size,)) for i in range(n)}
 
 
-def transformer_like(layers: int = 6, d: int = 256, ff: int = 1024,
-                     matrix_dtype: str = "float32", embed: int = 0) -> dict:
+def transformer_like(
+    layers: int = 6, d: int = 256, ff: int = 1024, matrix_dtype: str = "float32", embed: int = 0
+) -> dict:
     """Attention qkv/out, MLP and two layer norms per layer, a final norm.
 
     Matrices are ``matrix_dtype``; biases and norms stay float32 (the usual
     mixed-precision layout). ``embed`` > 0 adds a float32 embedding table.
     """
+
     def dense(din, dout):
         return {"kernel": _spec((din, dout), matrix_dtype), "bias": _spec((dout,))}
 
     def norm():
         return {"scale": _spec((d,)), "bias": _spec((d,))}
 
-    tree: dict = {f"layer{i}": {"qkv": dense(d, 3 * d), "out": dense(d, d),
-                                "mlp_in": dense(d, ff), "mlp_out": dense(ff, d),
-                                "ln1": norm(), "ln2": norm()} for i in range(layers)}
+    tree: dict = {
+        f"layer{i}": {
+            "qkv": dense(d, 3 * d),
+            "out": dense(d, d),
+            "mlp_in": dense(d, ff),
+            "mlp_out": dense(ff, d),
+            "ln1": norm(),
+            "ln2": norm(),
+        }
+        for i in range(layers)
+    }
     tree["ln_f"] = norm()
     if embed:
         tree["embed"] = _spec((embed, d))
@@ -85,17 +97,19 @@ def transformer_like(layers: int = 6, d: int = 256, ff: int = 1024,
 def make_trees(quick: bool) -> dict[str, Callable[[], dict]]:
     if quick:  # one tiny tree with both dtypes: every method and sweep, fast to compile
         return {"mixed_tiny": lambda: transformer_like(2, 64, 256, "bfloat16", 300)}
-    return {"resnet18": resnet18_like,
-            "small500": small_leaves,
-            "transformer": transformer_like,
-            "mixed": lambda: transformer_like(4, 256, 1024, "bfloat16", 1000)}
+    return {
+        "resnet18": resnet18_like,
+        "small500": small_leaves,
+        "transformer": transformer_like,
+        "mixed": lambda: transformer_like(4, 256, 1024, "bfloat16", 1000),
+    }
 
 
 def tree_info(tree) -> tuple[int, int, int]:
     """(leaves, params, bytes) of a tree of ShapeDtypeStructs."""
     import jax
+
     leaves = jax.tree.leaves(tree)
     params = sum(math.prod(x.shape) for x in leaves)
     nbytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
     return len(leaves), params, nbytes
-

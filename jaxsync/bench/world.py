@@ -25,12 +25,14 @@ def mpi_world():
         several processes but MPI sees one (mpi4py built against another MPI).
     """
     import jaxsync
+
     return jaxsync.default_comm()
 
 
 def set_devices(n: int) -> None:
     """Ask for ``n`` CPU devices; must happen before JAX initialises its backends."""
     import jax
+
     try:
         jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError:
@@ -38,4 +40,5 @@ def set_devices(n: int) -> None:
             raise SystemExit(
                 f"jaxsync bench: JAX is already initialised with {jax.local_device_count()} "
                 f"device(s), --devices asks for {n}. Start a fresh process, or set "
-                f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before JAX starts.") from None
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before JAX starts."
+            ) from None

@@ -22,9 +22,15 @@ def run_workers(worker: Path, n: int = 2, timeout: float = 180) -> list[dict]:
     others are killed): a hang never blocks the suite.
     """
     port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, str(worker), str(i), port],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(n)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(i), port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(n)
+    ]
     outs = []
     try:
         for p in procs:
@@ -35,5 +41,4 @@ def run_workers(worker: Path, n: int = 2, timeout: float = 180) -> list[dict]:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    return [json.loads(line) for out in outs for line in out.splitlines()
-            if line.startswith("{")]
+    return [json.loads(line) for out in outs for line in out.splitlines() if line.startswith("{")]

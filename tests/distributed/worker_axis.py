@@ -3,6 +3,7 @@
 Run as ``python worker_axis.py PROCESS_ID PORT`` twice; prints one JSON line of
 results per strategy.
 """
+
 import json
 import sys
 
@@ -11,8 +12,12 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 2)
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-                           process_id=pid, initialization_timeout=60)
+jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}",
+    num_processes=2,
+    process_id=pid,
+    initialization_timeout=60,
+)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
@@ -22,11 +27,9 @@ import jaxsync  # noqa: E402
 
 mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("host", "local"))
 replicas = NamedSharding(mesh, P(("host", "local")))
-r = jax.make_array_from_callback((4,), replicas,
-                                 lambda idx: np.arange(4.0, dtype=np.float32)[idx])
+r = jax.make_array_from_callback((4,), replicas, lambda idx: np.arange(4.0, dtype=np.float32)[idx])
 for strategy in ["naive", "flat", "hierarchical", "two_dimensional"]:
-    tx = getattr(jaxsync, strategy + "_mean")(axis_name="local",
-                                              comm=jaxsync.AxisComm("host"))
+    tx = getattr(jaxsync, strategy + "_mean")(axis_name="local", comm=jaxsync.AxisComm("host"))
 
     def f(r):
         # replica r holds leaf k filled with r + k
@@ -35,11 +38,19 @@ for strategy in ["naive", "flat", "hierarchical", "two_dimensional"]:
 
     g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(("host", "local")), out_specs=P()))
     out = g(r)
-    print(json.dumps({"pid": pid, "strategy": strategy,
-                      "a": np.asarray(out["a"].addressable_data(0)).tolist(),
-                      "b": np.asarray(out["b"].addressable_data(0)).astype(float).tolist(),
-                      "b_dtype": str(out["b"].dtype)}), flush=True)
-p = jaxsync.broadcast_params({"w": jnp.full((3,), float(pid) + 7)},
-                             comm=jaxsync.AxisComm("host"))
-print(json.dumps({"pid": pid, "strategy": "broadcast", "w": np.asarray(p["w"]).tolist()}),
-      flush=True)
+    print(
+        json.dumps(
+            {
+                "pid": pid,
+                "strategy": strategy,
+                "a": np.asarray(out["a"].addressable_data(0)).tolist(),
+                "b": np.asarray(out["b"].addressable_data(0)).astype(float).tolist(),
+                "b_dtype": str(out["b"].dtype),
+            }
+        ),
+        flush=True,
+    )
+p = jaxsync.broadcast_params({"w": jnp.full((3,), float(pid) + 7)}, comm=jaxsync.AxisComm("host"))
+print(
+    json.dumps({"pid": pid, "strategy": "broadcast", "w": np.asarray(p["w"]).tolist()}), flush=True
+)

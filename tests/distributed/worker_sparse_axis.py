@@ -5,6 +5,7 @@ devices, 4 replicas). Replica ``r`` holds rows ``[r, r+1, r]`` (a duplicate)
 of a 16 x 2 table with values ``r + 1``; prints the synced ``todense()`` per
 option as JSON lines.
 """
+
 import json
 import sys
 
@@ -13,36 +14,51 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 2)
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-                           process_id=pid, initialization_timeout=60)
+jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}",
+    num_processes=2,
+    process_id=pid,
+    initialization_timeout=60,
+)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 import jaxsync  # noqa: E402
 
 V = 64
 mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("host", "local"))
 replicas = NamedSharding(mesh, P(("host", "local")))
-r = jax.make_array_from_callback((4,), replicas,
-                                 lambda idx: np.arange(4, dtype=np.int32)[idx])
-for name, opts in (("sparse", jaxsync.SparseOptions(mode="sparse")),
-                   ("coalesce", jaxsync.SparseOptions(mode="sparse", coalesce=True)),
-                   ("densify", jaxsync.SparseOptions(mode="sparse", densify=True))):
-    tx = jaxsync.hierarchical_mean(axis_name="local", comm=jaxsync.AxisComm("host"),
-                                   sparse=opts)
+r = jax.make_array_from_callback((4,), replicas, lambda idx: np.arange(4, dtype=np.int32)[idx])
+for name, opts in (
+    ("sparse", jaxsync.SparseOptions(mode="sparse")),
+    ("coalesce", jaxsync.SparseOptions(mode="sparse", coalesce=True)),
+    ("densify", jaxsync.SparseOptions(mode="sparse", densify=True)),
+):
+    tx = jaxsync.hierarchical_mean(axis_name="local", comm=jaxsync.AxisComm("host"), sparse=opts)
 
     def f(r):
         i = r[0]
-        g = jaxsync.RowSparse(jnp.stack([i, i + 1, i]),
-                              jnp.ones((3, 2), jnp.float32) * (i + 1).astype(jnp.float32), V)
-        out = tx.update({"e": g, "w": jnp.ones(2) * i.astype(jnp.float32)},
-                        tx.init({"e": g, "w": jnp.ones(2)}))[0]
+        g = jaxsync.RowSparse(
+            jnp.stack([i, i + 1, i]), jnp.ones((3, 2), jnp.float32) * (i + 1).astype(jnp.float32), V
+        )
+        out = tx.update(
+            {"e": g, "w": jnp.ones(2) * i.astype(jnp.float32)}, tx.init({"e": g, "w": jnp.ones(2)})
+        )[0]
         e = out["e"]
         return (e.todense() if isinstance(e, jaxsync.RowSparse) else e), out["w"]
 
     g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(("host", "local")), out_specs=P()))
     d, w = g(r)
-    print(json.dumps({"pid": pid, "case": name,
-                      "dense": np.asarray(d.addressable_data(0)).tolist(),
-                      "w": np.asarray(w.addressable_data(0)).tolist()}), flush=True)
+    print(
+        json.dumps(
+            {
+                "pid": pid,
+                "case": name,
+                "dense": np.asarray(d.addressable_data(0)).tolist(),
+                "w": np.asarray(w.addressable_data(0)).tolist(),
+            }
+        ),
+        flush=True,
+    )

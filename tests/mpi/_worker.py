@@ -20,17 +20,26 @@ def init(extra_args=None):
     """Parse the common arguments, set the device count, import JAX and MPI."""
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--devices", default="1",
-                   help="local devices per process, or a comma list: one count per rank")
-    p.add_argument("--watchdog", type=float, default=0.0,
-                   help="exit with code 124 after this many seconds (0: off)")
-    for args, kwargs in (extra_args or []):
+    p.add_argument(
+        "--devices",
+        default="1",
+        help="local devices per process, or a comma list: one count per rank",
+    )
+    p.add_argument(
+        "--watchdog",
+        type=float,
+        default=0.0,
+        help="exit with code 124 after this many seconds (0: off)",
+    )
+    for args, kwargs in extra_args or []:
         p.add_argument(*args, **kwargs)
     ns = p.parse_args()
     from mpi4py import MPI  # does not initialise JAX
+
     counts = [int(c) for c in ns.devices.split(",")]
     ns.devices = counts[MPI.COMM_WORLD.Get_rank() % len(counts)]
     import jax
+
     jax.config.update("jax_num_cpu_devices", ns.devices)
     if ns.watchdog:
         arm_watchdog(ns.watchdog)
@@ -39,10 +48,12 @@ def init(extra_args=None):
 
 def arm_watchdog(seconds):
     """Exit this rank with code 124 if it is still running after ``seconds``."""
+
     def fire():
         sys.stderr.write(f"watchdog: rank still running after {seconds} s, exiting 124\n")
         sys.stderr.flush()
         os._exit(124)
+
     t = threading.Timer(seconds, fire)
     t.daemon = True
     t.start()
@@ -69,4 +80,5 @@ def to_numpy(tree):
     """A pytree of jax arrays -> the same pytree of numpy arrays (dtypes kept)."""
     import jax
     import numpy as np
+
     return jax.tree_util.tree_map(lambda x: np.asarray(x), tree)

@@ -42,5 +42,6 @@ RANDOM_LEAVES = (("a", (33,)), ("b", (4, 5)), ("c", ()), ("d", (130,)))
 def random_tree(np, n, seed=0):
     """Global numpy leaves of shape ``(n, *shape)``: row ``r`` is replica ``r``."""
     rng = np.random.default_rng(seed)
-    return {name: rng.standard_normal((n, *shape)).astype(np.float32)
-            for name, shape in RANDOM_LEAVES}
+    return {
+        name: rng.standard_normal((n, *shape)).astype(np.float32) for name, shape in RANDOM_LEAVES
+    }

@@ -39,8 +39,10 @@ def _have_mpi() -> bool:
     # find_spec, not import: importing mpi4jax would initialise MPI in the pytest
     # process (mpi4py.MPI), which changes jaxsync's comm="auto" for other tests.
     import importlib.util
+
     return MPIRUN.exists() and all(
-        importlib.util.find_spec(m) is not None for m in ("mpi4py", "mpi4jax"))
+        importlib.util.find_spec(m) is not None for m in ("mpi4py", "mpi4jax")
+    )
 
 
 _MISSING = f"needs mpirun at {MPIRUN}, mpi4py and mpi4jax"
@@ -64,14 +66,16 @@ class MPIRun:
         self.cmd = cmd
         self.returncode = returncode
         self.output = output
-        self.results = results      # one dict per rank (None: rank wrote nothing)
+        self.results = results  # one dict per rank (None: rank wrote nothing)
         self.elapsed = elapsed
         self.timed_out = timed_out
 
     def describe(self) -> str:
         state = "TIMED OUT" if self.timed_out else f"exit code {self.returncode}"
-        return (f"$ {' '.join(map(str, self.cmd))}\n{state} after {self.elapsed:.1f} s\n"
-                f"----- output -----\n{self.output}\n------------------")
+        return (
+            f"$ {' '.join(map(str, self.cmd))}\n{state} after {self.elapsed:.1f} s\n"
+            f"----- output -----\n{self.output}\n------------------"
+        )
 
     def check(self) -> MPIRun:
         """Fail unless every rank exited 0 and wrote its results."""
@@ -79,15 +83,15 @@ class MPIRun:
             pytest.fail("MPI job failed:\n" + self.describe(), pytrace=False)
         missing = [r for r, res in enumerate(self.results) if res is None]
         if missing:
-            pytest.fail(f"ranks {missing} wrote no results:\n" + self.describe(),
-                        pytrace=False)
+            pytest.fail(f"ranks {missing} wrote no results:\n" + self.describe(), pytrace=False)
         return self
 
 
 def _env():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        [str(ROOT), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
     # Workers choose their own device count; do not inherit the pytest process's.
     env.pop("XLA_FLAGS", None)
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -100,12 +104,29 @@ def run_mpi(script, n=2, devices=2, args=(), timeout=120, out=None) -> MPIRun:
     own = out is None
     out = Path(tempfile.mkdtemp(prefix="jaxsync-mpi-")) if own else Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [str(MPIRUN), "-n", str(n), sys.executable, str(HERE / script),
-           "--out", str(out), "--devices", str(devices), *map(str, args)]
+    cmd = [
+        str(MPIRUN),
+        "-n",
+        str(n),
+        sys.executable,
+        str(HERE / script),
+        "--out",
+        str(out),
+        "--devices",
+        str(devices),
+        *map(str, args),
+    ]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, env=_env(), cwd=str(ROOT),
-                            start_new_session=True, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=_env(),
+        cwd=str(ROOT),
+        start_new_session=True,
+        text=True,
+    )
     timed_out = False
     try:
         output, _ = proc.communicate(timeout=timeout)

@@ -11,8 +11,7 @@ V, D, K = 256, 3, 3
 
 
 def rows(g, dtype=np.float32, k=K):
-    idx = np.array([(3 * g) % V, (5 * g + 1) % V, (3 * g) % V, (7 * g + 2) % V][:k],
-                   np.int32)
+    idx = np.array([(3 * g) % V, (5 * g + 1) % V, (3 * g) % V, (7 * g + 2) % V][:k], np.int32)
     vals = (np.arange(k * D).reshape(k, D) % 7 + g + 1).astype(dtype)
     return idx, vals
 

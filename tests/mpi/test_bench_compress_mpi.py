@@ -18,16 +18,35 @@ pytestmark = requires_mpi
 def test_compress_suite_under_mpirun(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(ROOT)
-    cmd = [str(MPIRUN), "-n", "2", sys.executable, "-m", "jaxsync", "bench", "--suite",
-           "compress", "--quick", "--out", str(tmp_path)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, cwd=ROOT, env=env, start_new_session=True)
+    cmd = [
+        str(MPIRUN),
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "jaxsync",
+        "bench",
+        "--suite",
+        "compress",
+        "--quick",
+        "--out",
+        str(tmp_path),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+    )
     try:
         text, _ = proc.communicate(timeout=400)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         text, _ = proc.communicate()
-        raise AssertionError("compress bench under mpirun timed out:\n" + text[-3000:])
+        raise AssertionError("compress bench under mpirun timed out:\n" + text[-3000:]) from None
     assert proc.returncode == 0, text[-3000:]
     result = json.loads((tmp_path / "compress-mpi.json").read_text())
     assert result["meta"]["processes"] == 2

@@ -21,10 +21,32 @@ def _bench(tmp_path, devices: int):
     out = tmp_path / f"d{devices}"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(ROOT)
-    cmd = [str(MPIRUN), "-n", "2", sys.executable, "-m", "jaxsync", "bench", "--quick",
-           "--no-sweeps", "--repeats", "1", "--devices", str(devices), "--out", str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, cwd=ROOT, env=env, start_new_session=True)
+    cmd = [
+        str(MPIRUN),
+        "-n",
+        "2",
+        sys.executable,
+        "-m",
+        "jaxsync",
+        "bench",
+        "--quick",
+        "--no-sweeps",
+        "--repeats",
+        "1",
+        "--devices",
+        str(devices),
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+    )
     try:
         text, _ = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
@@ -52,9 +74,12 @@ def _check_syncs(rows, names):
 def test_bench_one_device_per_process(tmp_path):
     rows, result = _bench(tmp_path, 1)
     strategies = ["naive", "flat", "hierarchical", "two_dimensional", "hierarchical bf16"]
-    _check_syncs(rows, strategies + [f"{s} (jit)" for s in strategies]
-                 + ["hierarchical in a train step", "mpi4jax/leaf", "ravel+mpi4jax",
-                    "mpi4jax bare"])
+    _check_syncs(
+        rows,
+        strategies
+        + [f"{s} (jit)" for s in strategies]
+        + ["hierarchical in a train step", "mpi4jax/leaf", "ravel+mpi4jax", "mpi4jax bare"],
+    )
     assert rows["mpi4py bare"]["kind"] == "bare"
     assert rows["mpi4py bare in-place"]["kind"] == "limit"
     assert rows["hierarchical in a train step"]["kind"] == "jaxsync"
@@ -64,7 +89,16 @@ def test_bench_one_device_per_process(tmp_path):
 
 def test_bench_two_devices_per_process(tmp_path):
     rows, _ = _bench(tmp_path, 2)
-    _check_syncs(rows, ["naive", "flat", "hierarchical", "two_dimensional",
-                        "hierarchical in a train step", "psum bare"])
+    _check_syncs(
+        rows,
+        [
+            "naive",
+            "flat",
+            "hierarchical",
+            "two_dimensional",
+            "hierarchical in a train step",
+            "psum bare",
+        ],
+    )
     # mpi4jax's ordered effects refuse multi-device computations: no such rows.
     assert not any("mpi4jax" in m or m.endswith("(jit)") for m in rows)

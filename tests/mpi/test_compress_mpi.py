@@ -53,8 +53,7 @@ def test_checkpoint_round_trip_bit_identical(compress_run, name):
         own, resumed = (_get(compress_run, r, f"{name}:{k}") for k in ("own", "resumed_own"))
         for leaf in own:
             assert (_u(own[leaf]) == _u(resumed[leaf])).all(), (r, name, leaf)
-        state, rstate = (_get(compress_run, r, f"{name}:{k}")
-                         for k in ("state", "resumed_state"))
+        state, rstate = (_get(compress_run, r, f"{name}:{k}") for k in ("state", "resumed_state"))
         assert len(state) == len(rstate)
         for a, b in zip(state, rstate):
             assert a.dtype == b.dtype and a.shape == b.shape

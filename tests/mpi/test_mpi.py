@@ -22,9 +22,12 @@ import jaxsync
 pytestmark = requires_mpi
 
 STRATEGIES = ("naive", "flat", "hierarchical", "two_dimensional")
-FACTORIES = dict(naive=jaxsync.naive_mean, flat=jaxsync.flat_mean,
-                 hierarchical=jaxsync.hierarchical_mean,
-                 two_dimensional=jaxsync.two_dimensional_mean)
+FACTORIES = dict(
+    naive=jaxsync.naive_mean,
+    flat=jaxsync.flat_mean,
+    hierarchical=jaxsync.hierarchical_mean,
+    two_dimensional=jaxsync.two_dimensional_mean,
+)
 
 
 def ml_dtype(name):
@@ -42,11 +45,13 @@ def assert_bitwise(got, want, what):
         if g.tobytes() != w.tobytes():
             bits = f"u{g.itemsize}"
             bad = np.flatnonzero(g.reshape(-1).view(bits) != w.reshape(-1).view(bits))
-            pytest.fail(f"{what} leaf {name} ({g.dtype}): {bad.size} of {g.size} elements "
-                        f"differ bitwise; first at flat index {bad[0]}: got "
-                        f"{g.reshape(-1)[bad[0]]!r}, want {w.reshape(-1)[bad[0]]!r}\n"
-                        f"got  {g.reshape(-1)[:8]}\nwant {w.reshape(-1)[:8]}",
-                        pytrace=False)
+            pytest.fail(
+                f"{what} leaf {name} ({g.dtype}): {bad.size} of {g.size} elements "
+                f"differ bitwise; first at flat index {bad[0]}: got "
+                f"{g.reshape(-1)[bad[0]]!r}, want {w.reshape(-1)[bad[0]]!r}\n"
+                f"got  {g.reshape(-1)[:8]}\nwant {w.reshape(-1)[:8]}",
+                pytrace=False,
+            )
 
 
 def stacked_expected(n_replicas, rows, reduce):
@@ -71,7 +76,8 @@ EXACT_CASES = (
     + [f"shard_map-{s}-mean-staging_host" for s in STRATEGIES]
     + [f"shard_map-{s}-mean-comm_bf16" for s in STRATEGIES]
     + [f"vmap-{s}-mean" for s in STRATEGIES]
-    + [f"pmap-{s}-mean" for s in ("hierarchical", "two_dimensional")])
+    + [f"pmap-{s}-mean" for s in ("hierarchical", "two_dimensional")]
+)
 RANDOM_CASES = [f"random-shard_map-{s}-mean" for s in STRATEGIES]
 
 
@@ -83,8 +89,9 @@ def exact_run():
 def test_exact_worker_ran_every_case(exact_run):
     for rank, res in enumerate(exact_run.results):
         assert res["meta"] == dict(rank=rank, size=2, devices=EXACT_DEVICES)
-        recorded = sorted(k for k in res if k not in ("meta", "leaves")
-                          and not k.startswith("calls:"))
+        recorded = sorted(
+            k for k in res if k not in ("meta", "leaves") and not k.startswith("calls:")
+        )
         assert recorded == sorted(EXACT_CASES + RANDOM_CASES)
 
 
@@ -101,10 +108,14 @@ def test_exact_mpi(exact_run, case):
 def test_transport_options_change_the_wire(exact_run, strategy):
     """staging / comm_dtype really change what crosses processes (lowered custom calls)."""
     # Leave out the agreement check (one native call, or one host callback, per step).
-    calls = {v: [(t, ty) for t, ty in exact_run.results[0][f"calls:shard_map-{strategy}-mean{v}"]
-                 if not (t == "xla_ffi_python_cpu_callback" and ty == "")
-                 and t != "jaxsync_agree"]
-             for v in ("", "-staging_host", "-comm_bf16")}
+    calls = {
+        v: [
+            (t, ty)
+            for t, ty in exact_run.results[0][f"calls:shard_map-{strategy}-mean{v}"]
+            if not (t == "xla_ffi_python_cpu_callback" and ty == "") and t != "jaxsync_agree"
+        ]
+        for v in ("", "-staging_host", "-comm_bf16")
+    }
     device, host, bf16 = calls[""], calls["-staging_host"], calls["-comm_bf16"]
     # jaxsync's own FFI targets on CPU: one allreduce for the f32 buffers
     assert device and all(t.startswith("jaxsync_") for t, _ in device), device
@@ -116,8 +127,9 @@ def test_transport_options_change_the_wire(exact_run, strategy):
     assert host and all("callback" in t for t, _ in host), host
     # bfloat16 on the wire: the native allreduce takes the 16-bit buffers as they
     # are (it sums them in float32 itself); no float32 buffer crosses.
-    assert bf16 and all(t == "jaxsync_allreduce" and "xbf16>" in ty and "f32>" not in ty
-                        for t, ty in bf16), bf16
+    assert bf16 and all(
+        t == "jaxsync_allreduce" and "xbf16>" in ty and "f32>" not in ty for t, ty in bf16
+    ), bf16
 
 
 def _mesh_2x4():
@@ -128,30 +140,36 @@ def _mesh_2x4():
 
 def _mesh_sync(tx, tree):
     """Run ``tx`` on a (host=2, local=4) mesh: replica r is row r of each leaf."""
+
     def body(t):
         t = jax.tree_util.tree_map(lambda x: x[0], t)
         out = tx.update(t, tx.init(t))[0]
         return jax.tree_util.tree_map(lambda x: x[None], out)
+
     spec = P(("host", "local"))
     f = jax.jit(jax.shard_map(body, mesh=_mesh_2x4(), in_specs=spec, out_specs=spec))
     return jax.tree_util.tree_map(np.asarray, jax.block_until_ready(f(tree)))
 
 
-@pytest.mark.parametrize("options", [dict(reduce="mean"), dict(reduce="sum"),
-                                     dict(comm_dtype=jnp.bfloat16)],
-                         ids=["mean", "sum", "comm_bf16"])
+@pytest.mark.parametrize(
+    "options",
+    [dict(reduce="mean"), dict(reduce="sum"), dict(comm_dtype=jnp.bfloat16)],
+    ids=["mean", "sum", "comm_bf16"],
+)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_exact_mesh_backend(strategy, options):
     """The same closed form with the inter-process stage on a mesh axis, one process."""
     tx = FACTORIES[strategy](axis_name="local", comm=jaxsync.AxisComm("host"), **options)
     tree = mpi_data.make_tree(jnp, np, first_replica=0, count=8)
     got = _mesh_sync(tx, tree)
-    assert_bitwise(got, stacked_expected(8, 8, options.get("reduce", "mean")),
-                   f"mesh {strategy} {options}")
+    assert_bitwise(
+        got, stacked_expected(8, 8, options.get("reduce", "mean")), f"mesh {strategy} {options}"
+    )
 
 
 # --------------------------------------------------------------------------
 # 5. Mesh backend (one process) and MPI backend give bitwise identical results.
+
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_mesh_and_mpi_backends_agree_bitwise(exact_run, strategy):
@@ -160,18 +178,25 @@ def test_mesh_and_mpi_backends_agree_bitwise(exact_run, strategy):
     tx = FACTORIES[strategy](axis_name="local", comm=jaxsync.AxisComm("host"))
     mesh_out = _mesh_sync(tx, {k: jnp.asarray(v) for k, v in data.items()})
     key = f"random-shard_map-{strategy}-mean"
-    mpi_out = {name: np.concatenate([result_of(exact_run, r, key)[name] for r in range(2)])
-               for name in data}
+    mpi_out = {
+        name: np.concatenate([result_of(exact_run, r, key)[name] for r in range(2)])
+        for name in data
+    }
     # Sanity: the result is the mean, and every replica holds the same value.
     for name, x in data.items():
-        np.testing.assert_allclose(mpi_out[name], np.broadcast_to(
-            x.astype(np.float64).mean(0), x.shape), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            mpi_out[name],
+            np.broadcast_to(x.astype(np.float64).mean(0), x.shape),
+            rtol=1e-5,
+            atol=1e-6,
+        )
         assert (mpi_out[name] == mpi_out[name][:1]).all(), name
     assert_bitwise(mpi_out, mesh_out, f"MPI vs mesh backend, {strategy}")
 
 
 # --------------------------------------------------------------------------
 # 2. One device per process, axis_name=None, plain jit: N = 2 replicas.
+
 
 @pytest.fixture(scope="module")
 def one_device_run():
@@ -184,8 +209,11 @@ def test_one_device_per_process_exact(one_device_run, strategy, reduce):
     want = mpi_data.expected(np, ml_dtype, 2, reduce)
     for rank in range(2):
         assert one_device_run.results[rank]["devices"] == 1
-        assert_bitwise(result_of(one_device_run, rank, f"{strategy}-{reduce}"), want,
-                       f"rank {rank} {strategy}-{reduce}")
+        assert_bitwise(
+            result_of(one_device_run, rank, f"{strategy}-{reduce}"),
+            want,
+            f"rank {rank} {strategy}-{reduce}",
+        )
 
 
 # --------------------------------------------------------------------------
@@ -201,8 +229,9 @@ TRAIN_RTOL = 1e-5
 
 @pytest.fixture(scope="module")
 def train_run():
-    return run_mpi("worker_train.py", n=2, devices=2, timeout=120,
-                   args=("--steps", TRAIN_STEPS)).check()
+    return run_mpi(
+        "worker_train.py", n=2, devices=2, timeout=120, args=("--steps", TRAIN_STEPS)
+    ).check()
 
 
 TRAIN_RUNS = ["hierarchical", "two_dimensional", "flat", "hierarchical-sgd"]
@@ -221,9 +250,13 @@ def test_training_matches_single_process(train_run, strategy):
             assert got[name].shape == (2, *want.shape)
             for replica in range(2):
                 np.testing.assert_allclose(
-                    got[name][replica], want, rtol=TRAIN_RTOL, atol=TRAIN_ATOL,
+                    got[name][replica],
+                    want,
+                    rtol=TRAIN_RTOL,
+                    atol=TRAIN_ATOL,
                     err_msg=f"{strategy}: rank {rank} replica {replica} leaf {name} "
-                            f"after {TRAIN_STEPS} steps vs single-process training")
+                    f"after {TRAIN_STEPS} steps vs single-process training",
+                )
 
 
 @pytest.mark.parametrize("strategy", TRAIN_RUNS)
@@ -243,6 +276,7 @@ def test_training_replicas_bit_identical(train_run, strategy):
 # --------------------------------------------------------------------------
 # 4. Many buckets in one step, several steps: no deadlock, exact, one trace.
 
+
 @pytest.fixture(scope="module")
 def buckets_run():
     return run_mpi("worker_buckets.py", n=2, devices=2, timeout=240).check()
@@ -251,6 +285,7 @@ def buckets_run():
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_many_buckets_exact_no_recompile(buckets_run, strategy):
     import worker_buckets
+
     n, d, steps = 4, 2, worker_buckets.STEPS
     for rank in range(2):
         res = buckets_run.results[rank]
@@ -258,13 +293,16 @@ def test_many_buckets_exact_no_recompile(buckets_run, strategy):
         rec = result_of(buckets_run, rank, strategy)
         assert rec["traces"] == 1, f"step traced {rec['traces']} times in {steps} steps"
         assert rec["cache_size"] == 1, f"{rec['cache_size']} compiled versions"
-        want = {name: np.full((d, *shape), steps * ((n - 1) / 2 + k), np.float32)
-                .astype(dtype) for k, (name, shape, dtype) in enumerate(res["specs"])}
+        want = {
+            name: np.full((d, *shape), steps * ((n - 1) / 2 + k), np.float32).astype(dtype)
+            for k, (name, shape, dtype) in enumerate(res["specs"])
+        }
         assert_bitwise(rec["state"], want, f"rank {rank} {strategy}")
 
 
 # --------------------------------------------------------------------------
 # 6. broadcast_params(root=1): every process ends with rank 1's values.
+
 
 @pytest.fixture(scope="module")
 def broadcast_run():
@@ -273,9 +311,11 @@ def broadcast_run():
 
 def test_broadcast_params_root_values(broadcast_run):
     import worker_broadcast
+
     # Rank 1's tree, built here on this process's devices only for its values.
     mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
     from jax.sharding import NamedSharding
+
     root_tree = worker_broadcast.build(jnp, np, 1, NamedSharding(mesh, P("d")))
     for rank in range(2):
         res = broadcast_run.results[rank]
@@ -290,8 +330,9 @@ def test_broadcast_params_root_values(broadcast_run):
             assert rec["dtype"] == str(want.dtype), f"{what}: dtype {rec['dtype']}"
             assert rec["shape"] == want.shape, what
             assert rec["value"].dtype == want.dtype, what
-            assert rec["value"].tobytes() == want.tobytes(), \
+            assert rec["value"].tobytes() == want.tobytes(), (
                 f"{what}: {rec['value']} != root's {want}"
+            )
             if "shards" in rec:
                 assert rec["same_sharding"], f"{what}: sharding changed"
                 for dev, index, data in rec["shards"]:
@@ -305,10 +346,10 @@ def test_broadcast_params_root_values(broadcast_run):
 # --------------------------------------------------------------------------
 # 7. Agreement: mismatched trees give the same ValueError on every rank.
 
+
 @pytest.fixture(scope="module")
 def agree_run():
-    return run_mpi("worker_agree.py", n=2, devices=2, timeout=90,
-                   args=("--watchdog", 80)).check()
+    return run_mpi("worker_agree.py", n=2, devices=2, timeout=90, args=("--watchdog", 80)).check()
 
 
 def in_step_error(kind, msg):
@@ -319,7 +360,7 @@ def in_step_error(kind, msg):
     # host callback (a ValueError): JAX reports either as a JaxRuntimeError.
     for marker in ("ValueError: jaxsync:", "FAILED_PRECONDITION: jaxsync:"):
         if kind == "JaxRuntimeError" and marker in msg:
-            return "ValueError", msg[msg.index(marker) + len(marker) - len("jaxsync:"):].strip()
+            return "ValueError", msg[msg.index(marker) + len(marker) - len("jaxsync:") :].strip()
     return kind, msg
 
 
@@ -362,10 +403,10 @@ def test_agreement_processes_still_in_step(agree_run):
 
 
 def test_agreement_checked_after_an_earlier_agreed_tree(tmp_path):
-    run = run_mpi("worker_agree.py", n=2, devices=2, timeout=60, out=tmp_path,
-                  args=("--mode", "cached"))
-    assert not run.timed_out and run.returncode != 124, \
-        "hang (watchdog fired):\n" + run.describe()
+    run = run_mpi(
+        "worker_agree.py", n=2, devices=2, timeout=60, out=tmp_path, args=("--mode", "cached")
+    )
+    assert not run.timed_out and run.returncode != 124, "hang (watchdog fired):\n" + run.describe()
     run.check()
     for rank in range(2):
         assert run.results[rank]["first"][0] == "OK", run.results[rank]["first"]
@@ -381,20 +422,34 @@ DEATH_BOUND_S = 60
 
 @pytest.mark.parametrize("mode", ["die_before_sync", "die_after_compile"])
 def test_process_death_ends_the_job(tmp_path, mode):
-    run = run_mpi("worker_death.py", n=2, devices=2, timeout=DEATH_BOUND_S + 30,
-                  out=tmp_path, args=("--mode", mode))
+    run = run_mpi(
+        "worker_death.py",
+        n=2,
+        devices=2,
+        timeout=DEATH_BOUND_S + 30,
+        out=tmp_path,
+        args=("--mode", mode),
+    )
     assert not run.timed_out, "the job hung after rank 1 died:\n" + run.describe()
     assert run.elapsed < DEATH_BOUND_S, run.describe()
     assert run.returncode != 0, run.describe()
-    assert (tmp_path / "rank0.calling").exists(), \
+    assert (tmp_path / "rank0.calling").exists(), (
         "rank 0 never reached the sync:\n" + run.describe()
-    assert not (tmp_path / "rank0.returned").exists(), \
+    )
+    assert not (tmp_path / "rank0.returned").exists(), (
         "rank 0's sync returned without rank 1:\n" + run.describe()
+    )
 
 
 def test_exit_right_after_jitted_syncs_is_clean(tmp_path):
-    run = run_mpi("worker_death.py", n=2, devices=2, timeout=DEATH_BOUND_S,
-                  out=tmp_path, args=("--mode", "exit_after_async"))
+    run = run_mpi(
+        "worker_death.py",
+        n=2,
+        devices=2,
+        timeout=DEATH_BOUND_S,
+        out=tmp_path,
+        args=("--mode", "exit_after_async"),
+    )
     assert not run.timed_out, "deadlock at exit:\n" + run.describe()
     assert run.returncode == 0, run.describe()
     for rank in range(2):
@@ -405,10 +460,12 @@ def test_exit_right_after_jitted_syncs_is_clean(tmp_path):
 # --------------------------------------------------------------------------
 # Processes with different local device counts (2 and 4): 6 replicas.
 
+
 @pytest.fixture(scope="module")
 def uneven_run():
-    return run_mpi("worker_uneven.py", n=2, devices="2,4", timeout=90,
-                   args=("--watchdog", 80)).check()
+    return run_mpi(
+        "worker_uneven.py", n=2, devices="2,4", timeout=90, args=("--watchdog", 80)
+    ).check()
 
 
 def _check_uneven(run, strategy):
@@ -418,8 +475,10 @@ def _check_uneven(run, strategy):
     if all(kind == "OK" for kind, _ in outs):
         for rank, (_, w) in enumerate(outs):
             np.testing.assert_array_equal(
-                w, np.full_like(w, 2.5),
-                err_msg=f"{strategy}: rank {rank} (replicas 6 = 2 + 4, mean 2.5)")
+                w,
+                np.full_like(w, 2.5),
+                err_msg=f"{strategy}: rank {rank} (replicas 6 = 2 + 4, mean 2.5)",
+            )
     else:
         outs = [in_step_error(*o) for o in outs]
         assert outs[0] == outs[1] and outs[0][0] == "ValueError", outs
@@ -436,6 +495,7 @@ def test_uneven_device_counts(uneven_run, strategy):
 
 # --------------------------------------------------------------------------
 # Rows 10 and 12 (tests/_common.py): straggler under the watchdog; several syncs in one step.
+
 
 @pytest.fixture(scope="module")
 def watchdog_run():
@@ -460,8 +520,9 @@ def test_two_syncs_with_many_buckets_in_one_step(watchdog_run):
         a, b = watchdog_run.results[rank]["two-syncs"]
         for k in range(30):
             np.testing.assert_array_equal(a[f"a{k}"], np.full(20, 1.5 + k, np.float32))
-            np.testing.assert_array_equal(b[f"b{k}"].astype(np.float32),
-                                          np.full(7, 1.5 - k, np.float32))
+            np.testing.assert_array_equal(
+                b[f"b{k}"].astype(np.float32), np.full(7, 1.5 - k, np.float32)
+            )
         assert watchdog_run.results[rank]["two-syncs-traces"] == 1
 
 
@@ -473,28 +534,38 @@ def host_order_run():
 @pytest.mark.parametrize("strategy", ["naive", "flat", "hierarchical"])
 def test_host_staging_keeps_callback_order(host_order_run, strategy):
     for rank in range(2):
-        assert host_order_run.results[rank][strategy] == 0, \
+        assert host_order_run.results[rank][strategy] == 0, (
             f"rank {rank}: leaves matched with the wrong leaves of the other rank"
+        )
 
 
 # --------------------------------------------------------------------------
 # Issue 10: tracing on one rank, comm="auto", custom nodes, NaN / float16,
 # watchdog rounds, exits with host staging (worker_harden.py).
 
+
 def _harden(tmp_path, mode, timeout=90, devices=2):
-    return run_mpi("worker_harden.py", n=2, devices=devices, timeout=timeout,
-                   out=tmp_path, args=("--mode", mode))
+    return run_mpi(
+        "worker_harden.py",
+        n=2,
+        devices=devices,
+        timeout=timeout,
+        out=tmp_path,
+        args=("--mode", mode),
+    )
 
 
 def test_tracing_alone_on_rank0_never_blocks_and_auto_is_mpi(tmp_path):
     """rank 0 alone: eval_shape, lower, make_jaxpr; then both train (comm='auto')."""
     run = _harden(tmp_path, "trace_alone")
-    assert not run.timed_out and run.returncode != 124, \
+    assert not run.timed_out and run.returncode != 124, (
         "hang: tracing on rank 0 alone blocked\n" + run.describe()
+    )
     run.check()
     for rank in range(2):
-        assert run.results[rank]["backend"].startswith("MPIBackend(size=2"), \
-            run.results[rank]["backend"]
+        assert run.results[rank]["backend"].startswith("MPIBackend(size=2"), run.results[rank][
+            "backend"
+        ]
         for out in run.results[rank]["train"]:  # replicas 0..3 hold 0..3
             np.testing.assert_array_equal(out, np.full(5, 1.5, np.float32))
     assert run.results[0]["alone"] == ("(5,)", True, True)
@@ -517,7 +588,7 @@ def test_nan_and_float16_predivide_across_processes(tmp_path):
     run = _harden(tmp_path, "nan_f16").check()
     for rank in range(2):
         w, v, finite = run.results[rank]["nan"]
-        assert np.isnan(w).all(), w            # one NaN replica poisons the mean
+        assert np.isnan(w).all(), w  # one NaN replica poisons the mean
         np.testing.assert_array_equal(v, np.full(3, 1.5, np.float32))
         assert finite is False, f"rank {rank}: all_finite should be False"
         for staging in ("device", "host"):
@@ -559,8 +630,10 @@ def test_host_staging_requires_thread_multiple(tmp_path):
 # Ordering: one token chain through every inter-process call of a step, across
 # synchronisations (mixed bf16/f32 trees, many buckets, several syncs, many steps).
 
+
 def _order_expected(n, steps, leaves_a, leaves_b, rows):
     """Per step (A, B, C) closed forms for ``n`` replicas, ``rows`` leading rows."""
+
     def dt(k):
         return np.float32 if k % 2 == 0 else jnp.bfloat16
 
@@ -570,8 +643,10 @@ def _order_expected(n, steps, leaves_a, leaves_b, rows):
     out = []
     for s in range(steps):
         a = {f"a{k:02d}": full((5 + k,), (n - 1) / 2 + k + s, dt(k)) for k in range(leaves_a)}
-        b = {f"b{k:02d}": full((3, 2 + k), (n - 1) / 2 + 2 * k + s, dt(k + 1))
-             for k in range(leaves_b)}
+        b = {
+            f"b{k:02d}": full((3, 2 + k), (n - 1) / 2 + 2 * k + s, dt(k + 1))
+            for k in range(leaves_b)
+        }
         out.append((a, b, a))
     return out
 
@@ -589,8 +664,13 @@ def test_syncs_in_one_step_stay_ordered(order_run, mode):
     if mode == "jit" and devices != 1:
         pytest.skip("axis_name=None needs one device per process")
     layout = order_run.results[0]["layout"]
-    want = _order_expected(size * devices, layout["steps"], layout["leaves_a"],
-                           layout["leaves_b"], rows=0 if mode == "jit" else devices)
+    want = _order_expected(
+        size * devices,
+        layout["steps"],
+        layout["leaves_a"],
+        layout["leaves_b"],
+        rows=0 if mode == "jit" else devices,
+    )
     if mode != "shard_map-host":
         # Structure: one token for the step, every call takes the previous call's.
         calls, tokens = order_run.results[0]["chain:" + mode]
@@ -612,8 +692,11 @@ def test_syncs_in_one_step_stay_ordered(order_run, mode):
 NATIVE_STRATEGIES = ("naive", "flat", "hierarchical", "two_dimensional")
 
 
-@pytest.fixture(scope="module", params=[(2, 1), (2, 2), (3, 1)],
-                ids=["procs2-devices1", "procs2-devices2", "procs3-devices1"])
+@pytest.fixture(
+    scope="module",
+    params=[(2, 1), (2, 2), (3, 1)],
+    ids=["procs2-devices1", "procs2-devices2", "procs3-devices1"],
+)
 def native_run(request):
     procs, devices = request.param
     return run_mpi("worker_native.py", n=procs, devices=devices, timeout=180).check()
@@ -621,11 +704,15 @@ def native_run(request):
 
 def _native_expected(run, rows):
     import worker_native
+
     meta = run.results[0]["meta"]
     n = meta["size"] * meta["devices"]
-    return {name: np.full((rows, *shape), (n - 1) / 2 + k, np.float32).astype(jnp.dtype(dt))
-            if dt != "float64" else np.full((rows, *shape), (n - 1) / 2 + k, np.float64)
-            for k, (name, dt, shape) in enumerate(worker_native.LEAVES)}
+    return {
+        name: np.full((rows, *shape), (n - 1) / 2 + k, np.float32).astype(jnp.dtype(dt))
+        if dt != "float64"
+        else np.full((rows, *shape), (n - 1) / 2 + k, np.float64)
+        for k, (name, dt, shape) in enumerate(worker_native.LEAVES)
+    }
 
 
 def test_native_library_loaded(native_run):

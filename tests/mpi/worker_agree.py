@@ -33,8 +33,11 @@ def main():
 
     def sync(tree):
         # A fresh jit each call: every call traces, so every call checks agreement.
-        f = jax.jit(jax.shard_map(lambda t: tx.update(t, tx.init(t))[0], mesh=mesh,
-                                  in_specs=P(), out_specs=P()))
+        f = jax.jit(
+            jax.shard_map(
+                lambda t: tx.update(t, tx.init(t))[0], mesh=mesh, in_specs=P(), out_specs=P()
+            )
+        )
         return jax.block_until_ready(f(tree))
 
     def attempt(key, fn):
@@ -50,34 +53,48 @@ def main():
     if ns.mode == "basic":
         cases = {
             # (a) structure: rank 1 has an extra leaf ['layer'][2]
-            "structure": ({"layer": [jnp.ones(2, f32), jnp.ones(2, f32)]},
-                          {"layer": [jnp.ones(2, f32), jnp.ones(2, f32),
-                                     jnp.ones(2, f32)]}),
+            "structure": (
+                {"layer": [jnp.ones(2, f32), jnp.ones(2, f32)]},
+                {"layer": [jnp.ones(2, f32), jnp.ones(2, f32), jnp.ones(2, f32)]},
+            ),
             # (b) same size, different shape of leaf ['w']
-            "shape": ({"b": jnp.ones(4, f32), "w": jnp.ones((2, 3), f32)},
-                      {"b": jnp.ones(4, f32), "w": jnp.ones((3, 2), f32)}),
+            "shape": (
+                {"b": jnp.ones(4, f32), "w": jnp.ones((2, 3), f32)},
+                {"b": jnp.ones(4, f32), "w": jnp.ones((3, 2), f32)},
+            ),
             # (c) dtype of leaf ['w']
-            "dtype": ({"b": jnp.ones(4, f32), "w": jnp.ones((2, 3), f32)},
-                      {"b": jnp.ones(4, f32), "w": jnp.ones((2, 3), bf16)}),
+            "dtype": (
+                {"b": jnp.ones(4, f32), "w": jnp.ones((2, 3), f32)},
+                {"b": jnp.ones(4, f32), "w": jnp.ones((2, 3), bf16)},
+            ),
         }
         for name, (t0, t1) in cases.items():
             attempt(f"sync-{name}", lambda: sync(mine(t0, t1)))
         for name, (t0, t1) in cases.items():
-            attempt(f"broadcast-{name}",
-                    lambda: jaxsync.broadcast_params(mine(t0, t1), root=1, comm=comm))
+            attempt(
+                f"broadcast-{name}",
+                lambda: jaxsync.broadcast_params(mine(t0, t1), root=1, comm=comm),
+            )
         # Transform options differ (reduce): part of what the processes compare.
         tx_sum = jaxsync.hierarchical_mean(axis_name="d", comm=comm, reduce="sum")
         t = {"w": jnp.ones(3, f32)}
 
         def sync_with(txr):
-            f = jax.jit(jax.shard_map(lambda t: txr.update(t, txr.init(t))[0],
-                                      mesh=mesh, in_specs=P(), out_specs=P()))
+            f = jax.jit(
+                jax.shard_map(
+                    lambda t: txr.update(t, txr.init(t))[0], mesh=mesh, in_specs=P(), out_specs=P()
+                )
+            )
             return jax.block_until_ready(f(t))
+
         attempt("sync-options", lambda: sync_with(mine(tx, tx_sum)))
         # The processes are still in step: a matching sync works and is exact.
         ok = {"w": jnp.full((D, 3), float(rank), f32)}
-        f = jax.jit(jax.shard_map(lambda t: tx.update(t, tx.init(t))[0], mesh=mesh,
-                                  in_specs=P("d"), out_specs=P("d")))
+        f = jax.jit(
+            jax.shard_map(
+                lambda t: tx.update(t, tx.init(t))[0], mesh=mesh, in_specs=P("d"), out_specs=P("d")
+            )
+        )
         attempt("after-errors", lambda: jax.block_until_ready(f(ok)))
         res.write()
     elif ns.mode == "cached":

@@ -10,6 +10,7 @@ from _worker import Results, init
 
 def build(jnp, np, rank, sharding):
     import jax
+
     return {
         "i32": jnp.arange(5, dtype=jnp.int32) + 100 * rank,
         "u8": jnp.array([rank, 255 - rank], jnp.uint8),
@@ -21,10 +22,11 @@ def build(jnp, np, rank, sharding):
         "scalar": jnp.float32(rank + 1),
         "empty": jnp.zeros((0, 2), jnp.float32),
         "sharded": jax.device_put(
-            jnp.arange(24, dtype=jnp.float32).reshape(4, 6) * (rank + 1), sharding),
+            jnp.arange(24, dtype=jnp.float32).reshape(4, 6) * (rank + 1), sharding
+        ),
         "replicated": jax.device_put(
-            jnp.full((3,), rank - 5, jnp.int32),
-            sharding.update(spec=type(sharding.spec)())),
+            jnp.full((3,), rank - 5, jnp.int32), sharding.update(spec=type(sharding.spec)())
+        ),
     }
 
 
@@ -48,19 +50,29 @@ def main():
     rec = {}
     for name, leaf in out.items():
         before = tree[name]
-        info = dict(type=type(leaf).__name__, type_before=type(before).__name__,
-                    dtype=str(leaf.dtype), shape=tuple(leaf.shape),
-                    value=np.asarray(leaf))
+        info = dict(
+            type=type(leaf).__name__,
+            type_before=type(before).__name__,
+            dtype=str(leaf.dtype),
+            shape=tuple(leaf.shape),
+            value=np.asarray(leaf),
+        )
         if isinstance(leaf, jax.Array):
             info["same_sharding"] = bool(leaf.sharding == before.sharding)
-            info["shards"] = [(str(s.device), tuple((i.start, i.stop) for i in s.index),
-                               np.asarray(s.data)) for s in leaf.addressable_shards]
+            info["shards"] = [
+                (str(s.device), tuple((i.start, i.stop) for i in s.index), np.asarray(s.data))
+                for s in leaf.addressable_shards
+            ]
         rec[name] = info
     res.add("out", rec)
     # The tree passed in is not modified.
-    res.add("input_unchanged", all(
-        np.array_equal(np.asarray(tree[k]), np.asarray(build(jnp, np, rank, sharding)[k]))
-        for k in tree))
+    res.add(
+        "input_unchanged",
+        all(
+            np.array_equal(np.asarray(tree[k]), np.asarray(build(jnp, np, rank, sharding)[k]))
+            for k in tree
+        ),
+    )
     res.write()
 
 

@@ -15,8 +15,10 @@ STEPS = 4
 
 
 def leaf_specs():
-    return [(f"l{k:02d}", (1 + (7 * k) % 20,), "float16" if k % 5 == 3 else "float32")
-            for k in range(NLEAVES)]
+    return [
+        (f"l{k:02d}", (1 + (7 * k) % 20,), "float16" if k % 5 == 3 else "float32")
+        for k in range(NLEAVES)
+    ]
 
 
 def main():
@@ -36,14 +38,22 @@ def main():
     specs = leaf_specs()
     opts = dict(bucket_bytes=64, pack_threshold=None)
     # Placed as the step's outputs are, so step 2 sees exactly step 1's input types.
-    zero = jax.device_put({n: jnp.zeros((D, *s), d) for n, s, d in specs},
-                          NamedSharding(mesh, P("d")))
-    res.add("buckets", len(jaxsync.make_plan(
-        {n: jax.ShapeDtypeStruct(s, d) for n, s, d in specs}, **opts).buckets))
+    zero = jax.device_put(
+        {n: jnp.zeros((D, *s), d) for n, s, d in specs}, NamedSharding(mesh, P("d"))
+    )
+    res.add(
+        "buckets",
+        len(
+            jaxsync.make_plan({n: jax.ShapeDtypeStruct(s, d) for n, s, d in specs}, **opts).buckets
+        ),
+    )
 
-    for name, fac in dict(naive=jaxsync.naive_mean, flat=jaxsync.flat_mean,
-                          hierarchical=jaxsync.hierarchical_mean,
-                          two_dimensional=jaxsync.two_dimensional_mean).items():
+    for name, fac in dict(
+        naive=jaxsync.naive_mean,
+        flat=jaxsync.flat_mean,
+        hierarchical=jaxsync.hierarchical_mean,
+        two_dimensional=jaxsync.two_dimensional_mean,
+    ).items():
         tx = fac(axis_name="d", comm=comm, **opts)
         traces = [0]
 
@@ -61,8 +71,7 @@ def main():
             # Chained (each step consumes the previous one) and blocked: README,
             # "Fake CPU devices": keep one step in flight on a machine with few cores.
             s = jax.block_until_ready(step(s))
-        res.add(name, dict(traces=traces[0], state=to_numpy(s),
-                           cache_size=step._cache_size()))
+        res.add(name, dict(traces=traces[0], state=to_numpy(s), cache_size=step._cache_size()))
     res.add("specs", specs)
     res.write()
 

@@ -47,26 +47,28 @@ def main():
     y_all = np.tanh(x_all @ rng.standard_normal((12, 6))).astype(np.float32)
     mine = slice(rank * D * 16, (rank + 1) * D * 16)
     x, y = x_all[mine], y_all[mine]
-    params0 = {"w1": (rng.standard_normal((12, 32)) / 4).astype(np.float32),
-               "b1": np.zeros(32, np.float32),
-               "w2": (rng.standard_normal((32, 6)) / 6).astype(np.float32),
-               "b2": np.zeros(6, np.float32)}
+    params0 = {
+        "w1": (rng.standard_normal((12, 32)) / 4).astype(np.float32),
+        "b1": np.zeros(32, np.float32),
+        "w2": (rng.standard_normal((32, 6)) / 6).astype(np.float32),
+        "b2": np.zeros(6, np.float32),
+    }
 
     def loss_fn(p, x, y):
         h = jnp.tanh(x @ p["w1"] + p["b1"])
         return jnp.mean((h @ p["w2"] + p["b2"] - y) ** 2)
 
     compressors = {
-        "powersgd": lambda: jaxsync.powersgd_mean(axis_name="d", comm=comm, rank=2,
-                                                  start_step=5, min_compression_rate=1.0),
+        "powersgd": lambda: jaxsync.powersgd_mean(
+            axis_name="d", comm=comm, rank=2, start_step=5, min_compression_rate=1.0
+        ),
         "sign": lambda: jaxsync.sign_mean(axis_name="d", comm=comm, min_size=64),
     }
     for name, make in compressors.items():
         try:
             tx = optax.chain(make(), optax.adam(1e-2))
             specs = jaxsync.state_specs(jax.eval_shape(tx.init, params0), "d")
-            init_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(),
-                                               out_specs=specs))
+            init_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
 
             def step(p, s, x, y, tx=tx):
                 loss, g = jax.value_and_grad(loss_fn)(p, x, y)
@@ -75,14 +77,21 @@ def main():
                 own = jax.tree.map(lambda v: jax.lax.pcast(v, "d", to="varying")[None], p)
                 return p, s, own, jax.lax.pmean(loss, "d")
 
-            f = jax.jit(jax.shard_map(step, mesh=mesh,
-                                      in_specs=(P(), specs, P("d"), P("d")),
-                                      out_specs=(P(), specs, P("d"), P())))
+            f = jax.jit(
+                jax.shard_map(
+                    step,
+                    mesh=mesh,
+                    in_specs=(P(), specs, P("d"), P("d")),
+                    out_specs=(P(), specs, P("d"), P()),
+                )
+            )
             text = f.lower(params0, init_state(params0), x, y).as_text()
             res.add(f"{name}:callbacks", text.count("callback"))
-            res.add(f"{name}:native_allgather_u8",
-                    "jaxsync_allgather" in text and "xui8>" in text.split(
-                        "jaxsync_allgather", 1)[-1].split("\n", 1)[0])
+            res.add(
+                f"{name}:native_allgather_u8",
+                "jaxsync_allgather" in text
+                and "xui8>" in text.split("jaxsync_allgather", 1)[-1].split("\n", 1)[0],
+            )
 
             def train(p, s, steps, f=f):
                 losses = []
@@ -105,12 +114,14 @@ def main():
             del p, s, leaves
             with np.load(path) as z:
                 p, s = jax.tree_util.tree_unflatten(
-                    treedef, [z[f"arr_{i}"] for i in range(len(z.files))])
+                    treedef, [z[f"arr_{i}"] for i in range(len(z.files))]
+                )
             p, s, own, _ = train(p, s, STEPS - STEPS // 2)
             res.add(f"{name}:resumed_own", to_numpy(own))
             res.add(f"{name}:resumed_state", [np.asarray(a) for a in jax.tree.leaves(s)])
         except Exception:
             import traceback
+
             res.add(f"{name}:error", traceback.format_exc())
     res.write()
 

@@ -55,8 +55,11 @@ def main():
 
     mesh = Mesh(np.array(jax.devices()), ("d",))
     tx = jaxsync.hierarchical_mean(axis_name="d", comm=comm)
-    step = jax.jit(jax.shard_map(lambda t: tx.update(t, tx.init(t))[0], mesh=mesh,
-                                 in_specs=P("d"), out_specs=P("d")))
+    step = jax.jit(
+        jax.shard_map(
+            lambda t: tx.update(t, tx.init(t))[0], mesh=mesh, in_specs=P("d"), out_specs=P("d")
+        )
+    )
     x = jax.device_put({"w": jnp.full((D, 1000), float(rank))}, NamedSharding(mesh, P("d")))
     mark("started")
 

@@ -41,9 +41,12 @@ def main():
 
     local = make_tree(jnp, np, first_replica=D * rank, count=D)
     mesh = Mesh(np.array(jax.devices()), ("d",))
-    factories = dict(naive=jaxsync.naive_mean, flat=jaxsync.flat_mean,
-                     hierarchical=jaxsync.hierarchical_mean,
-                     two_dimensional=jaxsync.two_dimensional_mean)
+    factories = dict(
+        naive=jaxsync.naive_mean,
+        flat=jaxsync.flat_mean,
+        hierarchical=jaxsync.hierarchical_mean,
+        two_dimensional=jaxsync.two_dimensional_mean,
+    )
 
     def one(tx, t):
         return tx.update(t, tx.init(t))[0]
@@ -53,31 +56,39 @@ def main():
             t = jax.tree_util.tree_map(lambda x: x[0], t)
             out = one(tx, t)
             return jax.tree_util.tree_map(lambda x: x[None], out)
+
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
 
     cases = {}
     for name, fac in factories.items():
         for reduce in ("mean", "sum"):
             cases[f"shard_map-{name}-{reduce}"] = functools.partial(
-                sharded, fac(axis_name="d", comm=comm, reduce=reduce))
+                sharded, fac(axis_name="d", comm=comm, reduce=reduce)
+            )
         cases[f"shard_map-{name}-mean-staging_host"] = functools.partial(
-            sharded, fac(axis_name="d", comm=comm, staging="host"))
+            sharded, fac(axis_name="d", comm=comm, staging="host")
+        )
         cases[f"shard_map-{name}-mean-comm_bf16"] = functools.partial(
-            sharded, fac(axis_name="d", comm=comm, comm_dtype=jnp.bfloat16))
+            sharded, fac(axis_name="d", comm=comm, comm_dtype=jnp.bfloat16)
+        )
         tx = fac(axis_name="d", comm=comm)
         cases[f"vmap-{name}-mean"] = functools.partial(
-            lambda tx: jax.jit(jax.vmap(functools.partial(one, tx), axis_name="d")), tx)
+            lambda tx: jax.jit(jax.vmap(functools.partial(one, tx), axis_name="d")), tx
+        )
     for name in ("hierarchical", "two_dimensional"):
         tx = factories[name](axis_name="d", comm=comm)
         cases[f"pmap-{name}-mean"] = functools.partial(
-            lambda tx: jax.pmap(functools.partial(one, tx), axis_name="d"), tx)
+            lambda tx: jax.pmap(functools.partial(one, tx), axis_name="d"), tx
+        )
 
     # Random f32 data (the same global tree on every rank, this rank's rows),
     # compared bitwise with the mesh backend by the pytest side.
     from mpi_data import random_tree
+
     size = comm.Get_size()
-    rand = {k: jnp.asarray(v[D * rank:D * (rank + 1)])
-            for k, v in random_tree(np, D * size).items()}
+    rand = {
+        k: jnp.asarray(v[D * rank : D * (rank + 1)]) for k, v in random_tree(np, D * size).items()
+    }
     inputs = {}
     for name, fac in factories.items():
         key = f"random-shard_map-{name}-mean"
@@ -87,8 +98,10 @@ def main():
     def custom_calls(fn, x):
         """(target, operand types) of each custom call in the lowered step."""
         text = fn.lower(x).as_text()
-        return [(m.group(1), m.group(2)) for m in re.finditer(
-            r"custom_call @(\w+)\(.*?\)\s.*?:\s*\(([^)]*)\)\s*->", text)]
+        return [
+            (m.group(1), m.group(2))
+            for m in re.finditer(r"custom_call @(\w+)\(.*?\)\s.*?:\s*\(([^)]*)\)\s*->", text)
+        ]
 
     wanted = list(cases) if ns.cases == "all" else ns.cases.split(",")
     for key in wanted:
@@ -103,6 +116,7 @@ def main():
             res.add(key, to_numpy(out))
         except Exception as e:  # recorded; pytest fails the case with the message
             import traceback
+
             res.add(key, "ERROR: " + "".join(traceback.format_exception(e)))
     res.add("leaves", LEAVES)
     res.write()

@@ -18,6 +18,7 @@ import sys
 
 if "thread_level" in sys.argv:  # before mpi4py.MPI is imported by init()
     import mpi4py
+
     mpi4py.rc.thread_level = "serialized"
 
 from _worker import Results, arm_watchdog, init  # noqa: E402
@@ -44,11 +45,13 @@ def main():
         def body(r):
             t = make_tree(r[0])
             return tx.update(t, tx.init(t))[0]
+
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P()))
 
     if ns.mode == "trace_alone":
         tx = jaxsync.hierarchical_mean(axis_name="d")  # comm="auto"
         from jaxsync._config import make_config
+
         res.add("backend", repr(make_config("t", "hierarchical", "d", "auto").backend))
         step = step_of(tx, lambda v: {"w": jnp.full((5,), v)})
         res.write()
@@ -58,12 +61,19 @@ def main():
             shapes = jax.eval_shape(fresh(), x)
             lowered = fresh().lower(x)
             jaxpr = jax.make_jaxpr(fresh())(x)
-            res.add("alone", (str(shapes["w"].shape), "jaxsync_allreduce" in lowered.as_text(),
-                              len(str(jaxpr)) > 0))
+            res.add(
+                "alone",
+                (
+                    str(shapes["w"].shape),
+                    "jaxsync_allreduce" in lowered.as_text(),
+                    len(str(jaxpr)) > 0,
+                ),
+            )
         outs = [np.asarray(jax.block_until_ready(step(x))["w"]) for _ in range(3)]
         res.add("train", outs)
         res.write()
     elif ns.mode == "custom_node":
+
         class Box:
             """A custom node whose aux data repr holds addresses."""
 
@@ -73,7 +83,8 @@ def main():
         jax.tree_util.register_pytree_with_keys(
             Box,
             lambda b: (((jax.tree_util.GetAttrKey("w"), b.w),), (b.fn, b.tag)),
-            lambda aux, kids: Box(kids[0], *aux))
+            lambda aux, kids: Box(kids[0], *aux),
+        )
         junk = [object() for _ in range(1000 * (rank + 1))]  # addresses differ
         fn = lambda v: v  # noqa: E731 - a distinct address on each process
         tag = object()
@@ -89,10 +100,17 @@ def main():
                 res.add(key, ("OK", f()))
             except Exception as e:  # noqa: BLE001
                 res.add(key, (type(e).__name__, str(e)))
+
         arm_watchdog(60)
         attempt("sync", lambda: np.asarray(jax.block_until_ready(step(x)).w))
-        attempt("broadcast", lambda: np.asarray(jaxsync.broadcast_params(
-            Box(jnp.full((3,), float(rank)), fn, tag), root=1, comm=comm).w))
+        attempt(
+            "broadcast",
+            lambda: np.asarray(
+                jaxsync.broadcast_params(
+                    Box(jnp.full((3,), float(rank)), fn, tag), root=1, comm=comm
+                ).w
+            ),
+        )
         res.write()
     elif ns.mode == "nan_f16":
         arm_watchdog(60)
@@ -109,8 +127,9 @@ def main():
         res.add("nan", (np.asarray(out["w"]), np.asarray(out["v"]), bool(finite)))
         for staging in ("device", "host"):
             t16 = jaxsync.hierarchical_mean(axis_name="d", comm=comm, staging=staging)
-            big = step_of(t16, lambda v: {"h": jnp.full((6,), 40000.0, jnp.float16)
-                                          + v.astype(jnp.float16)})
+            big = step_of(
+                t16, lambda v: {"h": jnp.full((6,), 40000.0, jnp.float16) + v.astype(jnp.float16)}
+            )
             res.add(f"f16-{staging}", np.asarray(jax.block_until_ready(big(x))["h"]))
         res.write()
     elif ns.mode == "watchdog_loop":
@@ -124,13 +143,18 @@ def main():
                 out = step(x)
             out = np.asarray(jax.block_until_ready(out)["w"])
             from jaxsync._topology import Comms
+
             mine = Comms.of(sub)
-            handles = [mine.world, mine.control, mine.agreement, *mine._devices,
-                       *[w.comm for w in mine._watchdogs.values()]]
+            handles = [
+                mine.world,
+                mine.control,
+                mine.agreement,
+                *mine._devices,
+                *[w.comm for w in mine._watchdogs.values()],
+            ]
             freed = jaxsync.free_communicators(sub)
             sub.Free()
-            rounds.append((out, freed, len(handles),
-                           all(h == MPI.COMM_NULL for h in handles)))
+            rounds.append((out, freed, len(handles), all(h == MPI.COMM_NULL for h in handles)))
         res.add("rounds", rounds)
         res.write()
         # falls off the end: clean exit with watchdog threads stopped

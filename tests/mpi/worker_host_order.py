@@ -26,8 +26,9 @@ def main():
         wrong = 0
         for _ in range(10):
             out = jax.block_until_ready(f(tree))
-            wrong += sum(int(not np.all(np.asarray(out[f"p{i:03d}"]) == 500.0 + i))
-                         for i in range(200))
+            wrong += sum(
+                int(not np.all(np.asarray(out[f"p{i:03d}"]) == 500.0 + i)) for i in range(200)
+            )
             wrong += int(not np.all(np.asarray(out["h"], np.float32) == 1.5))
         res.add(strategy, wrong)
     res.write()

@@ -14,8 +14,14 @@ hierarchical sync: one in-place MPI call for all buffers, no conditional, and
 
 from _worker import Results, init, to_numpy
 
-LEAVES = (("f16", "float16", (3,)), ("bf16", "bfloat16", (2, 3)), ("f32", "float32", (5,)),
-          ("f64", "float64", (4,)), ("f32b", "float32", (7,)), ("bf16b", "bfloat16", (1,)))
+LEAVES = (
+    ("f16", "float16", (3,)),
+    ("bf16", "bfloat16", (2, 3)),
+    ("f32", "float32", (5,)),
+    ("f64", "float64", (4,)),
+    ("f32b", "float32", (7,)),
+    ("bf16b", "bfloat16", (1,)),
+)
 STRATEGIES = ("naive", "flat", "hierarchical", "two_dimensional")
 
 
@@ -40,8 +46,10 @@ def main():
     res.add("status", _mpi_load.native_status())
 
     def tree(r):
-        return {name: (jnp.ones(shape, jnp.float32) * (r + k)).astype(jnp.dtype(dt))
-                for k, (name, dt, shape) in enumerate(LEAVES)}
+        return {
+            name: (jnp.ones(shape, jnp.float32) * (r + k)).astype(jnp.dtype(dt))
+            for k, (name, dt, shape) in enumerate(LEAVES)
+        }
 
     txs = {s: getattr(jaxsync, f"{s}_mean")(axis_name="d", comm=comm) for s in STRATEGIES}
 
@@ -62,6 +70,7 @@ def main():
             res.add(key, fn())
         except Exception as e:  # recorded; pytest fails the case with the message
             import traceback
+
             res.add(key, "ERROR: " + "".join(traceback.format_exception(e)))
 
     attempt("shard_map", lambda: [to_numpy(jax.block_until_ready(f(x))) for _ in range(3)])
@@ -72,17 +81,22 @@ def main():
     handle = comm.py2f()
 
     def direct(a, b, c):
-        tok, ys = _native_prim.native_call("allreduce", [a, b, c], jax.lax.create_token(),
-                                           jnp.int32(handle), jnp.int32(1), size)
+        tok, ys = _native_prim.native_call(
+            "allreduce", [a, b, c], jax.lax.create_token(), jnp.int32(handle), jnp.int32(1), size
+        )
         return ys
 
-    bufs = (jnp.full((4,), rank + 1.0, jnp.float32), jnp.full((3,), rank + 0.5, jnp.float64),
-            jnp.full((5,), rank + 2, jnp.int32))
+    bufs = (
+        jnp.full((4,), rank + 1.0, jnp.float32),
+        jnp.full((3,), rank + 0.5, jnp.float64),
+        jnp.full((5,), rank + 2, jnp.int32),
+    )
     attempt("direct", lambda: to_numpy(jax.jit(direct)(*bufs)))
 
     def bad(a):
-        tok, ys = _native_prim.native_call("allreduce", [a], jax.lax.create_token(),
-                                           jnp.int32(handle), jnp.int32(1), size)
+        tok, ys = _native_prim.native_call(
+            "allreduce", [a], jax.lax.create_token(), jnp.int32(handle), jnp.int32(1), size
+        )
         return ys[0]
 
     try:
@@ -96,14 +110,13 @@ def main():
     # buffers of odd sizes past the target's 1 Mi-element chunk, bfloat16 and
     # float16 and float32 in one call. Reference: float32 left fold in rank
     # order, rounded once to nearest even (ml_dtypes' cast).
-    sizes = {"bfloat16": (1, 300_001, 1_000_003, 17) + (15_999,) * 70,
-             "float16": (5, 1_200_000)}
+    sizes = {"bfloat16": (1, 300_001, 1_000_003, 17) + (15_999,) * 70, "float16": (5, 1_200_000)}
 
     def values(r, dt, n, i):
         g = np.random.default_rng([r, n, i])
         scale = 1e4 if dt == "bfloat16" else 30.0
         v = (g.standard_normal(n) * scale).astype(np.float32)
-        v[: n // 50] = np.float32(2.0 ** -20) * g.standard_normal(n // 50)  # tiny, subnormal in f16
+        v[: n // 50] = np.float32(2.0**-20) * g.standard_normal(n // 50)  # tiny, subnormal in f16
         return v.astype(jnp.dtype(dt))
 
     low = [(dt, n, i) for dt, ns_ in sizes.items() for i, n in enumerate(ns_)]
@@ -111,8 +124,9 @@ def main():
     mine.append(jnp.full((3,), rank + 0.25, jnp.float32))
 
     def direct16(*xs):
-        tok, ys = _native_prim.native_call("allreduce", list(xs), jax.lax.create_token(),
-                                           jnp.int32(handle), jnp.int32(1), size)
+        tok, ys = _native_prim.native_call(
+            "allreduce", list(xs), jax.lax.create_token(), jnp.int32(handle), jnp.int32(1), size
+        )
         return ys
 
     def reference():
@@ -125,8 +139,7 @@ def main():
         out.append(np.full((3,), sum(r + 0.25 for r in range(size)), np.float32))
         return out
 
-    attempt("direct16", lambda: dict(got=to_numpy(jax.jit(direct16)(*mine)),
-                                     want=reference()))
+    attempt("direct16", lambda: dict(got=to_numpy(jax.jit(direct16)(*mine)), want=reference()))
 
     # Compiled HLO of one hierarchical sync of the whole tree (16-bit leaves too).
     def one_sync(tx):
@@ -134,33 +147,43 @@ def main():
             t = jax.tree_util.tree_map(lambda x: x[0], t)
             out = tx.update(t, tx.init(t))[0]
             return jax.tree_util.tree_map(lambda x: x[None], out)
+
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
 
     h = one_sync(jaxsync.hierarchical_mean(axis_name="d", comm=comm))
     text = h.lower(x).compile().as_text()
-    entry = text[text.index("ENTRY"):]  # fusions may copy inside; the step must not
-    res.add("hlo", dict(
-        calls=len(re.findall(r'custom_call_target="jaxsync_allreduce"', text)),
-        conditional=len(re.findall(r"\bconditional\(", text)),
-        copy=len(re.findall(r"\bcopy\(", entry)),
-        all_reduce=len(re.findall(r"\ball-reduce\(", text)),
-        aliasing="output_to_operand_aliasing" in text,
-        # Any effect (an io_callback, an ordered MPI primitive) puts jit's dispatch
-        # on its slow path: tens of microseconds per output of the step.
-        effects=[str(e) for e in h.trace(x).jaxpr.effects]
-        + [str(e) for e in f.trace(x).jaxpr.effects],
-        text=text))
+    entry = text[text.index("ENTRY") :]  # fusions may copy inside; the step must not
+    res.add(
+        "hlo",
+        dict(
+            calls=len(re.findall(r'custom_call_target="jaxsync_allreduce"', text)),
+            conditional=len(re.findall(r"\bconditional\(", text)),
+            copy=len(re.findall(r"\bcopy\(", entry)),
+            all_reduce=len(re.findall(r"\ball-reduce\(", text)),
+            aliasing="output_to_operand_aliasing" in text,
+            # Any effect (an io_callback, an ordered MPI primitive) puts jit's dispatch
+            # on its slow path: tens of microseconds per output of the step.
+            effects=[str(e) for e in h.trace(x).jaxpr.effects]
+            + [str(e) for e in f.trace(x).jaxpr.effects],
+            text=text,
+        ),
+    )
     attempt("hlo-run", lambda: to_numpy(jax.block_until_ready(h(x))))
 
     # flat: with one device per process the native target packs the leaves (no
     # XLA concatenate, slice or copy around its one call).
     hf = one_sync(jaxsync.flat_mean(axis_name="d", comm=comm))
     text = hf.lower(x).compile().as_text()
-    entry = text[text.index("ENTRY"):]
-    res.add("hlo-flat", dict(
-        calls=len(re.findall(r'custom_call_target="jaxsync_allreduce"', text)),
-        concatenate=len(re.findall(r"\bconcatenate\(", text)),
-        copy=len(re.findall(r"\bcopy\(", entry)), text=text))
+    entry = text[text.index("ENTRY") :]
+    res.add(
+        "hlo-flat",
+        dict(
+            calls=len(re.findall(r'custom_call_target="jaxsync_allreduce"', text)),
+            concatenate=len(re.findall(r"\bconcatenate\(", text)),
+            copy=len(re.findall(r"\bcopy\(", entry)),
+            text=text,
+        ),
+    )
     res.write()
 
 

@@ -19,11 +19,13 @@ def main():
     rank = comm.Get_rank()
     res = Results(ns.out, rank)
     res.add("devices", jax.local_device_count())
-    tree = jax.tree_util.tree_map(lambda x: x[0],
-                                  make_tree(jnp, np, first_replica=rank, count=1))
-    factories = dict(naive=jaxsync.naive_mean, flat=jaxsync.flat_mean,
-                     hierarchical=jaxsync.hierarchical_mean,
-                     two_dimensional=jaxsync.two_dimensional_mean)
+    tree = jax.tree_util.tree_map(lambda x: x[0], make_tree(jnp, np, first_replica=rank, count=1))
+    factories = dict(
+        naive=jaxsync.naive_mean,
+        flat=jaxsync.flat_mean,
+        hierarchical=jaxsync.hierarchical_mean,
+        two_dimensional=jaxsync.two_dimensional_mean,
+    )
     for name, fac in factories.items():
         for reduce in ("mean", "sum"):
             tx = fac(axis_name=None, comm=comm, reduce=reduce)

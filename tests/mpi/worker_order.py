@@ -10,12 +10,13 @@ filled with ``r + k + s`` and leaf ``k`` of tree B with ``r + 2 k + s``; with
 ``N`` replicas the means are ``(N - 1) / 2 + k + s`` and ``(N - 1) / 2 + 2 k + s``:
 integers or halves, exact in float32 and bfloat16 (all values stay below 256).
 Modes: ``jit`` (axis_name=None), ``vmap`` and ``shard_map`` over the D local
-devices, and ``shard_map-host`` (staging="host"). Records every step's outputs for bitwise comparison.
+devices, and ``shard_map-host`` (staging="host"). Records every step's outputs for bitwise
+comparison.
 """
 
 from _worker import Results, init, to_numpy
 
-LEAVES_A = 12   # f32 and bf16 leaves alternating
+LEAVES_A = 12  # f32 and bf16 leaves alternating
 LEAVES_B = 9
 STEPS = 8
 
@@ -41,10 +42,14 @@ def main():
     def trees(r, s):
         """Trees of replica(s) ``r`` (a scalar or a vector of replica ids) at step s."""
         r = jnp.asarray(r, jnp.float32)
-        a = {f"a{k:02d}": (jnp.full((5 + k,), 1.0) * (r + k + s)).astype(dtype(k))
-             for k in range(LEAVES_A)}
-        b = {f"b{k:02d}": (jnp.full((3, 2 + k), 1.0) * (r + 2 * k + s)).astype(dtype(k + 1))
-             for k in range(LEAVES_B)}
+        a = {
+            f"a{k:02d}": (jnp.full((5 + k,), 1.0) * (r + k + s)).astype(dtype(k))
+            for k in range(LEAVES_A)
+        }
+        b = {
+            f"b{k:02d}": (jnp.full((3, 2 + k), 1.0) * (r + 2 * k + s)).astype(dtype(k + 1))
+            for k in range(LEAVES_B)
+        }
         return a, b
 
     def make(axis, staging="device"):
@@ -60,14 +65,17 @@ def main():
             # differently), after both in the token chain
             out_c = tc.update(a, tc.init(a))[0]
             return out_a, out_b, out_c
+
         return step
 
     mesh = Mesh(np.array(jax.devices()), ("d",))
     modes = {}
     if D == 1:
         modes["jit"] = (jax.jit(make(None)), lambda s: trees(rank, s))
-    modes["vmap"] = (jax.jit(jax.vmap(make("d"), axis_name="d")),
-                     lambda s: jax.vmap(lambda r: trees(r, s))(jnp.arange(D) + D * rank))
+    modes["vmap"] = (
+        jax.jit(jax.vmap(make("d"), axis_name="d")),
+        lambda s: jax.vmap(lambda r: trees(r, s))(jnp.arange(D) + D * rank),
+    )
 
     def sharded(staging):
         step = make("d", staging)
@@ -76,6 +84,7 @@ def main():
             one = lambda t: jax.tree_util.tree_map(lambda x: x[0], t)
             outs = step(one(a), one(b))
             return jax.tree_util.tree_map(lambda x: x[None], outs)
+
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
 
     rows = lambda s: jax.vmap(lambda r: trees(r, s))(jnp.arange(D) + D * rank)
@@ -87,8 +96,11 @@ def main():
 
     def token_chain(text):
         """(result, target, token operand) of each jaxsync call, and create_tokens."""
-        calls = re.findall(r"(%[\w]+)(?::\d+)? = stablehlo\.custom_call "
-                           r"@(jaxsync_\w+)\((%[\w#]+)", text)
+        calls = re.findall(
+            r"(%[\w]+)(?::\d+)? = stablehlo\.custom_call "
+            r"@(jaxsync_\w+)\((%[\w#]+)",
+            text,
+        )
         return calls, len(re.findall(r"stablehlo\.create_token", text))
 
     for mode, (fn, data) in modes.items():
@@ -101,6 +113,7 @@ def main():
             res.add(mode, outs)
         except Exception as e:  # recorded; pytest fails the case with the message
             import traceback
+
             res.add(mode, "ERROR: " + "".join(traceback.format_exception(e)))
     res.add("layout", dict(leaves_a=LEAVES_A, leaves_b=LEAVES_B, steps=STEPS))
     res.write()

@@ -31,10 +31,14 @@ def main():
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     res = Results(ns.out, rank)
-    rng = np.random.default_rng(0)   # same on every rank: the initial parameters
-    params0 = {"emb": jnp.asarray(rng.normal(size=(V, DIM)) * 0.1, jnp.float32),
-               "head": {"w": jnp.asarray(rng.normal(size=(DIM, C)) * 0.1, jnp.float32),
-                        "b": jnp.zeros(C, jnp.float32)}}
+    rng = np.random.default_rng(0)  # same on every rank: the initial parameters
+    params0 = {
+        "emb": jnp.asarray(rng.normal(size=(V, DIM)) * 0.1, jnp.float32),
+        "head": {
+            "w": jnp.asarray(rng.normal(size=(DIM, C)) * 0.1, jnp.float32),
+            "b": jnp.zeros(C, jnp.float32),
+        },
+    }
     # Generated data: each process its own examples; the label is a function of
     # the ids (so the model can learn it). Ids repeat within and across ranks.
     data = np.random.default_rng(100 + rank)
@@ -50,8 +54,11 @@ def main():
 
     def train(sparse, opt):
         if sparse:
-            tail = jaxsync.sparse_sgd(0.5) if opt == "sgd" else optax.chain(
-                jaxsync.densify(), optax.adam(1e-2))
+            tail = (
+                jaxsync.sparse_sgd(0.5)
+                if opt == "sgd"
+                else optax.chain(jaxsync.densify(), optax.adam(1e-2))
+            )
         else:
             tail = optax.sgd(0.5) if opt == "sgd" else optax.adam(1e-2)
         sync = jaxsync.hierarchical_mean(axis_name=None, comm=comm)
@@ -73,8 +80,9 @@ def main():
             p, s = step(p, s, b)
             jax.block_until_ready(p)
         # What the sync hands on for the table (a trace-time fact).
-        synced = jax.eval_shape(lambda p, b: sync.update(grads(p, b), sync.init(p))[0],
-                                p, batches[0])
+        synced = jax.eval_shape(
+            lambda p, b: sync.update(grads(p, b), sync.init(p))[0], p, batches[0]
+        )
         return p, type(synced["emb"]).__name__
 
     for opt in ("sgd", "adam"):
@@ -83,9 +91,15 @@ def main():
             p, kind = train(sparse, opt)
             leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(p)]
             digest = hashlib.sha256(b"".join(x.tobytes() for x in leaves)).hexdigest()
-            res.add(key, {"params": jax.tree_util.tree_map(np.asarray, p),
-                          "digest": digest, "update_kind": kind,
-                          "moved": float(np.abs(leaves[0] - np.asarray(params0["emb"])).max())})
+            res.add(
+                key,
+                {
+                    "params": jax.tree_util.tree_map(np.asarray, p),
+                    "digest": digest,
+                    "update_kind": kind,
+                    "moved": float(np.abs(leaves[0] - np.asarray(params0["emb"])).max()),
+                },
+            )
     res.add("size", size)
     res.write()
 

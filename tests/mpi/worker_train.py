@@ -9,7 +9,8 @@ sharded over "d"), so every replica's copy can be compared.
 
 Rank 0 also trains the reference: plain ``optax.adam(1e-2)`` on the whole
 batch in one process. ``hierarchical-sgd`` repeats the hierarchical run with
-``optax.sgd(0.1)`` (reference ``reference-sgd``). Each rank records its final parameters, the sha256 of
+``optax.sgd(0.1)`` (reference ``reference-sgd``). Each rank records its final parameters, the
+sha256 of
 their bytes, and the digests of every rank (gathered with mpi4py).
 """
 
@@ -32,10 +33,12 @@ def data(np):
 
 def init_params(np):
     rng = np.random.default_rng(7)
-    return {"w1": (rng.standard_normal((5, 16)) / np.sqrt(5)).astype(np.float32),
-            "b1": np.zeros(16, np.float32),
-            "w2": (rng.standard_normal((16, 1)) / 4).astype(np.float32),
-            "b2": np.zeros(1, np.float32)}
+    return {
+        "w1": (rng.standard_normal((5, 16)) / np.sqrt(5)).astype(np.float32),
+        "b1": np.zeros(16, np.float32),
+        "w2": (rng.standard_normal((16, 1)) / 4).astype(np.float32),
+        "b2": np.zeros(1, np.float32),
+    }
 
 
 def loss_fn(jnp, params, x, y):
@@ -45,6 +48,7 @@ def loss_fn(jnp, params, x, y):
 
 def digest(np, tree):
     import jax
+
     h = hashlib.sha256()
     for leaf in jax.tree_util.tree_leaves(tree):
         a = np.ascontiguousarray(np.asarray(leaf))
@@ -74,23 +78,25 @@ def main():
     x, y = data(np)
     per = BATCH // (D * size)
     lo = D * rank * per
-    local_x = jax.device_put(x[lo:lo + D * per], shard)
-    local_y = jax.device_put(y[lo:lo + D * per], shard)
+    local_x = jax.device_put(x[lo : lo + D * per], shard)
+    local_y = jax.device_put(y[lo : lo + D * per], shard)
     params0 = init_params(np)
     loss = functools.partial(loss_fn, jnp)
 
     def stack(tree):  # one copy per local replica, sharded over "d"
-        return jax.device_put(jax.tree_util.tree_map(
-            lambda a: jnp.broadcast_to(jnp.asarray(a), (D, *jnp.shape(a))), tree), shard)
+        return jax.device_put(
+            jax.tree_util.tree_map(
+                lambda a: jnp.broadcast_to(jnp.asarray(a), (D, *jnp.shape(a))), tree
+            ),
+            shard,
+        )
 
-    runs = {name: (name, optax.adam(LR))
-            for name in ("hierarchical", "two_dimensional", "flat")}
+    runs = {name: (name, optax.adam(LR)) for name in ("hierarchical", "two_dimensional", "flat")}
     # Adam is invariant to a constant gradient scale (a wrong divisor would not
     # show); plain SGD is not.
     runs["hierarchical-sgd"] = ("hierarchical", optax.sgd(SGD_LR))
     for name, (strategy, opt) in runs.items():
-        tx = optax.chain(getattr(jaxsync, f"{strategy}_mean")(axis_name="d", comm=comm),
-                         opt)
+        tx = optax.chain(getattr(jaxsync, f"{strategy}_mean")(axis_name="d", comm=comm), opt)
 
         def body(params, opt_state, xb, yb, tx=tx):
             params, opt_state = jax.tree_util.tree_map(lambda a: a[0], (params, opt_state))
@@ -104,15 +110,14 @@ def main():
         opt_state = stack(tx.init(params0))
         for _ in range(ns.steps):
             # One step in flight (README, "Fake CPU devices").
-            params, opt_state = jax.block_until_ready(
-                step(params, opt_state, local_x, local_y))
+            params, opt_state = jax.block_until_ready(step(params, opt_state, local_x, local_y))
         params = to_numpy(params)
         mine = digest(np, params)
         res.add(name, dict(params=params, digest=mine, digests=comm.allgather(mine)))
 
     if rank == 0:
-        for key, ref_tx in (("reference", optax.adam(LR)),
-                            ("reference-sgd", optax.sgd(SGD_LR))):
+        for key, ref_tx in (("reference", optax.adam(LR)), ("reference-sgd", optax.sgd(SGD_LR))):
+
             @jax.jit
             def ref_step(params, opt_state, ref_tx=ref_tx):
                 grads = jax.grad(loss)(params, x, y)

@@ -27,8 +27,14 @@ def main():
     x = {"w": jnp.arange(first, first + D, dtype=jnp.float32)[:, None]}
     for name in ("naive", "flat", "hierarchical", "two_dimensional"):
         tx = getattr(jaxsync, f"{name}_mean")(axis_name="d", comm=comm)
-        f = jax.jit(jax.shard_map(lambda t, tx=tx: tx.update(t, tx.init(t))[0],
-                                  mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+        f = jax.jit(
+            jax.shard_map(
+                lambda t, tx=tx: tx.update(t, tx.init(t))[0],
+                mesh=mesh,
+                in_specs=P("d"),
+                out_specs=P("d"),
+            )
+        )
         try:
             res.add(name, ("OK", np.asarray(jax.block_until_ready(f(x))["w"])))
         except Exception as e:  # noqa: BLE001

@@ -25,7 +25,7 @@ def main():
     res = Results(ns.out, rank)
     mesh = Mesh(np.array(jax.devices()), ("d",))
     d = jax.local_device_count()
-    x = jnp.arange(d, dtype=jnp.float32) + d * rank   # replica r holds r
+    x = jnp.arange(d, dtype=jnp.float32) + d * rank  # replica r holds r
 
     # Row 10: straggler and watchdog.
     for strategy in ("hierarchical", "two_dimensional"):
@@ -43,13 +43,14 @@ def main():
             outs.append(to_numpy(jax.block_until_ready(g(x))["w"]))
         res.add(f"straggler-{strategy}", outs)
     from jaxsync._topology import Comms
+
     res.add("watchdog-reports", list(Comms.of(comm).watchdog(1.0).reports))
 
     # Row 12: two syncs, many buckets each, in one compiled step.
-    t1 = jaxsync.hierarchical_mean(axis_name="d", comm=comm, bucket_bytes=64,
-                                   pack_threshold=None)
-    t2 = jaxsync.two_dimensional_mean(axis_name="d", comm=comm, bucket_bytes=64,
-                                      pack_threshold=None, comm_dtype=jnp.bfloat16)
+    t1 = jaxsync.hierarchical_mean(axis_name="d", comm=comm, bucket_bytes=64, pack_threshold=None)
+    t2 = jaxsync.two_dimensional_mean(
+        axis_name="d", comm=comm, bucket_bytes=64, pack_threshold=None, comm_dtype=jnp.bfloat16
+    )
     traces = []
 
     def step(r):
