@@ -24,7 +24,7 @@ import os
 import threading
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optax
 
@@ -40,6 +40,10 @@ from ._auto_choose import (
 )
 from ._cost import Profile
 from ._cost_ops import ModelTopology
+
+if TYPE_CHECKING:
+    from ._config import AxisName, Bytes, CheckFinite, Comm, DTypeLike, Reduce, Staging
+    from ._sparse import SparseOptions
 
 __all__ = [
     "AUTO",
@@ -288,18 +292,19 @@ class AutoTransformation(optax.GradientTransformation):
 
 
 def auto_mean(
-    axis_name: Any,
-    comm: Any = AUTO,
+    axis_name: AxisName,
+    comm: Comm = AUTO,
     *,
     profile: str | os.PathLike | dict | Profile | None = None,
-    reduce: str = "mean",
-    bucket_bytes: int | str | None = AUTO,
-    pack_threshold: int | str | None = AUTO,
-    comm_dtype: Any = None,
+    reduce: Reduce = "mean",
+    bucket_bytes: Bytes = AUTO,
+    pack_threshold: Bytes = AUTO,
+    comm_dtype: DTypeLike | None = None,
     predivide: float | None = None,
-    check_finite: bool | str = False,
-    staging: str = "device",
+    check_finite: CheckFinite = False,
+    staging: Staging = "device",
     timeout: float | None = None,
+    sparse: SparseOptions | None = None,
 ) -> AutoTransformation:
     """Average gradients with the strategy the cost model predicts fastest.
 
@@ -322,7 +327,7 @@ def auto_mean(
         path), its JSON as a dict, or ``None``: ``$JAXSYNC_PROFILE``, else
         ``~/.cache/jaxsync/profile.json`` (where ``tune`` writes by default),
         else the built-in default parameters (see the README).
-      reduce, comm_dtype, predivide, check_finite, staging, timeout: as for
+      reduce, comm_dtype, predivide, check_finite, staging, timeout, sparse: as for
         :func:`jaxsync.hierarchical_mean`.
       bucket_bytes: ``"auto"`` (chosen) or a fixed value.
       pack_threshold: ``"auto"`` (chosen) or a fixed value (``None``: pack all).
@@ -355,6 +360,7 @@ def auto_mean(
         check_finite=check_finite,
         staging=staging,
         timeout=timeout,
+        sparse=sparse,
     )
     init_fn, update_fn = transform_fns(fn, cfg)
     update_fn.config = cfg

@@ -13,12 +13,13 @@ functions) ``jaxsync._plan``.
 from __future__ import annotations
 
 import dataclasses
+from typing import Final
 
 from . import _cost, _cost_ops
 from ._cost import Profile
 from ._cost_ops import BucketInfo, ModelTopology
 
-AUTO = "auto"
+AUTO: Final = "auto"
 CANDIDATE_STRATEGIES = ("hierarchical", "two_dimensional", "flat", "naive")
 """In order of preference on a tie (within a relative 1e-9)."""
 CANDIDATE_BUCKETS = (16 * 2**20, 64 * 2**20)

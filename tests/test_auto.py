@@ -589,3 +589,9 @@ def test_describe_shows_this_transforms_choices_only():
     b = jaxsync.auto_mean(axis_name="i", comm=None, profile=_cost.DEFAULT_PROFILE)
     jax.vmap(lambda g: a.update(g, a.init(g))[0], axis_name="i")({"w": jnp.ones((2, 3))})
     assert "x 2 device(s)" in a.describe() and "nothing chosen yet" in b.describe()
+
+
+def test_auto_mean_takes_the_sparse_option_like_every_factory():
+    opts = jaxsync.SparseOptions(mode="dense")
+    tx = jaxsync.auto_mean(axis_name="i", comm=None, sparse=opts)
+    assert tx.update.config.sparse == opts
