@@ -184,7 +184,7 @@ class Comms:
 
     _cache: dict = {}
 
-    def __init__(self, comm):
+    def __init__(self, comm: Any) -> None:
         self.user = comm
         self.world = comm.Dup()  # collectives inside compiled steps
         self.control = comm.Dup()  # Python-level checks, never concurrent with steps
