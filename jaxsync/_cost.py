@@ -96,6 +96,11 @@ class Profile:
         copies, per reduced leaf and per byte of the tree (seconds, either may
         be negative: see ``jaxsync._cost_fit.fit_overhead``), fitted by
         ``tune`` on whole syncs of synthetic trees.
+      overheads16: ``((strategy, per_byte), ...)``: what a whole
+        synchronisation with ``strategy`` costs per byte of 16-bit (float16,
+        bfloat16) data beyond the above (seconds, >= 0: conversions to float32
+        and back, the user-defined MPI sum), fitted by ``tune`` on a whole sync
+        of a synthetic bfloat16 tree.
       topology: ``{"processes", "hosts", "local_devices"}`` it was measured on
         (``None`` for the built-in default).
       source: where it came from (a path, or ``"built-in default"``).
@@ -109,6 +114,7 @@ class Profile:
     fit: dict | None = None
     leaf: float = 0.0
     overheads: tuple = ()
+    overheads16: tuple = ()
 
     def link(self, name: str) -> Link:
         for k, v in self.links:
@@ -128,6 +134,10 @@ class Profile:
                 return (float(v[0]), float(v[1]))
         return (0.0, 0.0)
 
+    def overhead16(self, strategy: str) -> float:
+        """Seconds per byte of 16-bit data of ``strategy`` (0 if not fitted)."""
+        return next((float(v) for k, v in self.overheads16 if k == strategy), 0.0)
+
     def missing(self) -> list[str]:
         return [n for n in LINKS if not self.has(n)]
 
@@ -139,6 +149,7 @@ class Profile:
             "leaf": self.leaf,
             "topology": self.topology,
             "overheads": {k: list(v) for k, v in self.overheads},
+            "overheads16": dict(self.overheads16),
             "fit": self.fit,
         }
 
@@ -173,6 +184,8 @@ class Profile:
                 for k, v in (data.get("overheads") or {}).items()
             )
         )
+        got16 = (data.get("overheads16") or {}).items()
+        over16 = tuple(sorted((str(k), float(v)) for k, v in got16))
         return cls(
             tuple(links),
             float(data.get("copy", DEFAULT_PROFILE.copy)),
@@ -181,6 +194,7 @@ class Profile:
             data.get("fit"),
             float(data.get("leaf", 0.0)),
             over,
+            over16,
         )
 
     def digest(self) -> str:
@@ -192,6 +206,8 @@ class Profile:
         }
         if self.overheads:  # (profiles without them keep their digest)
             body["overheads"] = {k: list(v) for k, v in self.overheads}
+        if self.overheads16:
+            body["overheads16"] = dict(self.overheads16)
         text = json.dumps(body, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 

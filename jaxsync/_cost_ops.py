@@ -103,7 +103,7 @@ class Op:
     """Collectives of one kind issued at one stage (one message per size)."""
 
     stage: str  # "intra", "inter", "local"
-    kind: str  # a collective, "copy", "leaf" or "strategy" (its overhead)
+    kind: str  # a collective, "copy", "leaf", "strategy" or "strategy16" (overheads)
     link: str  # for "strategy": the strategy's name
     members: int
     sizes: tuple  # bytes of each message (whole buffer per member)
@@ -118,6 +118,8 @@ class Op:
         if self.kind == "strategy":  # sizes: (leaves, bytes of the tree)
             per_leaf, per_byte = profile.overhead(self.link)
             return per_leaf * self.sizes[0] + per_byte * self.sizes[1]
+        if self.kind == "strategy16":  # sizes: (bytes of 16-bit data,)
+            return profile.overhead16(self.link) * self.sizes[0]
         link = profile.link(self.link)
         return self.calls * link.call + float(
             sum(
@@ -200,6 +202,9 @@ def strategy_ops(
     group = NATIVE_SMALL_BYTES
     if strategy == "flat" and _alone(topo):
         group = bucket_bytes if bucket_bytes is not None else 1 << 62
+    low16 = sum(n for _, n, isz, _ in items if isz == 2)
+    if low16:  # 16-bit data: converted to float32 and back wherever it is summed
+        ops.append(Op("local", "strategy16", strategy, 1, (low16,)))
     packed = sum(n for _, n, _, k in items if k > 1)
     if packed:
         ops.append(Op("local", "copy", "", 1, (2 * packed,)))  # pack + unpack
@@ -293,6 +298,7 @@ def predict(
     """
     profile = profile or DEFAULT_PROFILE
     ops = strategy_ops(strategy, buckets, topo, comm_itemsize, bucket_bytes)
-    base = sum(op.seconds(profile) for op in ops if op.kind != "strategy")
-    total = base + sum(op.seconds(profile) for op in ops if op.kind == "strategy")
+    over = ("strategy", "strategy16")
+    base = sum(op.seconds(profile) for op in ops if op.kind not in over)
+    total = base + sum(op.seconds(profile) for op in ops if op.kind in over)
     return max(total, MIN_SHARE * base)

@@ -33,7 +33,6 @@ MPI ops), ``_project``, ``_tune_sync`` (the whole-sync part of the calibration).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import math
@@ -44,9 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _cost, _cost_fit, _cost_ops
+from . import _cost, _cost_fit, _cost_ops, _tune_sync
 from ._cost import Profile
-from ._cost_ops import ModelTopology
 
 KiB, MiB = 2**10, 2**20
 SIZES = (16 * KiB, 256 * KiB, 2 * MiB, 8 * MiB)
@@ -281,21 +279,12 @@ def calibrate(
     hw = {"processes": topo.size, "hosts": topo.hosts, "local_devices": D}
     prof = Profile(tuple(links), copy, hw, "calibrated", fit, 0.0)
     if D * topo.size > 1:
-        from ._tune_sync import QUICK_SYNC_TREES, SYNC_TREES, fit_overheads, measure_sync
+        from ._tune_sync import calibrate
 
-        trees = QUICK_SYNC_TREES if quick else SYNC_TREES
-        _log(rank, f"whole syncs of {len(trees)} synthetic trees per strategy")
-        s = measure_sync(comm, D, trees, max(2, rounds - 1), iters)
-        model_topo = ModelTopology(
-            processes=topo.size,
-            hosts=topo.hosts,
-            local_devices=D,
-            native=comm is not None,
-            broadcast=comm is not None,
-        )
-        over, fit["overheads"] = fit_overheads(s, trees, model_topo, prof)
-        raw["sync"] = s
-        prof = dataclasses.replace(prof, overheads=over)
+        log = functools.partial(_log, rank)
+        prof, reports, samples = calibrate(comm, D, quick, rounds, iters, topo, prof, log)
+        fit |= reports
+        raw |= samples
     fit["seconds"] = round(time.perf_counter() - t0, 1)
     fit["raw"] = {k: [list(x) for x in v] for k, v in raw.items()} | {"copy": [list(x) for x in c]}
     return prof
@@ -323,6 +312,8 @@ def print_fit(profile: Profile) -> None:
             f" | whole-sync error median {100 * rep.get('median_rel_error_before', 0):.0f}%"
             f" -> {100 * rep.get('median_rel_error', 0):.0f}% over {rep.get('samples')} trees"
         )
+    for line in _tune_sync.format_overheads16(profile):
+        print(line)
 
 
 # --------------------------------------------------------------------------

@@ -8,7 +8,9 @@ times whole syncs with each strategy's public factory (``jaxsync.naive_mean``,
 ...) in the README's ``jit(shard_map)`` step, on three synthetic float32 trees
 that differ in leaves and bytes (never the bench's trees), and fits per
 strategy the overhead per leaf and per byte that the collectives and copies
-already fitted do not predict (``jaxsync._cost_fit.fit_overhead``).
+already fitted do not predict (``jaxsync._cost_fit.fit_overhead``); then, on a
+synthetic bfloat16 tree, each strategy's extra cost per byte of 16-bit data
+(its conversions to float32 and back, the user-defined MPI sum).
 
 May import: the standard library, numpy, JAX, jaxsync's public API and
 ``jaxsync._cost``, ``_cost_ops``, ``_cost_fit``, ``_auto``, ``_plan``, ``_tune``.
@@ -29,6 +31,9 @@ KiB = 2**10
 SYNC_TREES = {"few": (8, 64 * KiB), "many": (128, 256), "big": (8, 512 * KiB)}
 QUICK_SYNC_TREES = {"few": (4, 16 * KiB), "many": (64, 256)}
 """Synthetic float32 trees: ``name: (leaves, elements per leaf)``."""
+SYNC_TREES16 = {"half": (8, 256 * KiB)}
+QUICK_SYNC_TREES16 = {"half": (4, 16 * KiB)}
+"""Synthetic bfloat16 trees, as above."""
 SYNC_STRATEGIES = ("naive", "flat", "hierarchical", "two_dimensional")
 
 
@@ -43,7 +48,9 @@ def _factory(strategy):
     }[strategy]
 
 
-def measure_sync(comm, devices: int, trees: dict, rounds: int, iters: int) -> list:
+def measure_sync(
+    comm, devices: int, trees: dict, rounds: int, iters: int, dtype: str = "float32"
+) -> list:
     """``(strategy, tree, leaves, bytes, seconds)``: whole synchronisations with each
     strategy's factory (its default options) in the README's ``jit(shard_map)``
     step over the local devices, marginal to the same step without the sync."""
@@ -69,27 +76,30 @@ def measure_sync(comm, devices: int, trees: dict, rounds: int, iters: int) -> li
 
     out = []
     for name, (k, m) in trees.items():
-        tree = {
-            f"l{i:03d}": jax.device_put(jnp.ones((devices, m), jnp.float32), sh) for i in range(k)
-        }
+        tree = {f"l{i:03d}": jax.device_put(jnp.ones((devices, m), dtype), sh) for i in range(k)}
         fns = {"base": functools.partial(step(None), tree)}
         fns |= {s: functools.partial(step(tx), tree) for s, tx in txs.items()}
         got = _time_rounds(fns, "base", rounds, iters, _control(comm))
-        out += [(s, name, k, k * m * 4, got[s]) for s in SYNC_STRATEGIES]
+        out += [(s, name, k, k * m * jnp.dtype(dtype).itemsize, got[s]) for s in SYNC_STRATEGIES]
     return out
 
 
 def _modelled(
-    strategy: str, leaves: int, elems: int, topo: ModelTopology, profile: Profile
+    strategy: str,
+    leaves: int,
+    elems: int,
+    topo: ModelTopology,
+    profile: Profile,
+    dtype: str = "float32",
 ) -> float:
-    """The model's seconds of a sync of ``leaves`` float32 leaves, without overhead."""
+    """The model's seconds of a sync of ``leaves`` leaves with ``profile``."""
     import jax
     import jax.numpy as jnp
 
     from ._auto import buckets_of
     from ._plan import make_plan
 
-    tree = {f"l{i:03d}": jax.ShapeDtypeStruct((elems,), jnp.float32) for i in range(leaves)}
+    tree = {f"l{i:03d}": jax.ShapeDtypeStruct((elems,), jnp.dtype(dtype)) for i in range(leaves)}
     bucket_bytes, threshold = _cost_ops.strategy_defaults(strategy)
     plan = make_plan(
         tree,
@@ -123,3 +133,74 @@ def fit_overheads(
         overheads.append((s, (per_leaf, per_byte)))
         report[s] = rep
     return tuple(sorted(overheads)), report
+
+
+def fit_overheads16(samples: list, trees: dict, topo: ModelTopology, profile: Profile) -> tuple:
+    """Each strategy's seconds per byte of 16-bit data, from :func:`measure_sync`'s
+    samples of bfloat16 trees: what ``profile`` (its overheads included) leaves
+    unexplained, per 16-bit byte, never below zero. Same pooling as
+    :func:`fit_overheads`.
+
+    Example:
+      >>> from jaxsync._cost import DEFAULT_PROFILE
+      >>> topo = ModelTopology(processes=1, hosts=1, local_devices=2, native=False)
+      >>> t = _modelled("flat", 4, 1024, topo, DEFAULT_PROFILE, "bfloat16")
+      >>> s = [(st, "half", 4, 8192, t + 8192 * 2e-9) for st in SYNC_STRATEGIES]
+      >>> over, _ = fit_overheads16(s, {"half": (4, 1024)}, topo, DEFAULT_PROFILE)
+      >>> round(dict(over)["flat"] * 1e9, 6)
+      2.0
+    """
+    over, report = [], {}
+    same = {"hierarchical", "two_dimensional"} if topo.local_devices == 1 else set()
+    for s in SYNC_STRATEGIES:
+        pool = same if s in same else {s}
+        rows = [
+            (t, _modelled(s, k, trees[name][1], topo, profile, "bfloat16"), n)
+            for s_, name, k, n, t in samples
+            if s_ in pool
+        ]
+        per_byte = max(0.0, float(np.median([(t - m) / n for t, m, n in rows])))
+        after = [abs(m + per_byte * n - t) / t for t, m, n in rows]
+        report[s] = {
+            "median_rel_error_before": float(np.median([abs(m - t) / t for t, m, _ in rows])),
+            "median_rel_error": float(np.median(after)),
+            "samples": len(rows),
+        }
+        over.append((s, per_byte))
+    return tuple(sorted(over)), report
+
+
+def calibrate(comm, devices: int, quick: bool, rounds: int, iters: int, topo, profile, log):
+    """``tune``'s whole-sync part: ``profile`` with its overheads, the fit
+    reports and the raw samples (``topo``: ``jaxsync._topology.Topology``)."""
+    import dataclasses
+
+    trees = QUICK_SYNC_TREES if quick else SYNC_TREES
+    trees16 = QUICK_SYNC_TREES16 if quick else SYNC_TREES16
+    log(f"whole syncs of {len(trees)} + {len(trees16)} synthetic trees per strategy")
+    model_topo = ModelTopology(
+        processes=topo.size,
+        hosts=topo.hosts,
+        local_devices=devices,
+        native=comm is not None,
+        broadcast=comm is not None,
+    )
+    s = measure_sync(comm, devices, trees, max(2, rounds - 1), iters)
+    over, rep = fit_overheads(s, trees, model_topo, profile)
+    profile = dataclasses.replace(profile, overheads=over)
+    s16 = measure_sync(comm, devices, trees16, max(2, rounds - 1), iters, dtype="bfloat16")
+    over16, rep16 = fit_overheads16(s16, trees16, model_topo, profile)
+    profile = dataclasses.replace(profile, overheads16=over16)
+    return profile, {"overheads": rep, "overheads16": rep16}, {"sync": s, "sync16": s16}
+
+
+def format_overheads16(profile: Profile) -> list[str]:
+    """``tune``'s lines for the 16-bit overheads."""
+    rep = (profile.fit or {}).get("overheads16", {})
+    return [
+        f"  {name:<16} 16-bit   {per_byte * 1e9:+8.4f} ns/B | whole-sync error median "
+        f"{100 * rep.get(name, {}).get('median_rel_error_before', 0):.0f}% -> "
+        f"{100 * rep.get(name, {}).get('median_rel_error', 0):.0f}% over "
+        f"{rep.get(name, {}).get('samples')} sample(s) (fitted on them)"
+        for name, per_byte in profile.overheads16
+    ]

@@ -95,7 +95,7 @@ def _ops(strategy, buckets=BUCKETS, **topo):
     return [
         (o.stage, o.kind, o.link, o.members, o.sizes, o.flows)
         for o in _cost_ops.strategy_ops(strategy, buckets, t)
-        if o.kind not in ("leaf", "strategy")
+        if o.kind not in ("leaf", "strategy", "strategy16")
     ]
 
 
@@ -595,3 +595,49 @@ def test_auto_mean_takes_the_sparse_option_like_every_factory():
     opts = jaxsync.SparseOptions(mode="dense")
     tx = jaxsync.auto_mean(axis_name="i", comm=None, sparse=opts)
     assert tx.update.config.sparse == opts
+
+
+# 16-bit data: a per-strategy cost per byte, fitted by tune on a bfloat16 tree
+
+
+def test_16bit_overhead_is_priced_per_16bit_byte_only():
+    prof = dataclasses.replace(_cost.DEFAULT_PROFILE, overheads16=(("hierarchical", 3e-9),))
+    topo = ModelTopology(processes=2, hosts=1, local_devices=1)
+    f32 = [BucketInfo("float32", 4 * 2**20)]
+    bf16 = [BucketInfo("bfloat16", 2 * 2**20)]
+    base = _cost.DEFAULT_PROFILE
+    assert _cost_ops.predict("hierarchical", f32, topo, prof) == _cost_ops.predict(
+        "hierarchical", f32, topo, base
+    )
+    extra = _cost_ops.predict("hierarchical", bf16, topo, prof) - _cost_ops.predict(
+        "hierarchical", bf16, topo, base
+    )
+    assert extra == pytest.approx(3e-9 * 2 * 2**20, rel=1e-12)
+    # another strategy's 16-bit overhead does not apply
+    assert _cost_ops.predict("flat", bf16, topo, prof) == _cost_ops.predict(
+        "flat", bf16, topo, base
+    )
+
+
+def test_profile_with_16bit_overheads_round_trips_and_old_digests_stay():
+    p = _cost.DEFAULT_PROFILE
+    q = dataclasses.replace(p, overheads16=(("flat", 1e-9), ("naive", 2e-9)))
+    back = Profile.from_json(json.loads(json.dumps(q.to_json())))
+    assert back.overheads16 == q.overheads16 and back.digest() == q.digest()
+    assert q.digest() != p.digest()
+    assert Profile.from_json(json.loads(json.dumps(p.to_json()))).digest() == p.digest()
+
+
+def test_16bit_overhead_fit_recovers_known_values():
+    topo = ModelTopology(processes=2, hosts=1, local_devices=2)
+    trees = {"half": (8, 4096), "more": (16, 8192)}
+    truth = {"naive": 0.5e-9, "flat": 4e-9, "hierarchical": 2e-9, "two_dimensional": 1e-9}
+    samples = []
+    for s, c16 in truth.items():
+        for name, (k, m) in trees.items():
+            t = _tune_sync._modelled(s, k, m, topo, _cost.DEFAULT_PROFILE, "bfloat16")
+            samples.append((s, name, k, k * m * 2, t + c16 * k * m * 2))
+    over, rep = _tune_sync.fit_overheads16(samples, trees, topo, _cost.DEFAULT_PROFILE)
+    for s, c16 in truth.items():
+        assert dict(over)[s] == pytest.approx(c16, rel=0.05)
+        assert rep[s]["median_rel_error"] < 1e-6
