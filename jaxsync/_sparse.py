@@ -305,14 +305,6 @@ def choose(mode: str, replicas: int, g: RowSparse) -> str:
     return "sparse" if sparse_bytes < g.num_rows * row_bytes else "dense"
 
 
-def wire_bytes(mode: str, replicas: int, g: RowSparse) -> int:
-    """Bytes one replica contributes to the wire for ``g`` (gathered or reduced)."""
-    row_bytes = int(np.prod(g.row_shape, dtype=np.int64)) * jnp.dtype(g.dtype).itemsize
-    if mode == "sparse":
-        return g.k * (row_bytes + 4)
-    return g.num_rows * row_bytes
-
-
 def has_row_sparse(tree: Any) -> bool:
     """Whether ``tree`` holds a :class:`RowSparse` leaf (then ``_sync.sync``
     hands it to ``_sparse_sync.sync_mixed``)."""

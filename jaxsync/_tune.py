@@ -45,6 +45,7 @@ import numpy as np
 
 from . import _cost, _cost_fit, _cost_ops, _tune_sync
 from ._cost import Profile
+from ._topology import default_comm
 
 KiB, MiB = 2**10, 2**20
 SIZES = (16 * KiB, 256 * KiB, 2 * MiB, 8 * MiB)
@@ -321,17 +322,6 @@ def print_fit(profile: Profile) -> None:
 # --------------------------------------------------------------------------
 
 
-def _mpi_world():
-    """``MPI.COMM_WORLD`` when started by an MPI launcher with several processes."""
-    from ._topology import launched_by_mpi
-
-    if not launched_by_mpi():
-        return None
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
-
-
 def _set_devices(n: int) -> None:
     """Ask for ``n`` CPU devices; must happen before JAX initialises its backends."""
     import jax
@@ -393,7 +383,7 @@ def main(argv: list[str]) -> int:
                     "MPI call per buffer; one process per host."
                 )
         return 0
-    comm = _mpi_world()
+    comm = default_comm()  # what comm='auto' resolves to
     _set_devices(args.devices or (1 if comm is not None else 8))
     prof = calibrate(comm, quick=args.quick)
     if comm is not None and comm.Get_rank() != 0:

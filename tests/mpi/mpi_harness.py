@@ -99,6 +99,29 @@ def _env():
     return env
 
 
+def run_command(cmd: list, timeout: float, env: dict | None = None) -> tuple[int, str, bool]:
+    """Run ``cmd`` (e.g. ``mpirun -n 2 ...``) in its own process group; returns
+    ``(returncode, output, timed_out)`` and never blocks past ``timeout``: on
+    timeout the whole group (mpirun and its ranks) is killed."""
+    proc = subprocess.Popen(
+        [str(c) for c in cmd],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=_env() if env is None else env,
+        cwd=str(ROOT),
+        start_new_session=True,
+        text=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, output, False
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        output, _ = proc.communicate()
+        return proc.returncode, output, True
+
+
 def run_mpi(script, n=2, devices=2, args=(), timeout=120, out=None) -> MPIRun:
     """Run ``tests/mpi/SCRIPT`` under ``mpirun -n N``; never blocks past ``timeout``."""
     own = out is None
@@ -117,23 +140,7 @@ def run_mpi(script, n=2, devices=2, args=(), timeout=120, out=None) -> MPIRun:
         *map(str, args),
     ]
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env=_env(),
-        cwd=str(ROOT),
-        start_new_session=True,
-        text=True,
-    )
-    timed_out = False
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _kill_group(proc)
-        output, _ = proc.communicate()
+    returncode, output, timed_out = run_command(cmd, timeout)
     elapsed = time.monotonic() - t0
     results = []
     for r in range(n):
@@ -141,7 +148,7 @@ def run_mpi(script, n=2, devices=2, args=(), timeout=120, out=None) -> MPIRun:
         results.append(pickle.loads(p.read_bytes()) if p.exists() else None)
     if own:
         shutil.rmtree(out, ignore_errors=True)
-    return MPIRun(cmd, proc.returncode, output, results, elapsed, timed_out)
+    return MPIRun(cmd, returncode, output, results, elapsed, timed_out)
 
 
 def _kill_group(proc):

@@ -6,11 +6,9 @@ checked (speed is never asserted)."""
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
 
-from mpi_harness import MPIRUN, ROOT, requires_mpi
+from mpi_harness import MPIRUN, ROOT, requires_mpi, run_command
 
 pytestmark = requires_mpi
 
@@ -32,22 +30,10 @@ def test_compress_suite_under_mpirun(tmp_path):
         "--out",
         str(tmp_path),
     ]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        text, _ = proc.communicate(timeout=400)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        text, _ = proc.communicate()
-        raise AssertionError("compress bench under mpirun timed out:\n" + text[-3000:]) from None
-    assert proc.returncode == 0, text[-3000:]
+    returncode, text, timed_out = run_command(cmd, timeout=400, env=env)
+    if timed_out:
+        raise AssertionError("compress bench under mpirun timed out:\n" + text[-3000:])
+    assert returncode == 0, text[-3000:]
     result = json.loads((tmp_path / "compress-mpi.json").read_text())
     assert result["meta"]["processes"] == 2
     rows = {r["sync"]: r for r in result["rows"]}

@@ -7,12 +7,10 @@ The figures are not checked (the benchmark evaluates its targets itself).
 
 import json
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
-from mpi_harness import MPIRUN, ROOT, requires_mpi
+from mpi_harness import MPIRUN, ROOT, requires_mpi, run_command
 
 pytestmark = requires_mpi
 
@@ -38,22 +36,10 @@ def _bench(tmp_path, devices: int):
         "--out",
         str(out),
     ]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        text, _ = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        text, _ = proc.communicate()
+    returncode, text, timed_out = run_command(cmd, timeout=300, env=env)
+    if timed_out:
         pytest.fail("bench under mpirun timed out:\n" + text[-3000:])
-    assert proc.returncode == 0, text[-3000:]
+    assert returncode == 0, text[-3000:]
     result = json.loads((out / "mpi.json").read_text())
     assert result["meta"]["processes"] == 2 and result["meta"]["devices"] == devices
     assert result["meta"]["tune_host_allocator"] is False  # glibc defaults, as a user has
