@@ -12,7 +12,7 @@ from ._auto import auto_mean
 from ._axis_backend import AxisComm
 from ._broadcast import broadcast_params
 from ._compress import PowerSGDState, SignState, state_specs
-from ._host import tune_host_allocator
+from ._host import host_allocator_state, tune_host_allocator
 from ._plan import Bucket, LeafSpec, Plan, make_plan
 from ._powersgd import powersgd_mean
 from ._sign import sign_mean
@@ -50,6 +50,7 @@ __all__ = [
     "flat_mean",
     "free_communicators",
     "hierarchical_mean",
+    "host_allocator_state",
     "make_plan",
     "naive_mean",
     "powersgd_mean",

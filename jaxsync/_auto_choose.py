@@ -6,8 +6,8 @@ What it is for: :func:`choose` prices every candidate (strategy x
 predictions of all candidates, notes on the profile), deterministically.
 ``jaxsync._auto`` calls it at trace time and re-exports it.
 
-May import: the standard library, ``jaxsync._cost``, ``_cost_ops`` and (inside
-functions) ``jaxsync._plan``.
+May import: the standard library, ``jaxsync._cost``, ``_cost_ops``, ``_host``
+(the allocator's state, for a note) and (inside functions) ``jaxsync._plan``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Final
 from . import _cost, _cost_ops
 from ._cost import Profile
 from ._cost_ops import BucketInfo, ModelTopology
+from ._host import host_allocator_state
 
 AUTO: Final = "auto"
 CANDIDATE_STRATEGIES = ("hierarchical", "two_dimensional", "flat", "naive")
@@ -102,7 +103,25 @@ def _check_profile_topology(profile: Profile, topo: ModelTopology) -> tuple:
                 f"this is {topo.processes} x {topo.local_devices}, {topo.hosts}: its "
                 "link parameters are used as they are"
             )
+        notes += _check_allocator(got.get("host_allocator"))
     return tuple(notes)
+
+
+def _check_allocator(measured: str | None) -> list[str]:
+    """A note when the profile's host allocator is not this process's."""
+    here = host_allocator_state()
+    if measured is None or measured == here:
+        return []
+    how = {
+        "tuned": "with jaxsync.tune_host_allocator()",
+        "default": "with glibc's default allocator",
+    }
+    return [
+        f"the profile was measured {how.get(measured, measured)} and this process runs "
+        f"{how.get(here, here)}: large fresh buffers cost page faults in one and not "
+        "the other. Fix: call jaxsync.tune_host_allocator() early in both, or neither "
+        "(python -m jaxsync tune --tune-host-allocator records the first)"
+    ]
 
 
 def choose(

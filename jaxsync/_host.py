@@ -9,6 +9,9 @@ _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
 
+_tuned = False  # set once tune_host_allocator() took effect in this process
+_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
 
 def tune_host_allocator(
     mmap_threshold: int = 32 * 2**20, trim_threshold: int = 2**30, top_pad: int = 256 * 2**20
@@ -69,4 +72,29 @@ def tune_host_allocator(
     ok = mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)) == 1
     ok = mallopt(_M_TRIM_THRESHOLD, int(trim_threshold)) == 1 and ok
     ok = mallopt(_M_TOP_PAD, int(top_pad)) == 1 and ok
+    global _tuned
+    _tuned = _tuned or bool(ok)
     return bool(ok)
+
+
+def host_allocator_state() -> str:
+    """``"tuned"`` when :func:`tune_host_allocator` took effect in this process or
+    glibc's thresholds were set in the environment (``MALLOC_MMAP_THRESHOLD_``,
+    ``MALLOC_TRIM_THRESHOLD_``), else ``"default"``.
+
+    A cost-model profile records it (``python -m jaxsync tune
+    --tune-host-allocator``): large fresh buffers cost page faults with glibc's
+    defaults and not once the allocator keeps them, so a profile describes one
+    of the two, and ``strategy="auto"`` notes a profile measured with the other.
+
+    Returns:
+      ``"tuned"`` or ``"default"``.
+
+    Example:
+      >>> import jaxsync
+      >>> jaxsync.host_allocator_state() in ("tuned", "default")
+      True
+    """
+    import os
+
+    return "tuned" if _tuned or any(os.environ.get(k) for k in _ENV) else "default"

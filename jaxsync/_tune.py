@@ -27,7 +27,8 @@ profile (JSON) goes to ``--out`` (default ``$JAXSYNC_PROFILE`` or
 
 May import: the standard library, numpy, JAX, mpi4py and ``jaxsync._cost``,
 ``_cost_ops``, ``_cost_fit``, ``_auto``, ``_topology``, ``_mpi_backend`` (the native
-MPI ops), ``_project``, ``_tune_sync`` (the whole-sync part of the calibration).
+MPI ops), ``_project``, ``_tune_sync`` (the whole-sync part of the calibration),
+``_host`` (``--tune-host-allocator``; the profile records the allocator's state).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import numpy as np
 
 from . import _cost, _cost_fit, _cost_ops, _tune_sync
 from ._cost import Profile
+from ._host import host_allocator_state, tune_host_allocator
 from ._topology import default_comm
 
 KiB, MiB = 2**10, 2**20
@@ -277,7 +279,12 @@ def calibrate(
     copy = _cost_fit.fit_copy(c)
     fit["copy"] = {"samples": len(c)}
     links.sort(key=lambda kv: _cost.LINKS.index(kv[0]))
-    hw = {"processes": topo.size, "hosts": topo.hosts, "local_devices": D}
+    hw = {
+        "processes": topo.size,
+        "hosts": topo.hosts,
+        "local_devices": D,
+        "host_allocator": host_allocator_state(),
+    }
     prof = Profile(tuple(links), copy, hw, "calibrated", fit, 0.0)
     if D * topo.size > 1:
         from ._tune_sync import calibrate
@@ -358,6 +365,12 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--quick", action="store_true", help="two sizes, three rounds")
     p.add_argument(
+        "--tune-host-allocator",
+        action="store_true",
+        help="call jaxsync.tune_host_allocator() first and calibrate with it (the "
+        "profile records which: use it in processes that call it too)",
+    )
+    p.add_argument(
         "--project",
         action="store_true",
         help="print predicted sync times and auto's choice for 8..1024 hosts x 8 "
@@ -383,6 +396,11 @@ def main(argv: list[str]) -> int:
                     "MPI call per buffer; one process per host."
                 )
         return 0
+    if args.tune_host_allocator and not tune_host_allocator():
+        raise SystemExit(
+            "jaxsync tune: --tune-host-allocator needs glibc (mallopt); this C library "
+            "is not glibc. Run without it."
+        )
     comm = default_comm()  # what comm='auto' resolves to
     _set_devices(args.devices or (1 if comm is not None else 8))
     prof = calibrate(comm, quick=args.quick)

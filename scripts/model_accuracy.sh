@@ -11,6 +11,9 @@
 #                          seven the issue names; 3x4 is left out to stay near 15 min on
 #                          an idle 2-core machine - add it with CONFIGS="... 3x4")
 #   QUICK=1                a smoke test: quick calibration, the small500 tree, 2 rounds
+#   ALLOCATOR=default      calibrate and measure with glibc's default allocator (default:
+#                          tuned, jaxsync.tune_host_allocator() in tune and bench alike, so
+#                          the costs of large buffers do not depend on allocation history)
 # Run it on an idle machine, with the project's venv first on PATH (python, mpirun).
 # Logs: OUT/log-PxD.txt. A configuration that fails is reported and skipped.
 set -uo pipefail
@@ -28,6 +31,10 @@ if [[ "${QUICK:-0}" == 1 ]]; then
 else
   tune_args=()
   bench_args=(--trees resnet18 small500 mixed --repeats 3 --min-sample-ms 10)
+fi
+if [[ "${ALLOCATOR:-tuned}" == tuned ]]; then
+  tune_args+=(--tune-host-allocator)
+  bench_args+=(--tune-host-allocator)
 fi
 failed=()
 start=$SECONDS

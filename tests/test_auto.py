@@ -521,6 +521,35 @@ def test_profile_for_another_topology_warns_at_trace_time():
     assert "note: the profile was measured on" in tx.describe()
 
 
+@pytest.mark.parametrize("measured", ["tuned", "default"])
+def test_profile_from_the_other_host_allocator_is_noted(measured, monkeypatch):
+    from jaxsync import _host
+
+    monkeypatch.setattr(_host, "_tuned", False)
+    for k in _host._ENV:
+        monkeypatch.delenv(k, raising=False)
+    if measured == "default":  # this process tuned, the profile not
+        monkeypatch.setattr(_host, "_tuned", True)
+    topo = {"processes": 1, "hosts": 1, "local_devices": 2, "host_allocator": measured}
+    prof = Profile((("device", Link(5e-5, 1e-9, 1e-10, 1, "ring")),), 1e-10, topo, "p")
+    model = ModelTopology(processes=1, hosts=1, local_devices=2)
+    tree = {"w": jax.ShapeDtypeStruct((64,), jnp.float32)}
+    notes = _auto.choose(tree, model, prof).warnings
+    assert (
+        len(notes) == 1
+        and f"measured with {'jaxsync' if measured == 'tuned' else 'glibc'}" in (notes[0])
+    ), notes
+    assert "Fix: call jaxsync.tune_host_allocator()" in notes[0]
+    # the same state as this process, or a profile that does not say: no note
+    monkeypatch.setattr(_host, "_tuned", measured == "tuned")
+    assert jaxsync.host_allocator_state() == measured
+    assert _auto.choose(tree, model, prof).warnings == ()
+    old = dataclasses.replace(
+        prof, topology={k: v for k, v in topo.items() if k != "host_allocator"}
+    )
+    assert _auto.choose(tree, model, old).warnings == ()
+
+
 # --------------------------------------------------------------------------
 # tune and the bench suite (smoke: they run and write what they say)
 # --------------------------------------------------------------------------
@@ -551,10 +580,16 @@ def _run(args, home, timeout=240):
 
 
 def test_tune_quick_writes_a_profile(tmp_path):
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("--tune-host-allocator needs glibc")
     out = tmp_path / "p.json"
-    text = _run(["tune", "--quick", "--devices", "2", "--out", str(out)], tmp_path)
+    args = ["tune", "--quick", "--devices", "2", "--tune-host-allocator", "--out", str(out)]
+    text = _run(args, tmp_path)
     prof = Profile.from_json(json.loads(out.read_text()), str(out))
-    assert prof.has("device") and prof.topology == {"processes": 1, "hosts": 1, "local_devices": 2}
+    want = {"processes": 1, "hosts": 1, "local_devices": 2, "host_allocator": "tuned"}
+    assert prof.has("device") and prof.topology == want
     assert "fit error median" in text and f"wrote {out}" in text
     tx = jaxsync.auto_mean(axis_name="i", comm=None, profile=str(out))
     assert tx.update.config.auto.profile.digest() == prof.digest()

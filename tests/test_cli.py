@@ -13,7 +13,7 @@ MPIRUN = str(Path(sys.executable).with_name("mpirun"))
 
 
 def run(*args, timeout=240):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("MALLOC_")}
     return subprocess.run(
         list(args), capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env
     )
@@ -78,8 +78,12 @@ def test_tune_host_allocator_in_a_fresh_process():
     """It changes the process-wide allocator: checked in a child, not in pytest."""
     import platform
 
-    code = "import jaxsync; print(jaxsync.tune_host_allocator())"
+    code = (
+        "import jaxsync; s = jaxsync.host_allocator_state(); "
+        "print(s, jaxsync.tune_host_allocator(), jaxsync.host_allocator_state())"
+    )
     r = run(sys.executable, "-c", code)
     assert r.returncode == 0, r.stderr
-    want = "True" if platform.libc_ver()[0] == "glibc" else "False"
+    glibc = platform.libc_ver()[0] == "glibc"
+    want = "default True tuned" if glibc else "default False default"
     assert r.stdout.strip() == want, (r.stdout, platform.libc_ver())

@@ -103,6 +103,7 @@ PUBLIC_FUNCTIONS = [
     "topology",
     "default_comm",
     "tune_host_allocator",
+    "host_allocator_state",
     "free_communicators",
 ]
 

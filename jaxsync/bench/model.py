@@ -211,6 +211,13 @@ def _parse(argv):
         help="one tiny tree, a quick calibration, 2 rounds (a smoke test)",
     )
     p.add_argument(
+        "--tune-host-allocator",
+        action="store_true",
+        help="call jaxsync.tune_host_allocator() first (calibrate the profile with "
+        "`tune --tune-host-allocator` too): costs of large buffers no longer depend on "
+        "the allocation history",
+    )
+    p.add_argument(
         "--collect", action="store_true", help="only merge the model-*.json already in --out"
     )
     p.add_argument("--out", type=Path, default=Path("bench-results/model"))
@@ -233,7 +240,12 @@ def main(argv: list[str]) -> int:
     world.set_devices(devices)
     import jax
 
+    import jaxsync
+
     from .. import _auto, _tune
+
+    if args.tune_host_allocator and not jaxsync.tune_host_allocator():
+        raise SystemExit("jaxsync bench: --tune-host-allocator needs glibc; run without it.")
 
     rank = comm.Get_rank() if comm is not None else 0
     t0 = time.perf_counter()
@@ -315,6 +327,7 @@ def main(argv: list[str]) -> int:
         "repeats": args.repeats,
         "min_sample_ms": args.min_sample_ms,
         "quick": args.quick,
+        "host_allocator": jaxsync.host_allocator_state(),
         "loadavg": os.getloadavg(),
         "seconds": round(time.perf_counter() - t0, 1),
         "jax": jax.__version__,

@@ -140,6 +140,13 @@ def collect(out: Path) -> dict:
             "the model's, or drift between calibration and measurement, which the "
             "same-program pairs above bound.",
         ]
+    allocs = {r["config"]: r["meta"].get("host_allocator", "default") for r in runs}
+    lines += [
+        "",
+        "Host allocator (calibration and measurement): "
+        + ", ".join(f"{k} {v}" for k, v in allocs.items())
+        + " (tuned: jaxsync.tune_host_allocator(); default: glibc's defaults).",
+    ]
     (out / "model.md").write_text("\n".join(lines) + "\n")
     try:
         plot(cases, out / "model.png")
