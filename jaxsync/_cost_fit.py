@@ -5,7 +5,8 @@ What it is for: from the timings ``python -m jaxsync tune`` takes
 (:func:`fit_link`), the cost per byte of a local copy (:func:`fit_copy`), and
 each strategy's overhead per leaf and per byte beyond what its collectives and
 copies predict (:func:`fit_overhead`, from whole synchronisations of synthetic
-trees). Every fit minimises the squared *relative* error.
+trees). The link and copy fits minimise the squared *relative* error, the
+overheads the absolute relative error (see :func:`fit_overhead`).
 
 May import: the standard library, numpy and ``jaxsync._cost`` (no JAX).
 """
@@ -135,12 +136,17 @@ def fit_overhead(
         isolated calls, which overcount a chain of calls).
 
     Returns:
-      ``((per_leaf, per_byte), report)``: least squares on the relative error
-      of ``modelled + per_leaf * leaves + per_byte * bytes``, ``per_leaf >= 0``
-      unless ``signed_leaf`` (a negative cost per leaf, extrapolated to a tree
-      of many more leaves, would predict a negative time), ``per_byte`` of
-      either sign (it rescales the bandwidth terms); the report gives the
-      relative errors of the model before and after.
+      ``((per_leaf, per_byte), report)``: the least *absolute* relative error
+      of ``modelled + per_leaf * leaves + per_byte * bytes`` (a few whole syncs,
+      one of which may be off by a lot on a shared machine: squares would let
+      it pull the fit, and the model is judged by how many predictions fall
+      near the measurement, not by squares). ``per_leaf >= 0`` unless
+      ``signed_leaf`` (a negative cost per leaf, extrapolated to a tree of
+      many more leaves, would predict a negative time), ``per_byte`` of either
+      sign (it rescales the bandwidth terms). With fewer than three trees only
+      one of the two terms is fitted. No overhead at all is a candidate too, so
+      the fit never leaves the samples worse off than before. The report gives
+      the relative errors of the model before and after.
 
     Example:
       >>> s = [(L, B, 1e-3 + 2e-6 * L + 1e-9 * B, 1e-3) for L, B in
@@ -152,37 +158,33 @@ def fit_overhead(
     used = [s for s in samples if s[2] > 0]
     if not used:
         return (0.0, 0.0), {"samples": 0, "dropped": len(samples)}
+    L = np.asarray([s[0] for s in used], np.float64)
+    B = np.asarray([s[1] for s in used], np.float64)
     t = np.asarray([s[2] for s in used], np.float64)
     m = np.asarray([s[3] for s in used], np.float64)
-    # columns: leaf, byte, -byte (and -leaf): non-negative least squares on them
-    # fits per_byte of either sign (a column and its negation are never both used)
-    A = (
-        np.asarray(
-            [[s[0], s[1], -s[1]] + ([-s[0]] if signed_leaf else []) for s in used], np.float64
-        )
-        / t[:, None]
-    )
-    y = (t - m) / t
-    scale = np.linalg.norm(A, axis=0)
-    scale[scale == 0] = 1.0
-    # Two unknowns need three trees to be checked at all: with fewer (a tree's
-    # marginal time lost in noise), fit the one term that explains them best.
-    k = A.shape[1]
-    if len(used) >= 3:
-        x = _nnls3(A / scale, y)
-    else:
-        fits = [_nnls3((A / scale)[:, [c]], y) for c in range(k)]
-        res = [float(np.sum(((A / scale)[:, [c]] @ f - y) ** 2)) for c, f in enumerate(fits)]
-        c = int(np.argmin(res))
-        x = np.zeros(k)
-        x[c] = fits[c][0]
-    x = x / scale
-    per_leaf = float(x[0] - (x[3] if signed_leaf else 0.0))
-    per_byte = float(x[1] - x[2])
-    A = A[:, :2]
-    x = np.asarray([per_leaf, per_byte])
-    after = np.abs(m + A @ x * t - t) / t
-    return (per_leaf, per_byte), {
+    r = t - m  # what the overhead must explain
+    # The optimum of a least-absolute-deviations fit lies where as many
+    # samples as there are free terms are met exactly: try every such point.
+    cands = [(0.0, 0.0)]
+    for i in range(len(used)):
+        if L[i] > 0:
+            cands.append((r[i] / L[i], 0.0))
+        if B[i] > 0:
+            cands.append((0.0, r[i] / B[i]))
+    if len(used) >= 3:  # two unknowns need a third tree to be checked at all
+        for i, j in itertools.combinations(range(len(used)), 2):
+            det = L[i] * B[j] - L[j] * B[i]
+            if abs(det) > 1e-12 * max(abs(L[i] * B[j]), abs(L[j] * B[i]), 1e-300):
+                cands.append(((r[i] * B[j] - r[j] * B[i]) / det, (L[i] * r[j] - L[j] * r[i]) / det))
+    cands = [c for c in cands if signed_leaf or c[0] >= 0.0]
+
+    def errors(c):
+        return np.abs(m + c[0] * L + c[1] * B - t) / t
+
+    # least total error; among equals the first (no overhead, then one term)
+    per_leaf, per_byte = min(cands, key=lambda c: float(np.sum(errors(c))))
+    after = errors((per_leaf, per_byte))
+    return (float(per_leaf), float(per_byte)), {
         "samples": len(used),
         "dropped": len(samples) - len(used),
         "median_rel_error_before": float(np.median(np.abs(m - t) / t)),

@@ -28,7 +28,7 @@ from ._cost_ops import ModelTopology
 
 KiB = 2**10
 
-SYNC_TREES = {"few": (8, 64 * KiB), "many": (128, 256), "big": (8, 512 * KiB)}
+SYNC_TREES = {"few": (8, 64 * KiB), "many": (256, 256), "big": (8, 512 * KiB)}
 QUICK_SYNC_TREES = {"few": (4, 16 * KiB), "many": (64, 256)}
 """Synthetic float32 trees: ``name: (leaves, elements per leaf)``."""
 SYNC_TREES16 = {"half": (8, 256 * KiB)}
@@ -185,7 +185,9 @@ def calibrate(comm, devices: int, quick: bool, rounds: int, iters: int, topo, pr
         native=comm is not None,
         broadcast=comm is not None,
     )
-    s = measure_sync(comm, devices, trees, max(2, rounds - 1), iters)
+    # Whole syncs are noisier than single collectives (more ops, more threads)
+    # and they are what the overheads are fitted on: one more round.
+    s = measure_sync(comm, devices, trees, rounds + 1, iters)
     over, rep = fit_overheads(s, trees, model_topo, profile)
     profile = dataclasses.replace(profile, overheads=over)
     s16 = measure_sync(comm, devices, trees16, max(2, rounds - 1), iters, dtype="bfloat16")
