@@ -24,7 +24,7 @@ from ._topology import default_comm
 # flat packs every leaf: its default buckets stay below glibc's largest mmap
 # threshold (32 MiB on 64-bit), so a packed temporary is never an mmap/munmap
 # pair with fresh page faults on every step.
-FLAT_BUCKET_BYTES = 16 * 2**20
+FLAT_BUCKET_BYTES = 4 * 2**20
 
 AUTO: Final = "auto"
 

@@ -34,14 +34,14 @@ from ._cost import (
     collective_seconds,
 )
 
-FLAT_GROUP_BYTES = 16 << 20
+FLAT_GROUP_BYTES = 4 << 20
 """``flat_mean``'s default ``bucket_bytes``: with one device per process the
 native target packs every leaf into messages of up to this size."""
 
 
 def strategy_defaults(strategy: str) -> tuple[int | None, int | None]:
     """``(bucket_bytes, pack_threshold)`` of the strategy's factory (its defaults
-    in ``_config.make_config``: ``flat`` packs everything into 16 MiB
+    in ``_config.make_config``: ``flat`` packs everything into 4 MiB
     buckets, the others leave leaves of 256 KiB and more unpacked in 64 MiB)."""
     if strategy == "flat":
         return FLAT_GROUP_BYTES, None

@@ -529,3 +529,21 @@ def test_round_trip_property(leaves, bucket_bytes, pack_threshold, per_leaf, see
     else:
         _check_bucket_invariants(plan, bucket_bytes, pack_threshold)
     assert jaxsync.make_plan(tree, **kw) == plan
+
+
+def test_flat_default_buckets_stay_small():
+    # flat's default cap is 4 MiB: a ResNet-18-sized tree is several packed
+    # buffers (16 MiB ones cost 4x more on 8 CPU devices), and a leaf above the
+    # cap travels alone (never split, never copied into a bucket)
+    MiB = 2**20
+    from jaxsync._config import make_config
+
+    cfg = make_config("flat_mean", "flat", "i", None)  # what flat_mean(...) validates
+    assert cfg.bucket_bytes == 4 * MiB and cfg.pack_threshold is None
+    tree = {
+        "big": jax.ShapeDtypeStruct((5 * MiB // 4,), jnp.float32),
+        **{f"w{i}": jax.ShapeDtypeStruct((MiB // 4,), jnp.float32) for i in range(6)},
+    }
+    plan = jaxsync.make_plan(tree, bucket_bytes=cfg.bucket_bytes, pack_threshold=None)
+    sizes = sorted(b.size * 4 for b in plan.buckets)
+    assert sizes == [2 * MiB, 4 * MiB, 5 * MiB], sizes

@@ -27,8 +27,8 @@ AXIS = "d"
 LOCAL = "local"  # the local mesh axis under mpirun (the README's pattern)
 STRATEGY_METHODS = ("naive", "flat", "hierarchical", "two_dimensional")
 DEFAULT_METHOD = "hierarchical"
-FLAT_DEFAULTS = {"bucket_bytes": 16 * MiB, "pack_threshold": None}
-"""``flat_mean``'s documented defaults (its docstring: 16 MiB, ``None``): the plan
+FLAT_DEFAULTS = {"bucket_bytes": 4 * MiB, "pack_threshold": None}
+"""``flat_mean``'s documented defaults (its docstring: 4 MiB, ``None``): the plan
 of plain ``flat``, which the sweep does not measure twice (tests/test_bench.py
 checks that they are the library's)."""
 
@@ -89,7 +89,7 @@ def sweep_methods(tree, axis_name, comm) -> tuple[dict[str, Callable], dict[str,
     import jaxsync
 
     configs: list[tuple[int | None, int | None]] = [
-        (b, None) for b in (256 * KiB, 4 * MiB, 64 * MiB, None)
+        (b, None) for b in (256 * KiB, 16 * MiB, 64 * MiB, None)
     ]
     configs += [(64 * MiB, t) for t in (64 * KiB, 256 * KiB, 1 * MiB)]
 
