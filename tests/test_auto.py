@@ -623,6 +623,12 @@ def test_bench_model_suite_quick(tmp_path):
     assert all(c["measured_ms"] == c["measured_ms"] for c in summary["cases"])  # not NaN
     assert summary["auto"][0]["choice"] in ("naive", "flat", "hierarchical", "two_dimensional")
     assert "Predictions within 25%" in text
+    # auto and a strategy that compiled to one program are judged on their pooled rounds
+    measured = {(c["tree"], c["strategy"]): c["measured_ms"] for c in summary["cases"]}
+    for a in summary["auto"]:
+        assert a["ok"] == (a["measured_ms"] <= 1.1 * a["best_ms"])
+        for s in a["pooled_with"]:
+            assert a["measured_ms"] == measured[a["tree"], s]
 
 
 def test_info_tree_explains_the_choice():
