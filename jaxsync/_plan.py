@@ -69,6 +69,38 @@ class Bucket:
         return self.size * np.dtype(jnp.dtype(self.dtype)).itemsize
 
 
+def concat(parts: Sequence[jax.Array]) -> jax.Array:
+    """One 1-D buffer from several 1-D ``parts`` (what packing copies).
+
+    Equal to ``jnp.concatenate(parts)``. On CPU, a bucket of more than three
+    32- or 64-bit parts is concatenated as ``(1, n)`` rows along their minor
+    axis and viewed as 1-D (a free bitcast): XLA:CPU then copies each part into
+    place, where it would otherwise fuse the parts' producers into one loop that
+    looks up every element's operand, which grows slow with more operands.
+    Measured side by side (8 CPU devices, bench trees): ``flat_mean`` on the
+    ResNet-like tree 42 -> 28 ms (4 MiB buckets), on the transformer-like tree
+    48 -> 30 ms (1 MiB buckets), the others unchanged. Up to three parts, and
+    16-bit parts (whose conversion to float32 for the local sum fuses into the
+    packing loop), keep the fused form: there the row form measured slower
+    (mixed bf16 tree: 27 -> 36 ms). Other platforms keep ``jnp.concatenate``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> concat([jnp.arange(3.0), jnp.arange(2.0)]).tolist()
+      [0.0, 1.0, 2.0, 0.0, 1.0]
+      >>> concat([jnp.full(2, float(i)) for i in range(4)]).tolist()
+      [0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+    """
+    rows = (
+        len(parts) > 3
+        and jnp.dtype(parts[0].dtype).itemsize >= 4
+        and jax.default_backend() == "cpu"
+    )
+    if not rows:
+        return jnp.concatenate(parts)
+    return jnp.concatenate([jnp.reshape(x, (1, -1)) for x in parts], axis=1).reshape(-1)
+
+
 def _path_str(path) -> str:
     return jax.tree_util.keystr(path) or "<root>"
 
@@ -169,7 +201,7 @@ class Plan:
             parts = [jnp.ravel(leaves[i]) for i in b.leaves]
             if prepare is not None:
                 parts = [prepare(k, x) for x in parts]
-            out.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
+            out.append(parts[0] if len(parts) == 1 else concat(parts))
         return out
 
     def unpack(self, buffers: Sequence[jax.Array], tree: PyTree, finish=None) -> PyTree:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from ._plan import concat
 from ._reduce16 import rows_sum_f32
 
 STRATEGIES = ("naive", "flat", "hierarchical", "two_dimensional", "single_node")
@@ -78,7 +79,7 @@ def sum_buffers(ops, bufs: list) -> list:
     for dtype in dict.fromkeys(str(bufs[i].dtype) for i in low):
         idx = [i for i in low if str(bufs[i].dtype) == dtype]
         sizes = [bufs[i].shape[0] for i in idx]
-        packed = bufs[idx[0]] if len(idx) == 1 else jnp.concatenate([bufs[i] for i in idx])
+        packed = bufs[idx[0]] if len(idx) == 1 else concat([bufs[i] for i in idx])
         total = _sum_low(ops, packed)
         offsets = [0]
         for n in sizes:
