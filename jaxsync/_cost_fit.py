@@ -136,11 +136,16 @@ def fit_overhead(
         isolated calls, which overcount a chain of calls).
 
     Returns:
-      ``((per_leaf, per_byte), report)``: the least *absolute* relative error
-      of ``modelled + per_leaf * leaves + per_byte * bytes`` (a few whole syncs,
-      one of which may be off by a lot on a shared machine: squares would let
-      it pull the fit, and the model is judged by how many predictions fall
-      near the measurement, not by squares). ``per_leaf >= 0`` unless
+      ``((per_leaf, per_byte), report)``: the least total *absolute log-ratio*
+      ``|log(predicted / measured)|`` of ``modelled + per_leaf * leaves +
+      per_byte * bytes`` (a few whole syncs, one of which may be off by a lot on
+      a shared machine: squares would let it pull the fit, and the model is
+      judged by how many predictions fall near the measurement, not by
+      squares; the log-ratio weighs a sample measured at a third of the model
+      like one measured at three times it, where the relative error to the
+      measurement would weigh the low one three times more and let one sync
+      timed too fast pull the fit). A candidate that predicts a time of zero
+      or less for any sample is never taken. ``per_leaf >= 0`` unless
       ``signed_leaf`` (a negative cost per leaf, extrapolated to a tree of
       many more leaves, would predict a negative time), ``per_byte`` of either
       sign (it rescales the bandwidth terms). With fewer than three trees only
@@ -181,8 +186,14 @@ def fit_overhead(
     def errors(c):
         return np.abs(m + c[0] * L + c[1] * B - t) / t
 
+    def log_errors(c):
+        pred = m + c[0] * L + c[1] * B
+        if np.any(pred <= 0):
+            return np.full_like(t, np.inf)
+        return np.abs(np.log(pred / t))
+
     # least total error; among equals the first (no overhead, then one term)
-    per_leaf, per_byte = min(cands, key=lambda c: float(np.sum(errors(c))))
+    per_leaf, per_byte = min(cands, key=lambda c: float(np.sum(log_errors(c))))
     after = errors((per_leaf, per_byte))
     return (float(per_leaf), float(per_byte)), {
         "samples": len(used),
