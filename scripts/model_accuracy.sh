@@ -30,7 +30,7 @@ if [[ "${QUICK:-0}" == 1 ]]; then
   bench_args=(--trees small500 --repeats 2 --min-sample-ms 5)
 else
   tune_args=()
-  bench_args=(--trees resnet18 small500 mixed --repeats 3 --min-sample-ms 10)
+  bench_args=(--trees resnet18 small500 mixed --repeats 5 --min-sample-ms 10)
 fi
 if [[ "${ALLOCATOR:-tuned}" == tuned ]]; then
   tune_args+=(--tune-host-allocator)
