@@ -165,18 +165,19 @@ def predictions(tree, topo: _cost_ops.ModelTopology, profile) -> dict:
 def pool_same_programs(rows, methods) -> dict:
     """Per method of ``methods``: ``(median, q25, q75, pooled_with)`` of its
     marginal samples, pooled with those of the other methods that compiled to
-    the very same program (equal hash of the lowered module: one executable,
-    measured in separate cases). ``auto`` picking a strategy's plan is such a
-    pair: its two rows differ only by the noise of the run, so both get the
-    median of all their rounds, and the comparison of ``auto`` with the best
-    strategy is the comparison of the pick with the best, not of two noisy
-    measurements of one program.
+    the very same program (equal hash of the lowered module, blind only to the
+    digest and instance number of jaxsync's agreement check: the same
+    collectives and copies, measured in separate cases). ``auto`` picking a
+    strategy's plan is such a pair: its two rows differ only by the noise of
+    the run, so both get the median of all their rounds, and the comparison of
+    ``auto`` with the best strategy is the comparison of the pick with the
+    best, not of two noisy measurements of one program.
 
     Example:
       >>> from types import SimpleNamespace as R
-      >>> rows = [R(method="a", program="p1", samples_ms=[1.0, 3.0]),
-      ...         R(method="b", program="p1", samples_ms=[2.0]),
-      ...         R(method="c", program="p2", samples_ms=[5.0])]
+      >>> rows = [R(method="a", work="p1", samples_ms=[1.0, 3.0]),
+      ...         R(method="b", work="p1", samples_ms=[2.0]),
+      ...         R(method="c", work="p2", samples_ms=[5.0])]
       >>> got = pool_same_programs(rows, ["a", "b", "c"])
       >>> got["a"][0], got["b"][0], got["a"][3], got["c"]
       (2.0, 2.0, ['b'], (5.0, 5.0, 5.0, []))
@@ -184,7 +185,7 @@ def pool_same_programs(rows, methods) -> dict:
     by = {r.method: r for r in rows if r.method in methods}
     out = {}
     for m, r in by.items():
-        mates = [o for o in by if o != m and r.program and by[o].program == r.program]
+        mates = [o for o in by if o != m and r.work and by[o].work == r.work]
         x = np.asarray([v for k in (m, *mates) for v in by[k].samples_ms], np.float64)
         out[m] = (
             float(np.median(x)),

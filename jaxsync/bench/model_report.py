@@ -134,7 +134,8 @@ def collect(out: Path) -> dict:
         lines += [
             "",
             f"In {len(pooled)} of {len(autos)} cases auto compiled to the very program "
-            'of a strategy (equal hash of the lowered module; "same program as"): '
+            "of a strategy (equal hash of the lowered module, blind only to the digest "
+            'and instance number of the agreement check; "same program as"): '
             "the rounds of both rows are pooled and both show their median, so auto "
             "is judged by its pick, not by two noisy measurements of one executable.",
         ]

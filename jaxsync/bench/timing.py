@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 import resource
 import statistics
 import sys
@@ -48,6 +49,14 @@ class Case:
     wire_bytes: float = 0.0
     compile_s: float = 0.0
     program: str = ""  # hash of the lowered program: equal hash, same program
+    work: str = ""  # the same hash, blind to the agreement check's digest and instance
+
+
+_AGREEMENT = re.compile(r"agree_(?:id|instance) = -?\d+ : i64")
+"""The attributes of jaxsync's agreement check that differ between programs of
+the same work: the digest of the configuration's text (which names options
+such as ``bucket_bytes`` even where the plan is the same) and the number of the
+traced synchronisation on this process."""
 
 
 def _compile(lowered):
@@ -79,6 +88,7 @@ def compile_cases(cases: list[Case], axis_size: int, procs: int) -> None:
             lowered = traced.lower()
             text = lowered.as_text()
             c.program = hashlib.sha1(text.encode()).hexdigest()[:8]
+            c.work = hashlib.sha1(_AGREEMENT.sub("", text).encode()).hexdigest()[:8]
             if traced.jaxpr.effects:
                 c.ops = hlo_collectives(text)  # MPI custom calls are never combined
             elif c.program not in futures:
@@ -140,6 +150,7 @@ class Row:
     iters: int
     correct: bool | None  # the result is the mean (None: not a mean)
     samples_ms: list[float]
+    work: str = ""  # Case.work: equal for programs that differ only in the agreement check
 
 
 def check_results(cases: list[Case]) -> dict[str, bool]:
@@ -224,6 +235,7 @@ def make_rows(mode, tree_name, info, cases, iters, samples, faults, correct=None
                 int(iters[index[c.method]]),
                 (correct or {}).get(c.method),
                 [round(float(x), 4) for x in m],
+                c.work,
             )
         )
     return rows
