@@ -6,7 +6,8 @@ What it is for: from the timings ``python -m jaxsync tune`` takes
 each strategy's overhead per leaf and per byte beyond what its collectives and
 copies predict (:func:`fit_overhead`, from whole synchronisations of synthetic
 trees). The link and copy fits minimise the squared *relative* error, the
-overheads the absolute relative error (see :func:`fit_overhead`).
+overheads the absolute log-ratio of predicted to measured (see
+:func:`fit_overhead`).
 
 May import: the standard library, numpy and ``jaxsync._cost`` (no JAX).
 """
@@ -183,18 +184,13 @@ def fit_overhead(
                 cands.append(((r[i] * B[j] - r[j] * B[i]) / det, (L[i] * r[j] - L[j] * r[i]) / det))
     cands = [c for c in cands if signed_leaf or c[0] >= 0.0]
 
-    def errors(c):
-        return np.abs(m + c[0] * L + c[1] * B - t) / t
-
-    def log_errors(c):
+    def log_error(c):
         pred = m + c[0] * L + c[1] * B
-        if np.any(pred <= 0):
-            return np.full_like(t, np.inf)
-        return np.abs(np.log(pred / t))
+        return float(np.sum(np.abs(np.log(pred / t)))) if np.all(pred > 0) else np.inf
 
     # least total error; among equals the first (no overhead, then one term)
-    per_leaf, per_byte = min(cands, key=lambda c: float(np.sum(log_errors(c))))
-    after = errors((per_leaf, per_byte))
+    per_leaf, per_byte = min(cands, key=log_error)
+    after = np.abs(m + per_leaf * L + per_byte * B - t) / t
     return (float(per_leaf), float(per_byte)), {
         "samples": len(used),
         "dropped": len(samples) - len(used),
