@@ -11,6 +11,10 @@
 #                          seven the issue names; 3x4 is left out to stay near 15 min on
 #                          an idle 2-core machine - add it with CONFIGS="... 3x4")
 #   QUICK=1                a smoke test: quick calibration, the small500 tree, 2 rounds
+#   REPEAT=1               then measure every configuration again on the same profiles
+#                          (OUT/repeat/): the report adds how well the first measurement
+#                          predicts the second, the machine's own reproducibility (about
+#                          two thirds as long again)
 #   ALLOCATOR=default      calibrate and measure with glibc's default allocator (default:
 #                          tuned, jaxsync.tune_host_allocator() in tune and bench alike, so
 #                          the costs of large buffers do not depend on allocation history)
@@ -53,6 +57,19 @@ for cfg in $configs; do
     failed+=("$cfg")
   fi
 done
-"$py" -m jaxsync bench --suite model --collect --out "$out" | tail -n 4
+if [[ "${REPEAT:-0}" == 1 ]]; then
+  mkdir -p "$out/repeat"
+  for cfg in $configs; do
+    [[ " ${failed[*]:-} " == *" $cfg "* ]] && continue
+    p="${cfg%x*}" d="${cfg#*x}"
+    launch=("$py")
+    [[ "$p" -gt 1 ]] && launch=("$mpirun" -n "$p" "$py")
+    echo "== repeat $cfg; $((SECONDS - start)) s so far" >&2
+    "${launch[@]}" -m jaxsync bench --suite model --devices "$d" "${bench_args[@]}" \
+        --profile "$out/profile-$cfg.json" --out "$out/repeat" >"$out/repeat/log-$cfg.txt" 2>&1 ||
+      { echo "   repeat $cfg FAILED (see $out/repeat/log-$cfg.txt)" >&2; failed+=("repeat-$cfg"); }
+  done
+fi
+"$py" -m jaxsync bench --suite model --collect --out "$out" | tail -n 6
 echo "took $((SECONDS - start)) s; configurations: $configs; failed: ${failed[*]:-none}" >&2
 [[ ${#failed[@]} -eq 0 ]]

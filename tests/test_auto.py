@@ -647,6 +647,48 @@ def test_bench_model_suite_quick(tmp_path):
             assert a["measured_ms"] == measured[a["tree"], s]
 
 
+def _fake_model_run(folder, measured, predicted):
+    """A ``model-2x1.json`` as the model suite writes it, with chosen numbers."""
+    strategies = {
+        s: {"measured_ms": m, "predicted_ms": p, "q25_ms": m, "q75_ms": m}
+        for s, m, p in zip(
+            ("naive", "flat", "hierarchical", "two_dimensional"), measured, predicted
+        )
+    }
+    auto = {"choice": "flat", "measured_ms": measured[1], "best": "flat", "ok": True}
+    run = {
+        "config": "2x1",
+        "meta": {"host_allocator": "tuned"},
+        "trees": [{"tree": "t", "strategies": strategies, "auto": auto | {"best_ms": 1.0}}],
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "model-2x1.json").write_text(json.dumps(run))
+
+
+def test_model_report_compares_a_repeated_measurement(tmp_path):
+    from jaxsync.bench.model_report import collect
+
+    _fake_model_run(tmp_path, [1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0])
+    assert collect(tmp_path)["reproducibility"] is None  # no repeat: nothing claimed
+    # repeat: the 1st and 4th within 25% of the first run, the 2nd and 3rd not;
+    # the model (its predictions as in the first run) within 25% of the repeat twice
+    # and the first run's fastest (naive, 1.0) is not within 10% of the repeat's
+    # fastest (hierarchical, 0.5): 1.2 > 1.1 * 0.5
+    _fake_model_run(tmp_path / "repeat", [1.2, 3.0, 0.5, 4.0], [1.0, 2.0, 3.0, 4.0])
+    got = collect(tmp_path)["reproducibility"]
+    assert got == {
+        "pairs": 4,
+        "first_within_25pct": 0.5,
+        "model_within_25pct": 0.5,
+        "median_repeat_over_first": 1.1,
+        "first_best_within_10pct": 0.0,
+    }
+    text = (tmp_path / "model.md").read_text()
+    assert "is within 25% of it in 50% of 4 cases" in text
+    assert "against the repeat: 50%" in text
+    assert "fastest in 0% of the trees" in text
+
+
 def test_info_tree_explains_the_choice():
     topo = {"size": 2, "hosts": 1, "local_devices": 1, "platform": "cpu"}
     text = _auto.explain_tree("small500", topo, _cost.DEFAULT_PROFILE)

@@ -3,7 +3,8 @@
 What it is for: :func:`collect` merges the ``model-<P>x<D>.json`` files of one
 output folder (one per configuration, written by ``jaxsync.bench.model``) into
 ``model.md`` (predicted against measured per strategy, ``auto``'s pick against the
-best measured strategy, the noise floor), ``model.json`` (the summary) and
+best measured strategy, the noise floor, and how well a repeat of the
+measurement agrees with it, where there is one), ``model.json`` (the summary) and
 ``model.png`` (:func:`plot`). The issue's accuracy criteria are reported, never
 asserted.
 
@@ -23,9 +24,8 @@ PRED_TOL, PRED_SHARE = 0.25, 0.80
 AUTO_TOL, AUTO_SHARE = 0.10, 0.90
 
 
-def collect(out: Path) -> dict:
-    """Merge ``model-*.json`` of ``out``: table, summary, plot."""
-    runs = [json.loads(p.read_text()) for p in sorted(out.glob("model-*x*.json"))]
+def _cases(runs: list) -> tuple[list, list]:
+    """Per strategy and per ``auto``: the rows of the ``model-*.json`` runs."""
     cases, autos = [], []
     for run in runs:
         cfg = run["config"]
@@ -50,6 +50,75 @@ def collect(out: Path) -> dict:
                     }
                 )
             autos.append({"config": cfg, "tree": t["tree"], **t["auto"]})
+    return cases, autos
+
+
+def reproducibility(first: list, repeat: list) -> dict:
+    """How well one measurement predicts the next: the cases of a first run
+    against those of a repeat (same code and profiles, measured again later).
+
+    Returns ``{"pairs", "first_within_25pct", "model_within_25pct",
+    "median_repeat_over_first", "first_best_within_10pct"}``: the share of
+    cases where the first run's
+    measured cost, taken as the prediction, lies within 25% of the repeat's
+    (the criterion the model faces; no prediction made before the measurement
+    can be expected to do much better on the machine: an earlier measurement
+    of the very same program is as informed as a prediction gets), the
+    model's share against the repeat, and, ``auto``'s criterion, the share of
+    trees where the first run's fastest strategy is within 10% of the
+    repeat's fastest.
+
+    Example:
+      >>> row = lambda m, p: {"config": "2x1", "tree": "t", "strategy": "flat",
+      ...                     "measured_ms": m, "predicted_ms": p}
+      >>> r = reproducibility([row(1.0, 1.0)], [row(1.5, 1.0)])
+      >>> r["first_within_25pct"], r["model_within_25pct"], r["median_repeat_over_first"]
+      (0.0, 0.0, 1.5)
+      >>> r["first_best_within_10pct"]  # one strategy: it is the fastest in both
+      1.0
+    """
+    key = lambda c: (c["config"], c["tree"], c["strategy"])  # noqa: E731
+    again = {key(c): c for c in repeat if c["measured_ms"] > 0}
+    pairs = [(c, again[key(c)]) for c in first if key(c) in again and c["measured_ms"] > 0]
+    if not pairs:
+        return {"pairs": 0}
+
+    def within(pred, meas):
+        return abs(pred / meas - 1) <= PRED_TOL
+
+    # auto's criterion: the first run's fastest strategy of a tree, measured
+    # in the repeat, within 10% of the repeat's fastest
+    best = []
+    for cfg_tree in sorted({k[:2] for k in map(key, first)}):
+        mine = {c["strategy"]: c for c in first if key(c)[:2] == cfg_tree}
+        later = {s: again[(*cfg_tree, s)]["measured_ms"] for s in mine if (*cfg_tree, s) in again}
+        if later and set(later) == set(mine):
+            pick = min(mine, key=lambda s: mine[s]["measured_ms"])
+            best.append(later[pick] <= (1 + AUTO_TOL) * min(later.values()))
+
+    return {
+        "pairs": len(pairs),
+        "first_within_25pct": float(
+            np.mean([within(a["measured_ms"], b["measured_ms"]) for a, b in pairs])
+        ),
+        "model_within_25pct": float(
+            np.mean([within(b["predicted_ms"], b["measured_ms"]) for _, b in pairs])
+        ),
+        "median_repeat_over_first": float(
+            np.median([b["measured_ms"] / a["measured_ms"] for a, b in pairs])
+        ),
+        "first_best_within_10pct": float(np.mean(best)) if best else None,
+    }
+
+
+def collect(out: Path) -> dict:
+    """Merge ``model-*.json`` of ``out``: table, summary, plot. A repeat of the
+    measurement in ``out/repeat`` (``scripts/model_accuracy.sh`` with
+    ``REPEAT=1``) adds :func:`reproducibility`."""
+    runs = [json.loads(p.read_text()) for p in sorted(out.glob("model-*x*.json"))]
+    cases, autos = _cases(runs)
+    again = [json.loads(p.read_text()) for p in sorted(out.glob("repeat/model-*x*.json"))]
+    repro = reproducibility(cases, _cases(again)[0]) if again else None
     share = float(np.mean([c["ok"] for c in cases])) if cases else float("nan")
     auto_share = float(np.mean([a["ok"] for a in autos])) if autos else float("nan")
     # Cases whose own measurement spreads wider than the +-25% band (IQR of the
@@ -69,7 +138,7 @@ def collect(out: Path) -> dict:
     repeats = [
         abs(a.get("alone_ms", a["measured_ms"]) - a["strategy_ms"]) / a["strategy_ms"]
         for a in autos
-        if a.get("same_program") and a.get("strategy_ms")
+        if a.get("same_program") and (a.get("strategy_ms") or 0) > 0
     ]
     misses = [c for c in cases if not c["ok"]]
     in_spread = [
@@ -92,6 +161,7 @@ def collect(out: Path) -> dict:
         "auto_target": AUTO_SHARE,
         "measurements_wider_than_band": noisy_share,
         "noise": noise,
+        "reproducibility": repro,
         "cases": cases,
         "auto": autos,
         "configs": [r["config"] for r in runs],
@@ -151,6 +221,21 @@ def collect(out: Path) -> dict:
             "run could explain them); the others lie outside their rounds' spread: "
             "the model's, or drift between calibration and measurement, which the "
             "same-program pairs above bound.",
+        ]
+    if repro and repro["pairs"]:
+        lines += [
+            "",
+            f"Reproducibility: the measurement repeated with the same code and "
+            f"profiles (`repeat/`, measured after all of the above). This run's "
+            f"measured cost, taken as the prediction of the repeat's, is within 25% "
+            f"of it in {100 * repro['first_within_25pct']:.0f}% of {repro['pairs']} "
+            "cases (an earlier measurement of the very same program is as informed "
+            "as a prediction gets); the model's predictions, against the repeat: "
+            f"{100 * repro['model_within_25pct']:.0f}%. The repeat over this run: "
+            f"{repro['median_repeat_over_first']:.2f} (median). This run's fastest "
+            "strategy of a tree, taken as the pick, is within 10% of the repeat's "
+            f"fastest in {100 * (repro['first_best_within_10pct'] or 0):.0f}% of the "
+            "trees (auto's criterion).",
         ]
     allocs = {r["config"]: r["meta"].get("host_allocator", "default") for r in runs}
     lines += [
