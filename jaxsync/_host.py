@@ -31,11 +31,12 @@ def tune_host_allocator(
     run time) keeps such buffers in the heap for reuse. glibc caps the mmap
     threshold at 32 MiB, so by default mapping is turned off altogether (like
     ``MALLOC_MMAP_MAX_=0``): with 8 fake devices a ``flat_mean`` step's
-    temporaries of 32 MiB per device were mapped afresh on every call (11,000
-    page faults per call, 45 ms against 25 ms). glibc still maps an allocation
-    its heaps cannot hold. Process-wide; the cost is memory kept by the
-    heap rather than returned to the system. Call it once, early, on every
-    process. No effect (returns False) where the C library is not glibc.
+    temporaries of 32 MiB per device were mapped afresh on every call (up to
+    29,000 page faults per call, up to 62 ms against 25-27 ms). glibc still
+    maps an allocation its heaps cannot hold. Process-wide; the cost is memory
+    kept by the heap rather than returned to the system. Call it once, early,
+    on every process. No effect (returns False) where the C library is not
+    glibc.
 
     Args:
       mmap_threshold: bytes; allocations at least this large are mapped afresh
