@@ -39,8 +39,9 @@ def tune_host_allocator(
     glibc.
 
     Args:
-      mmap_threshold: bytes; allocations at least this large are mapped afresh
-        (glibc's ``M_MMAP_THRESHOLD``; its ceiling is 32 MiB on 64-bit).
+      mmap_threshold: bytes; with ``map_large``, allocations at least this
+        large are mapped afresh (glibc's ``M_MMAP_THRESHOLD``; its ceiling is
+        32 MiB on 64-bit).
       trim_threshold: bytes of free heap top kept before it is returned to the
         system (``M_TRIM_THRESHOLD``).
       top_pad: extra bytes requested from the system on each heap growth

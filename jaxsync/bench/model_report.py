@@ -59,8 +59,8 @@ def reproducibility(first: list, repeat: list) -> dict:
 
     Returns ``{"pairs", "first_within_25pct", "model_within_25pct",
     "median_repeat_over_first", "first_best_within_10pct"}``: the share of
-    cases where the first run's
-    measured cost, taken as the prediction, lies within 25% of the repeat's
+    cases where the first run's measured cost, taken as the prediction, lies
+    within 25% of the repeat's
     (the criterion the model faces; no prediction made before the measurement
     can be expected to do much better on the machine: an earlier measurement
     of the very same program is as informed as a prediction gets), the
