@@ -40,17 +40,25 @@ if [[ "${ALLOCATOR:-tuned}" == tuned ]]; then
   tune_args+=(--tune-host-allocator)
   bench_args+=(--tune-host-allocator)
 fi
+# jaxsync CFG ARGS...: python -m jaxsync ARGS in configuration CFG (PxD), under
+# mpirun for more than one process, with --devices D
+jaxsync() {
+  local p="${1%x*}" d="${1#*x}"
+  shift
+  local launch=("$py")
+  [[ "$p" -gt 1 ]] && launch=("$mpirun" -n "$p" "$py")
+  "${launch[@]}" -m jaxsync "$@" --devices "$d"
+}
+# measure CFG DIR: the model suite on OUT/profile-CFG.json, results in DIR
+measure() {
+  jaxsync "$1" bench --suite model "${bench_args[@]}" --profile "$out/profile-$1.json" --out "$2"
+}
 failed=()
 start=$SECONDS
 for cfg in $configs; do
-  p="${cfg%x*}" d="${cfg#*x}"
-  launch=("$py")
-  [[ "$p" -gt 1 ]] && launch=("$mpirun" -n "$p" "$py")
-  echo "== $cfg ($p process(es) x $d device(s)); $((SECONDS - start)) s so far" >&2
-  if "${launch[@]}" -m jaxsync tune --devices "$d" "${tune_args[@]}" \
-        --out "$out/profile-$cfg.json" >"$out/log-$cfg.txt" 2>&1 &&
-     "${launch[@]}" -m jaxsync bench --suite model --devices "$d" "${bench_args[@]}" \
-        --profile "$out/profile-$cfg.json" --out "$out" >>"$out/log-$cfg.txt" 2>&1; then
+  echo "== $cfg (${cfg%x*} process(es) x ${cfg#*x} device(s)); $((SECONDS - start)) s so far" >&2
+  if jaxsync "$cfg" tune "${tune_args[@]}" --out "$out/profile-$cfg.json" >"$out/log-$cfg.txt" 2>&1 &&
+     measure "$cfg" "$out" >>"$out/log-$cfg.txt" 2>&1; then
     grep -A12 '^profile (measured' "$out/log-$cfg.txt" | head -12 >&2 || true
   else
     echo "   $cfg FAILED (see $out/log-$cfg.txt)" >&2
@@ -61,12 +69,8 @@ if [[ "${REPEAT:-0}" == 1 ]]; then
   mkdir -p "$out/repeat"
   for cfg in $configs; do
     [[ " ${failed[*]:-} " == *" $cfg "* ]] && continue
-    p="${cfg%x*}" d="${cfg#*x}"
-    launch=("$py")
-    [[ "$p" -gt 1 ]] && launch=("$mpirun" -n "$p" "$py")
     echo "== repeat $cfg; $((SECONDS - start)) s so far" >&2
-    "${launch[@]}" -m jaxsync bench --suite model --devices "$d" "${bench_args[@]}" \
-        --profile "$out/profile-$cfg.json" --out "$out/repeat" >"$out/repeat/log-$cfg.txt" 2>&1 ||
+    measure "$cfg" "$out/repeat" >"$out/repeat/log-$cfg.txt" 2>&1 ||
       { echo "   repeat $cfg FAILED (see $out/repeat/log-$cfg.txt)" >&2; failed+=("repeat-$cfg"); }
   done
 fi

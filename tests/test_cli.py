@@ -2,6 +2,7 @@
 
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -76,8 +77,6 @@ def test_quickstart_example_converges():
 
 def test_tune_host_allocator_in_a_fresh_process():
     """It changes the process-wide allocator: checked in a child, not in pytest."""
-    import platform
-
     code = (
         "import jaxsync; s = jaxsync.host_allocator_state(); "
         "print(s, jaxsync.tune_host_allocator(), jaxsync.host_allocator_state())"
@@ -110,9 +109,7 @@ print(*out)
 """
 
 
-@pytest.mark.skipif(
-    __import__("platform").libc_ver()[0] != "glibc", reason="glibc's allocator only"
-)
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator only")
 def test_tune_host_allocator_reuses_buffers_above_the_mmap_ceiling():
     """Buffers over glibc's 32 MiB mmap ceiling (a step's temporaries with several
     fake devices) are reused, not mapped and faulted in afresh on every allocation

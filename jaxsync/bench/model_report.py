@@ -24,6 +24,11 @@ PRED_TOL, PRED_SHARE = 0.25, 0.80
 AUTO_TOL, AUTO_SHARE = 0.10, 0.90
 
 
+def _rel_error(predicted: float, measured: float) -> float:
+    """The model's criterion: ``predicted / measured - 1`` (inf for no cost measured)."""
+    return (predicted - measured) / measured if measured > 0 else float("inf")
+
+
 def _cases(runs: list) -> tuple[list, list]:
     """Per strategy and per ``auto``: the rows of the ``model-*.json`` runs."""
     cases, autos = [], []
@@ -31,11 +36,7 @@ def _cases(runs: list) -> tuple[list, list]:
         cfg = run["config"]
         for t in run["trees"]:
             for s, r in t["strategies"].items():
-                err = (
-                    (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"]
-                    if r["measured_ms"] > 0
-                    else float("inf")
-                )
+                err = _rel_error(r["predicted_ms"], r["measured_ms"])
                 cases.append(
                     {
                         "config": cfg,
@@ -77,14 +78,17 @@ def reproducibility(first: list, repeat: list) -> dict:
       >>> r["first_best_within_10pct"]  # one strategy: it is the fastest in both
       1.0
     """
-    key = lambda c: (c["config"], c["tree"], c["strategy"])  # noqa: E731
+
+    def key(c):
+        return (c["config"], c["tree"], c["strategy"])
+
     again = {key(c): c for c in repeat if c["measured_ms"] > 0}
     pairs = [(c, again[key(c)]) for c in first if key(c) in again and c["measured_ms"] > 0]
     if not pairs:
         return {"pairs": 0}
 
     def within(pred, meas):
-        return abs(pred / meas - 1) <= PRED_TOL
+        return abs(_rel_error(pred, meas)) <= PRED_TOL
 
     # auto's criterion: the first run's fastest strategy of a tree, measured
     # in the repeat, within 10% of the repeat's fastest
