@@ -12,6 +12,8 @@ _HELP = {
     "(table, JSON/CSV, PNG plot); run under mpirun for the inter-process part",
     "tune": "calibrate the cost model behind strategy='auto' (writes a JSON profile); "
     "--project prints predicted times for large clusters",
+    "cluster": "run a program on an emulated multi-host cluster on this Linux machine "
+    "(network namespaces, shaped links, faults)",
     "info": "versions, MPI library and thread level, and this process's topology "
     "(run alone or under mpirun)",
 }
@@ -43,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import _tune
 
         return _tune.main(rest)
+    if command == "cluster":
+        from .cluster import cli as cluster_cli
+
+        return cluster_cli.main(rest)
     if command == "info":
         from . import _info
 

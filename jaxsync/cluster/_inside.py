@@ -1,0 +1,238 @@
+"""The cluster's supervisor: runs as PID 1 of the namespaces that ``_run`` creates.
+
+``python -m jaxsync.cluster._inside DIR`` (``DIR/spec.json`` and ``DIR/command.json``
+written by ``_run``), inside ``unshare --user --map-root-user --net --mount --pid``:
+
+1. a tmpfs on ``/run/netns`` (this mount namespace's own, so ``ip netns`` names
+   are invisible outside and vanish with it);
+2. a bridge ``br0`` in this namespace (the switch), one network namespace per host
+   with a veth pair to the bridge, each direction shaped with ``tc tbf`` (the
+   host's uplink on its ``eth0``, its downlink on the switch port);
+3. hydra's ``mpirun`` with an ssh stand-in (``DIR/ssh``) that runs each host's
+   proxy in that host's namespace with a hostname of its own; MPI between hosts
+   over UCX's TCP transport only (its shared-memory ones would bypass the links),
+   between the processes of one host over MPICH's shared memory;
+4. the faults on their timers, the time limit, and at the end every process of
+   the namespaces is killed (PID 1 may signal them all) and the network removed.
+
+Nothing here is imported by jaxsync; it runs only inside those namespaces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ._spec import SUBNET, Spec, parse_rate
+
+BRIDGE = "br0"
+ROOT = str(Path(__file__).resolve().parents[2])
+TAG_BOOT = (
+    f"import sys; sys.path.insert(0, {ROOT!r}); "
+    "from jaxsync.cluster._tag import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+def log(msg: str) -> None:
+    print(f"[cluster] {msg}", flush=True)
+
+
+def sh(*cmd: str) -> None:
+    """Run one network command; a failure stops the cluster with its message."""
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed ({r.returncode}): {r.stderr.strip()}")
+
+
+def tbf(rate: str) -> list[str]:
+    """``tc`` arguments of a token-bucket shaper at ``rate`` (bursts of ~2 ms)."""
+    bps = parse_rate(rate)
+    burst = max(128 * 1024, int(bps / 8 * 0.002))
+    return ["tbf", "rate", f"{int(bps)}bit", "burst", str(burst), "latency", "100ms"]
+
+
+def mount_netns_dir() -> None:
+    run = Path("/run/netns")
+    try:
+        run.mkdir(parents=True, exist_ok=True)
+        target = run
+    except OSError:  # /run is not ours to write: a tmpfs over all of /run (this namespace only)
+        sh("mount", "-t", "tmpfs", "jaxsync-cluster", "/run")
+        run.mkdir(parents=True, exist_ok=True)
+        target = None
+    if target is not None:
+        sh("mount", "-t", "tmpfs", "jaxsync-cluster", str(target))
+
+
+def build(spec: Spec) -> None:
+    mount_netns_dir()
+    sh("ip", "link", "set", "lo", "up")
+    sh("ip", "link", "add", BRIDGE, "type", "bridge")
+    sh("ip", "addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE)
+    sh("ip", "link", "set", BRIDGE, "up")
+    for h in range(spec.hosts):
+        ns, port = f"host{h}", f"sw{h}"
+        sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        sh("ip", "link", "set", port, "master", BRIDGE, "up")
+        sh("ip", "-n", ns, "addr", "add", f"{spec.address(h)}/24", "dev", "eth0")
+        sh("ip", "-n", ns, "link", "set", "eth0", "up")
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        shaper = tbf(spec.rate(h))
+        sh("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", *shaper)  # uplink
+        sh("tc", "qdisc", "add", "dev", port, "root", *shaper)  # downlink
+
+
+def teardown(spec: Spec) -> None:
+    for h in range(spec.hosts):
+        subprocess.run(["ip", "netns", "del", f"host{h}"], capture_output=True)
+    subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
+
+
+def write_ssh(spec: Spec, path: Path) -> None:
+    """hydra's ``-launcher-exec``: ``ssh [-x ...] HOST COMMAND`` into that host's namespace."""
+    cases = "\n".join(f"  {spec.address(h)}) ns=host{h} ;;" for h in range(spec.hosts))
+    path.write_text(
+        "#!/bin/sh\n"
+        "# ssh stand-in: run hydra's proxy inside the host's network namespace.\n"
+        'while [ $# -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done\n'
+        'host="$1"; shift\n'
+        'case "$host" in\n'
+        f"{cases}\n"
+        '  *) echo "jaxsync cluster: no host $host" >&2; exit 255 ;;\n'
+        "esac\n"
+        'export JAXSYNC_CLUSTER_HOST="${ns#host}"\n'
+        'exec ip netns exec "$ns" unshare --uts sh -c "hostname $ns && exec $*"\n'
+    )
+    path.chmod(0o755)
+
+
+def rank_env(spec: Spec, t0: float) -> dict:
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the output as they are printed
+    env["UCX_TLS"] = "tcp,self"
+    env["UCX_NET_DEVICES"] = "eth0"
+    if spec.devices is not None:
+        flags = env.get("XLA_FLAGS", "")
+        flags = " ".join(f for f in flags.split() if "force_host_platform_device_count" not in f)
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={spec.devices}".strip()
+        env["JAXSYNC_CLUSTER_DEVICES"] = str(spec.devices)
+    env["JAXSYNC_CLUSTER"] = spec.to_json()
+    env["JAXSYNC_CLUSTER_T0"] = repr(t0)
+    return env
+
+
+def mpirun_cmd(spec: Spec, mpirun: str, ssh: Path, command: list[str]) -> list[str]:
+    hosts = ",".join(f"{spec.address(h)}:{spec.procs_per_host}" for h in range(spec.hosts))
+    return [
+        mpirun,
+        "-launcher",
+        "ssh",
+        "-launcher-exec",
+        str(ssh),
+        "-iface",
+        BRIDGE,
+        "-hosts",
+        hosts,
+        "-n",
+        str(spec.size),
+        sys.executable,
+        "-c",
+        TAG_BOOT,
+        *command,
+    ]
+
+
+def schedule_faults(spec: Spec, t0: float, stop: threading.Event) -> list[threading.Thread]:
+    def one(f):
+        port = f"sw{f.host}"
+        if stop.wait(max(0.0, t0 + f.at - time.time())):
+            return
+        subprocess.run(["ip", "link", "set", port, "down"], capture_output=True)
+        how = "for good" if f.duration is None else f"for {f.duration:g} s"
+        log(f"t={time.time() - t0:.1f} s: host{f.host}'s link down {how}")
+        if f.duration is None or stop.wait(f.duration):
+            return
+        subprocess.run(["ip", "link", "set", port, "up"], capture_output=True)
+        log(f"t={time.time() - t0:.1f} s: host{f.host}'s link up")
+
+    threads = [threading.Thread(target=one, args=(f,), daemon=True) for f in spec.faults]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def main(argv: list[str]) -> int:
+    work = Path(argv[0])
+    spec = Spec.from_json((work / "spec.json").read_text())
+    job = json.loads((work / "command.json").read_text())
+    proc: subprocess.Popen | None = None
+    stopped: list[int] = []
+
+    def on_signal(signum, frame):
+        del frame
+        stopped.append(signum)
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    stop = threading.Event()
+    try:
+        try:
+            build(spec)
+        except RuntimeError as e:
+            log(f"could not build the emulated network: {e}")
+            return 3
+        ssh = work / "ssh"
+        write_ssh(spec, ssh)
+        rates = ", ".join(f"host{h} {spec.rate(h)}" for h in range(spec.hosts))
+        log(
+            f"{spec.hosts} hosts x {spec.procs_per_host} processes"
+            + (f" x {spec.devices} devices" if spec.devices else "")
+            + f"; links: {rates}; time limit {job['timeout']:g} s"
+        )
+        t0 = time.time()
+        schedule_faults(spec, t0, stop)
+        proc = subprocess.Popen(
+            mpirun_cmd(spec, job["mpirun"], ssh, job["command"]),
+            env=rank_env(spec, t0),
+            cwd=job["cwd"],
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            rc = proc.wait(timeout=job["timeout"])
+        except subprocess.TimeoutExpired:
+            log(f"time limit of {job['timeout']:g} s reached: stopping the job")
+            (work / "timed_out").touch()
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            return 124
+        if stopped:
+            log(f"interrupted (signal {stopped[0]}): job stopped")
+            return 128 + stopped[0]
+        return rc
+    finally:
+        stop.set()
+        # PID 1 of this PID namespace: kill(-1) reaches every other process in it
+        # (ranks, proxies, the launcher), so nothing outlives the cluster.
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        teardown(spec)
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,110 @@
+"""``python -m jaxsync cluster [options] -- PROGRAM ...``: the emulated cluster's command.
+
+Example:
+  >>> from jaxsync.cluster import cli
+  >>> a = cli.parse(["--hosts", "2", "--procs-per-host", "2", "--link-down", "1@5+2",
+  ...                "--", "python", "train.py"])
+  >>> a.hosts, a.procs_per_host, a.link, a.link_down, a.command
+  (2, 2, '1gbit', [LinkDown(host=1, at=5.0, duration=2.0)], ['python', 'train.py'])
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ._run import ClusterUnavailable, run
+from ._spec import LinkDown
+
+
+def _slow(text: str) -> tuple[int, str]:
+    host, sep, rate = text.partition("=")
+    if not sep or not host.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST=RATE, e.g. 1=100mbit, got {text!r}")
+    return int(host), rate.strip()
+
+
+def _link_down(text: str) -> LinkDown:
+    try:
+        return LinkDown.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxsync cluster",
+        description="Run PROGRAM on an emulated cluster on this Linux machine: one network "
+        "namespace per host on a bridge, each host's link shaped with tc tbf, the program "
+        "under mpirun across the hosts (TCP between hosts, shared memory within one). "
+        "Every namespace and link it makes is removed when the run ends. Exit status: "
+        "the program's; 124 when --timeout stopped it.",
+        epilog="Example: python -m jaxsync cluster --hosts 2 --procs-per-host 2 --link 1gbit "
+        "--devices 2 -- python -m jaxsync selftest",
+    )
+    p.add_argument("--hosts", type=int, default=2, help="number of hosts (default 2)")
+    p.add_argument(
+        "--procs-per-host", type=int, default=1, help="MPI processes per host (default 1)"
+    )
+    p.add_argument(
+        "--link",
+        default="1gbit",
+        help="each host's link rate, in tc's words: 1gbit, 10gbit, 100mbit (default 1gbit)",
+    )
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="fake CPU devices per process (XLA_FLAGS); default: leave XLA_FLAGS alone",
+    )
+    p.add_argument(
+        "--slow-host",
+        type=_slow,
+        action="append",
+        default=[],
+        metavar="HOST=RATE",
+        help="give one host another link rate, e.g. 1=100mbit (repeatable)",
+    )
+    p.add_argument(
+        "--link-down",
+        type=_link_down,
+        action="append",
+        default=[],
+        metavar="HOST@T[+D]",
+        help="fault: HOST's link goes down T seconds after launch, for D seconds "
+        "(without +D: for good); repeatable",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        help="stop the program after this many seconds (default 3600)",
+    )
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- PROGRAM [ARGS...]")
+    args = p.parse_args(argv)
+    if args.command and args.command[0] == "--":
+        args.command = args.command[1:]
+    if not args.command:
+        p.error("no program given: put it after --, e.g. -- python train.py")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m jaxsync cluster``; returns the program's exit status."""
+    args = parse(list(sys.argv[1:] if argv is None else argv))
+    try:
+        result = run(
+            args.command,
+            hosts=args.hosts,
+            procs_per_host=args.procs_per_host,
+            link=args.link,
+            devices=args.devices,
+            slow=dict(args.slow_host),
+            link_down=args.link_down,
+            timeout=args.timeout,
+            echo=lambda line: print(line, flush=True),
+        )
+    except (ClusterUnavailable, ValueError) as e:
+        print(e, file=sys.stderr)
+        return 2
+    return result.returncode
