@@ -113,8 +113,9 @@ def write_ssh(spec: Spec, path: Path) -> None:
     path.chmod(0o755)
 
 
-def rank_env(spec: Spec, t0: float) -> dict:
+def rank_env(spec: Spec, t0: float, exits: Path) -> dict:
     env = dict(os.environ)
+    env["JAXSYNC_CLUSTER_EXITS"] = str(exits)
     env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the output as they are printed
     env["UCX_TLS"] = "tcp,self"
     env["UCX_NET_DEVICES"] = "eth0"
@@ -168,6 +169,39 @@ def schedule_faults(spec: Spec, t0: float, stop: threading.Event) -> list[thread
     return threads
 
 
+FAILED_GRACE_S = 3.0
+"""After a rank fails, how long mpirun has to end the job by itself."""
+
+
+def wait(proc: subprocess.Popen, deadline: float, exits: Path) -> int | None:
+    """mpirun's exit status, a failed rank's once the job is ended, or None at the deadline."""
+    while time.time() < deadline:
+        try:
+            return proc.wait(timeout=0.25)
+        except subprocess.TimeoutExpired:
+            pass
+        failed = sorted(exits.iterdir())
+        if failed:
+            rank, rc = failed[0].name, int(failed[0].read_text() or 1)
+            try:
+                return proc.wait(timeout=FAILED_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+            log(f"{rank} exited with status {rc} and mpirun did not end the job: ending it")
+            end(proc)
+            return rc
+    return None
+
+
+def end(proc: subprocess.Popen) -> None:
+    """SIGTERM to mpirun and its group, SIGKILL to every process after 5 s."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        os.kill(-1, signal.SIGKILL)
+
+
 def main(argv: list[str]) -> int:
     work = Path(argv[0])
     spec = Spec.from_json((work / "spec.json").read_text())
@@ -198,25 +232,22 @@ def main(argv: list[str]) -> int:
             + (f" x {spec.devices} devices" if spec.devices else "")
             + f"; links: {rates}; time limit {job['timeout']:g} s"
         )
+        exits = work / "exits"
+        exits.mkdir()
         t0 = time.time()
         schedule_faults(spec, t0, stop)
         proc = subprocess.Popen(
             mpirun_cmd(spec, job["mpirun"], ssh, job["command"]),
-            env=rank_env(spec, t0),
+            env=rank_env(spec, t0, exits),
             cwd=job["cwd"],
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-        try:
-            rc = proc.wait(timeout=job["timeout"])
-        except subprocess.TimeoutExpired:
+        rc = wait(proc, t0 + job["timeout"], exits)
+        if rc is None:
             log(f"time limit of {job['timeout']:g} s reached: stopping the job")
             (work / "timed_out").touch()
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
+            end(proc)
             return 124
         if stopped:
             log(f"interrupted (signal {stopped[0]}): job stopped")

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from ._spec import LinkDown, Spec
@@ -148,6 +148,7 @@ def run(
     link_down: Sequence[LinkDown] = (),
     timeout: float = 600.0,
     cwd: str | os.PathLike | None = None,
+    env: Mapping[str, str] | None = None,
     echo: Callable[[str], object] | None = None,
 ) -> ClusterResult:
     """Run ``command`` on an emulated cluster of ``hosts`` hosts on one Linux machine.
@@ -174,6 +175,8 @@ def run(
         for a while or for good).
       timeout: seconds after which the program is stopped (exit status 124).
       cwd: the ranks' working directory (default: this one).
+      env: the ranks' environment (default: this process's), to which the cluster
+        adds its own variables.
       echo: called with each line of output as it comes (e.g. ``print``); the
         whole output is also in the result.
 
@@ -219,11 +222,10 @@ def run(
             cwd=str(Path(cwd or os.getcwd()).resolve()),
         )
         (wd / "command.json").write_text(json.dumps(job))
-        return _supervise(wd, timeout, echo)
+        return _supervise(wd, timeout, dict(os.environ if env is None else env), echo)
 
 
-def _supervise(wd: Path, timeout: float, echo) -> ClusterResult:
-    env = dict(os.environ)
+def _supervise(wd: Path, timeout: float, env: dict, echo) -> ClusterResult:
     env.setdefault("PYTHONUNBUFFERED", "1")
     # The supervisor imports this very jaxsync; the ranks' environment is untouched.
     root = str(Path(__file__).resolve().parents[2])

@@ -3,7 +3,10 @@
 Started by ``mpirun`` in place of the program (``_inside.mpirun_cmd``). Line by
 line, so ranks printing at once never cut into each other's lines (hydra's own
 prefix marks each write, not each line). The program keeps every file descriptor
-(PMI's among them), dies with this process, and its exit status is this one's.
+(PMI's among them), dies with this process, and its exit status is this one's;
+a non-zero status is also written to ``$JAXSYNC_CLUSTER_EXITS/rank{R}``, which
+the supervisor watches: MPICH's hydra (5.0) does not stop the ranks of the other
+hosts when one rank fails without MPI_Abort, and the job would hang.
 """
 
 from __future__ import annotations
@@ -38,7 +41,12 @@ def main(argv: list[str]) -> int:
         out.write(tag.encode() + line + (b"" if line.endswith(b"\n") else b"\n"))
         out.flush()
     rc = proc.wait()
-    return 128 - rc if rc < 0 else rc
+    rc = 128 - rc if rc < 0 else rc
+    report = os.environ.get("JAXSYNC_CLUSTER_EXITS")
+    if rc != 0 and report:  # the supervisor ends the job (hydra leaves other hosts' ranks)
+        with open(os.path.join(report, f"rank{os.environ.get('PMI_RANK', '0')}"), "w") as f:
+            f.write(str(rc))
+    return rc
 
 
 if __name__ == "__main__":

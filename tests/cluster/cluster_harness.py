@@ -1,0 +1,43 @@
+"""Helpers of the cluster tests: the ``cluster`` fixture and the ranks' environment."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+MPI_DIR = HERE.parent / "mpi"
+if str(MPI_DIR) not in sys.path:
+    sys.path.insert(0, str(MPI_DIR))
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """``jaxsync.cluster``, or a skip (a failure in CI) where it cannot run here."""
+    import jaxsync.cluster
+
+    try:
+        jaxsync.cluster.check()
+    except jaxsync.cluster.ClusterUnavailable as e:
+        if _in_ci():
+            pytest.fail(f"CI is set but the emulated cluster cannot run: {e}", pytrace=False)
+        pytest.skip(str(e))
+    return jaxsync.cluster
+
+
+def worker_env() -> dict:
+    """The ranks' environment: this checkout and tests/mpi importable, no XLA_FLAGS."""
+    env = dict(os.environ)
+    root = HERE.parent.parent
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(root), str(MPI_DIR), str(HERE)]
+        + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    env.pop("XLA_FLAGS", None)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env

@@ -1,0 +1,96 @@
+"""Trains a small MLP across the cluster's hosts while a fault may hit its link.
+
+``optax.chain(jaxsync.hierarchical_mean(axis_name="d"), optax.sgd(0.1))`` in
+``jit(shard_map)``, every replica on its own rows of one fixed batch, ``--steps``
+steps with ``--pause`` seconds between them. After start-up every rank waits
+until ``--start`` seconds after the cluster's launch (``$JAXSYNC_CLUSTER_T0``),
+so that a fault scheduled a little later falls inside the training. Writes
+``OUT/rank{R}.pkl``: the final parameters, when the training started and ended
+on the cluster's clock, and the longest step.
+"""
+
+import os
+import time
+
+from _worker import Results, init, to_numpy
+
+
+def main():
+    ns, jax, MPI = init(
+        [
+            (("--steps",), dict(type=int, default=12)),
+            (("--pause",), dict(type=float, default=0.3)),
+            (("--start",), dict(type=float, default=0.0)),
+            (("--timeout",), dict(type=float, default=None)),
+            (("--on-timeout",), dict(default=None)),
+        ]
+    )
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxsync
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    D = jax.local_device_count()
+    res = Results(ns.out, rank)
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    shard = NamedSharding(mesh, P("d"))
+    rng = np.random.default_rng(0)
+    n = D * size
+    x = rng.standard_normal((n, 8, 5)).astype(np.float32)
+    y = rng.standard_normal((n, 8, 1)).astype(np.float32)
+    lo = D * rank
+    xs = jax.device_put(x[lo : lo + D], shard)
+    ys = jax.device_put(y[lo : lo + D], shard)
+    params = {
+        "w1": (rng.standard_normal((5, 16)) / 3).astype(np.float32),
+        "w2": (rng.standard_normal((16, 1)) / 4).astype(np.float32),
+    }
+    extra = {}
+    if ns.timeout is not None:
+        extra["timeout"] = ns.timeout
+    if ns.on_timeout is not None:
+        extra["on_timeout"] = ns.on_timeout
+    tx = optax.chain(jaxsync.hierarchical_mean(axis_name="d", comm=comm, **extra), optax.sgd(0.1))
+
+    def loss(p, xb, yb):
+        return jnp.mean((jnp.tanh(xb @ p["w1"]) @ p["w2"] - yb) ** 2)
+
+    def body(p, s, xb, yb):
+        p, s = jax.tree.map(lambda a: a[0], (p, s))
+        g = jax.grad(loss)(p, xb[0], yb[0])
+        u, s = tx.update(g, s, p)
+        p = optax.apply_updates(p, u)
+        return jax.tree.map(lambda a: a[None], (p, s))
+
+    def stack(tree):
+        return jax.tree.map(lambda a: jax.device_put(jnp.stack([a] * D), shard), tree)
+
+    rep, opt = stack(params), stack(tx.init(params))
+    step = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")), donate_argnums=(0, 1)
+    )
+    rep, opt = jax.block_until_ready(step(rep, opt, xs, ys))  # compile and first step
+    comm.Barrier()
+    t0 = float(os.environ.get("JAXSYNC_CLUSTER_T0", time.time()))
+    time.sleep(max(0.0, t0 + ns.start - time.time()))
+    began = time.time() - t0
+    longest = 0.0
+    for _ in range(ns.steps):
+        t = time.perf_counter()
+        rep, opt = jax.block_until_ready(step(rep, opt, xs, ys))
+        longest = max(longest, time.perf_counter() - t)
+        time.sleep(ns.pause)
+    res.add("params", to_numpy(rep))
+    res.add("began", began)
+    res.add("ended", time.time() - t0)
+    res.add("longest_step", longest)
+    res.write()
+
+
+if __name__ == "__main__":
+    main()
