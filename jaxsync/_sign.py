@@ -1,8 +1,9 @@
 """Scaled sign compression with error feedback (EF-SignSGD): :func:`sign_mean`.
 
 May import: ``_compress`` (state, checks, layout), ``_intra`` (collectives),
-``_invariance``, ``_config`` (``make_config``) and ``_sync`` (``sync``
-for the leaves that are not compressed).
+``_invariance``, ``_config`` (``make_config``), ``_mpi_backend`` (which MPI
+path pads for ``lax.cond``) and ``_sync`` (``sync`` for the leaves that are
+not compressed).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from . import _config, _intra, _invariance, _sync
+from . import _config, _intra, _invariance, _mpi_backend, _sync
 from ._compress import (
     SignState,
     _check_bool,
@@ -68,10 +69,17 @@ def _gather_bytes(buf, cfg, text):
     local = intra.allgather(buf)  # (D, L)
     flat = local.reshape(-1)
 
-    def gather(ops, bufs):
-        return [ops.allgather(bufs[0])]
+    n = flat.shape[0]
+    if isinstance(cfg.backend, _mpi_backend.MPIBackend) and not cfg.backend.native:
+        # Host staging and mpi4jax choose the leader with lax.cond, whose branches
+        # must keep shapes: the input is padded to the gathered size (as the
+        # sparse sync does).
+        flat = jnp.pad(flat, (0, (cfg.backend.size() - 1) * n))
 
-    (world,) = cfg.backend.run(gather, [flat], intra, leader_only=True)  # (P, D*L)
+    def gather(ops, bufs):
+        return [ops.allgather(bufs[0][:n]).reshape(-1)]
+
+    (world,) = cfg.backend.run(gather, [flat], intra, leader_only=True)  # (P * D*L,)
     return world.reshape(-1, buf.shape[0])
 
 
