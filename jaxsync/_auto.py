@@ -81,13 +81,23 @@ def load_profile(profile=None) -> tuple[Profile, str]:
 
     ``profile``: ``None`` (``$JAXSYNC_PROFILE`` or the default path, else the
     built-in default), a path, a dict (a profile's JSON) or a
-    :class:`jaxsync._cost.Profile`. A missing or unreadable file falls back to
-    the built-in default with a warning.
+    :class:`jaxsync._cost.Profile`. A missing file given by ``profile`` or
+    ``$JAXSYNC_PROFILE``, an unreadable one, or parameters that are unusable
+    (negative or non-finite times, malformed overheads: checked here, when the
+    profile is read) fall back to the built-in default with a warning.
     """
-    if isinstance(profile, Profile):
-        return profile, f"profile {profile.source}"
-    if isinstance(profile, dict):
-        return Profile.from_json(profile, "<dict>"), "profile from a dict"
+    if isinstance(profile, (Profile, dict)):
+        where = "from a dict" if isinstance(profile, dict) else profile.source
+        try:
+            prof = profile if isinstance(profile, Profile) else Profile.from_json(profile, "<dict>")
+            bad = prof.problems()
+            if bad:
+                raise ValueError(f"{where}: {'; '.join(bad)}")
+        except (ValueError, KeyError, TypeError) as e:
+            note = f"profile {where} unreadable ({e}): using the built-in default"
+            warnings.warn(f"jaxsync auto: {note}", stacklevel=3)
+            return _cost.DEFAULT_PROFILE, note
+        return prof, f"profile {where}"
     explicit = profile is not None
     path = Path(profile).expanduser() if explicit else default_profile_path()
     if not path.exists():

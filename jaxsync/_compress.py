@@ -29,13 +29,15 @@ rules (which leaves each compresses; the compression bench reads them too). The
 transforms live in ``_powersgd`` and ``_sign``; ``_compress_phase`` switches
 from exact to compressed averages at ``start_step``.
 
-May import: ``_config`` (``_bad_type``, the error format of every factory)
-and ``_sparse`` (to reject ``RowSparse`` leaves); JAX, optax, numpy.
+May import: ``_config`` (``_bad_type``, the error format of every factory),
+``_intra`` (``bound_axes``, for the state checks) and ``_sparse`` (to reject
+``RowSparse`` leaves); JAX, optax, numpy.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -43,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from . import _config
+from . import _config, _intra
 from ._sparse import RowSparse
 
 PyTree = Any
@@ -61,11 +63,16 @@ class PowerSGDState(NamedTuple):
       residual: one array per compressed leaf, the leaf's shape (float32 for
         16-bit leaves): this replica's error feedback (different on every
         replica).
+      owner: int32 scalar, the index of the process whose replicas own the
+        residuals (the MPI rank; 0 without MPI). A state restored on another
+        process (rank 0's checkpoint on every rank) has its residuals dropped
+        at the next update instead of applied to this replica's gradients.
     """
 
     count: jax.Array  # type: ignore[assignment]  # shadows tuple.count
     q: tuple
     residual: tuple
+    owner: jax.Array
 
 
 class SignState(NamedTuple):
@@ -73,12 +80,16 @@ class SignState(NamedTuple):
 
     Attributes:
       count: int32 scalar, the number of updates so far.
-      residual: one array per compressed leaf (float32 for 16-bit leaves):
-        this replica's error feedback (different on every replica).
+      residual: one array per compressed leaf, the leaf's shape (``(1,)`` for
+        a scalar leaf, so that under ``shard_map`` every device's residual
+        stacks along the first axis; float32 for 16-bit leaves): this
+        replica's error feedback (different on every replica).
+      owner: int32 scalar, the process index, as for :class:`PowerSGDState`.
     """
 
     count: jax.Array  # type: ignore[assignment]  # shadows tuple.count
     residual: tuple
+    owner: jax.Array
 
 
 def state_specs(state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
@@ -89,6 +100,10 @@ def state_specs(state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
     global array stacks every device's residual along its first axis), while
     everything else in the state is replicated (``P()``). Make the state inside
     ``shard_map`` with these specs, so each device starts with its own zeros.
+
+    The compression states are found as :class:`PowerSGDState` and
+    :class:`SignState`, and also as the mappings with their field names that
+    flax NNX makes of them (``nnx.state(optimizer)``).
 
     Args:
       state: an optimizer state, or its ``jax.eval_shape`` structure.
@@ -110,19 +125,38 @@ def state_specs(state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
     replicated = PartitionSpec()
 
     def one(node):
-        if isinstance(node, PowerSGDState):
-            return PowerSGDState(
-                replicated,
-                tuple(replicated for _ in node.q),
-                tuple(per_replica for _ in node.residual),
-            )
-        if isinstance(node, SignState):
-            return SignState(replicated, tuple(per_replica for _ in node.residual))
-        return replicated
+        if not _is_compression_state(node):
+            return replicated
+        # A NamedTuple or (NNX) a mapping with its field names: the subtree under
+        # "residual" is per replica, the rest replicated.
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: per_replica if _field(path[0]) == "residual" else replicated, node
+        )
 
-    return jax.tree_util.tree_map(
-        one, state, is_leaf=lambda n: isinstance(n, (PowerSGDState, SignState))
-    )
+    return jax.tree_util.tree_map(one, state, is_leaf=_is_compression_state)
+
+
+_STATE_FIELDS = (frozenset(PowerSGDState._fields), frozenset(SignState._fields))
+
+
+def _is_compression_state(node) -> bool:
+    if isinstance(node, (PowerSGDState, SignState)):
+        return True
+    if isinstance(node, Mapping):
+        try:
+            return frozenset(node.keys()) in _STATE_FIELDS
+        except TypeError:  # unhashable keys: not a state
+            return False
+    return False
+
+
+def _field(key) -> Any:
+    """The field name of a path's first key (a NamedTuple's or a mapping's)."""
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return key.name
+    if isinstance(key, jax.tree_util.DictKey):
+        return key.key
+    return None
 
 
 # --------------------------------------------------------------------------
@@ -208,6 +242,77 @@ def _reject_row_sparse(fn, tree) -> None:
             "strategy, which all-gathers its rows) with optax.partition, and this "
             "transform for the dense leaves."
         )
+
+
+def _residual_shape(shape) -> tuple:
+    """A leaf's residual shape: its own, ``(1,)`` for a scalar (``P(axis)`` under
+    ``shard_map`` stacks every device's residual along a first axis)."""
+    return tuple(shape) or (1,)
+
+
+def _check_state_shapes(fn, updates, idx, state, axes, qs=None) -> None:
+    """At trace time: the residuals (and ``Q``s) of ``state`` fit the leaves ``idx``.
+
+    ``qs``: the expected ``Q`` shapes, for PowerSGD. Static: costs nothing at run
+    time. A residual whose first axis is the leaf's divided (or multiplied) by
+    the local device count is a state made (or passed) outside ``shard_map``'s
+    per-device specs.
+    """
+    bound = _intra.bound_axes()
+    local = math.prod(bound.get(a, 1) for a in axes)
+    with_paths = jax.tree_util.tree_flatten_with_path(updates)[0]
+    checks = [
+        (
+            f"the residual of {jax.tree_util.keystr(with_paths[k][0]) or 'the leaf'}",
+            tuple(r.shape),
+            _residual_shape(with_paths[k][1].shape),
+        )
+        for k, r in zip(idx, state.residual)
+    ]
+    if qs is not None:
+        checks += [
+            (
+                f"the Q of {jax.tree_util.keystr(with_paths[k][0]) or 'the leaf'}",
+                tuple(q.shape),
+                want,
+            )
+            for k, q, want in zip(idx, state.q, qs)
+        ]
+    for what, got, want in checks:
+        if got == want:
+            continue
+        if (
+            local > 1
+            and len(got) == len(want)
+            and got[1:] == want[1:]
+            and local * min(got[0], want[0]) == max(got[0], want[0])
+        ):
+            raise ValueError(
+                f"{fn}: {what} has shape {got} here, the gradient leaf needs {want}: "
+                "the state was made outside shard_map (one residual for every device, "
+                "which P(axis) splits) or passed without per-device specs. Fix: make it "
+                "inside the map, specs = jaxsync.state_specs(jax.eval_shape(tx.init, "
+                "params), axis_name); state = jax.jit(jax.shard_map(tx.init, mesh=mesh, "
+                "in_specs=P(), out_specs=specs))(params), and pass it with specs."
+            )
+        raise ValueError(
+            f"{fn}: {what} has shape {got}, the gradient leaf needs {want}: the state "
+            "was made for another tree. Fix: call init with parameters of the same "
+            "structure and shapes as the gradients."
+        )
+
+
+def _owned_residuals(state, owner: int) -> tuple:
+    """The residuals, or zeros where ``state`` was made on another process (a
+    checkpoint restored on the wrong rank): never another replica's error.
+    One scalar compare and a select that fuses with the residual's use."""
+    mine = state.owner == jnp.int32(owner)
+    return tuple(jnp.where(mine, r, jnp.zeros((), r.dtype)) for r in state.residual)
+
+
+def _owner_of(cfg) -> int:
+    """This process's index as a state records it: the MPI rank, else 0."""
+    return int(cfg.backend.comms.rank) if cfg.backend.name == "mpi" else 0
 
 
 def _tree_error(fn, what, got, want):

@@ -178,15 +178,18 @@ class Profile:
                         ),
                     )
                 )
-        over = tuple(
-            sorted(
-                (str(k), (float(v[0]), float(v[1])))
-                for k, v in (data.get("overheads") or {}).items()
-            )
-        )
+        got = (data.get("overheads") or {}).items()
+        for k, v in got:
+            if not isinstance(v, (list, tuple)) or len(v) != 2:
+                raise ValueError(
+                    f"{source}: overheads[{k!r}] must be [seconds per leaf, seconds per "
+                    f"byte], got {v!r}; write the profile again with `python -m jaxsync "
+                    "tune --out FILE`."
+                )
+        over = tuple(sorted((str(k), (float(v[0]), float(v[1]))) for k, v in got))
         got16 = (data.get("overheads16") or {}).items()
         over16 = tuple(sorted((str(k), float(v)) for k, v in got16))
-        return cls(
+        prof = cls(
             tuple(links),
             float(data.get("copy", DEFAULT_PROFILE.copy)),
             data.get("topology"),
@@ -196,6 +199,39 @@ class Profile:
             over,
             over16,
         )
+        bad = prof.problems()
+        if bad:
+            raise ValueError(
+                f"{source}: {'; '.join(bad)}; write the profile again with `python -m "
+                "jaxsync tune --out FILE`."
+            )
+        return prof
+
+    def problems(self) -> list[str]:
+        """What makes the parameters unusable (empty when none): a negative or
+        non-finite time, a flow count below 1."""
+
+        def bad(x, low: float | None = 0.0) -> bool:
+            return not math.isfinite(x) or (low is not None and x < low)
+
+        out = []
+        for name, link in self.links:
+            for field in ("alpha", "beta", "gamma", "call"):
+                value = getattr(link, field)
+                if bad(value):
+                    out.append(f"links.{name}.{field} must be a finite number >= 0, got {value}")
+            if link.flows < 1:
+                out.append(f"links.{name}.flows must be >= 1, got {link.flows}")
+        for field in ("copy", "leaf"):
+            if bad(getattr(self, field)):
+                out.append(f"{field} must be a finite number >= 0, got {getattr(self, field)}")
+        for k, (per_leaf, per_byte) in self.overheads:  # either may be negative
+            if bad(per_leaf, None) or bad(per_byte, None):
+                out.append(f"overheads[{k!r}] must be finite, got {[per_leaf, per_byte]}")
+        for k, v in self.overheads16:
+            if bad(v):
+                out.append(f"overheads16[{k!r}] must be a finite number >= 0, got {v}")
+        return out
 
     def digest(self) -> str:
         """Short hash of the parameters (not the source): equal profiles, equal digest."""

@@ -102,7 +102,7 @@ def _after(x, prev):
     """
     if x.size == 0 or prev.size == 0:
         return x
-    uint = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+    uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
     width, pwidth = uint[x.dtype.itemsize], uint[prev.dtype.itemsize]
     zero = jax.pure_callback(
         lambda: np.zeros((), width), jax.ShapeDtypeStruct((), width), vmap_method="broadcast_all"

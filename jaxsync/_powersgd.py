@@ -19,6 +19,9 @@ from ._compress import (
     _check_bool,
     _check_float,
     _check_int,
+    _check_state_shapes,
+    _owned_residuals,
+    _owner_of,
     _powersgd_layout,
     _reject_row_sparse,
     _state_error,
@@ -112,11 +115,14 @@ def powersgd_mean(
 
     Returns:
       an ``optax.GradientTransformation``; ``update`` must run where
-      ``axis_name`` is bound (``shard_map``, ``pmap`` or ``vmap``).
+      ``axis_name`` is bound (``shard_map``, ``pmap`` or ``vmap``), anywhere
+      for ``axis_name=None`` (one device per process: only ``comm`` averages).
 
     Raises:
       TypeError, ValueError: a static argument is of the wrong type or out of
-        range (when the factory is called).
+        range (when the factory is called); a state made for another tree, or
+        made (or passed) outside ``shard_map``'s per-device specs (when
+        ``update`` is traced).
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, jaxsync
@@ -141,6 +147,7 @@ def powersgd_mean(
     seed = _check_int(fn, "seed", seed, 0, "pass e.g. seed=0")
     cfg = _config.make_config(fn, "hierarchical", axis_name, comm, staging=staging, timeout=timeout)
     _check_phase_backend(fn, cfg, start_step)
+    owner = _owner_of(cfg)
     key = jax.random.PRNGKey(seed)
 
     def fresh_q(k, m, r, count=None):
@@ -159,12 +166,12 @@ def powersgd_mean(
             n, m, r = lay
             qs.append(fresh_q(k, m, r))
             res.append(jnp.zeros(x.shape, _wide(x.dtype)))
-        return PowerSGDState(jnp.zeros((), jnp.int32), tuple(qs), tuple(res))
+        return PowerSGDState(jnp.zeros((), jnp.int32), tuple(qs), tuple(res), jnp.int32(owner))
 
     def exact(args):
         updates, state = args
         synced, _ = _sync.sync(updates, cfg)
-        return synced, PowerSGDState(state.count + 1, state.q, state.residual)
+        return synced, PowerSGDState(state.count + 1, state.q, state.residual, state.owner)
 
     def compressed(args):
         updates, state = args
@@ -177,12 +184,13 @@ def powersgd_mean(
         shared = _invariance.share_invariant(
             [leaves[k] for k in idx], cfg.axes + cfg.backend.mesh_axes
         )
+        residual = _owned_residuals(state, owner)
         ms, qs = [], []
         for j, (k, g) in enumerate(zip(idx, shared)):
             n, m, r = layout[k]
             mat = g.astype(_wide(g.dtype)).reshape(n, m)
             if error_feedback:
-                mat = mat + state.residual[j].reshape(n, m)
+                mat = mat + residual[j].reshape(n, m)
             ms.append(mat)
             q = state.q[j] if warm_start else fresh_q(k, m, r, state.count)
             qs.append(q.astype(mat.dtype))
@@ -206,7 +214,9 @@ def powersgd_mean(
         new_q = tuple(q.astype(jnp.float32) for q in qs) if warm_start else state.q
         return (
             jax.tree_util.tree_unflatten(treedef, out),
-            PowerSGDState(state.count + 1, new_q, tuple(new_res)),
+            PowerSGDState(
+                state.count + 1, new_q, tuple(new_res), jnp.full_like(state.owner, owner)
+            ),
         )
 
     def update_fn(updates, state, params=None):
@@ -215,9 +225,12 @@ def powersgd_mean(
             raise _state_error(fn, state, PowerSGDState)
         _reject_row_sparse(fn, updates)
         leaves = jax.tree_util.tree_leaves(updates)
-        n_comp = sum(lay is not None for lay in _powersgd_layout(leaves, rank, min_rate))
-        if n_comp != len(state.residual):
-            raise _tree_error(fn, "compressed leaves", n_comp, len(state.residual))
+        layout = _powersgd_layout(leaves, rank, min_rate)
+        idx = [k for k, lay in enumerate(layout) if lay is not None]
+        if len(idx) != len(state.residual):
+            raise _tree_error(fn, "compressed leaves", len(idx), len(state.residual))
+        qs = [(layout[k][1], layout[k][2]) for k in idx]
+        _check_state_shapes(fn, updates, idx, state, cfg.axes, qs)
         if start_step == 0:
             return compressed((updates, state))
         return _select_phase(state.count < start_step, exact, compressed, (updates, state), cfg)

@@ -1,8 +1,9 @@
 """Scaled sign compression with error feedback (EF-SignSGD): :func:`sign_mean`.
 
 May import: ``_compress`` (state, checks, layout), ``_intra`` (collectives),
-``_invariance``, ``_config`` (``make_config``) and ``_sync`` (``sync``
-for the leaves that are not compressed).
+``_invariance``, ``_config`` (``make_config``), ``_mpi_backend`` (which MPI
+path pads for ``lax.cond``) and ``_sync`` (``sync`` for the leaves that are
+not compressed).
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ import numpy as np
 import optax
 from jax import lax
 
-from . import _config, _intra, _invariance, _sync
+from . import _config, _intra, _invariance, _mpi_backend, _sync
 from ._compress import (
     SignState,
     _check_bool,
     _check_int,
+    _check_state_shapes,
+    _owned_residuals,
+    _owner_of,
     _reject_row_sparse,
+    _residual_shape,
     _sign_layout,
     _state_error,
     _tree_error,
@@ -64,10 +69,17 @@ def _gather_bytes(buf, cfg, text):
     local = intra.allgather(buf)  # (D, L)
     flat = local.reshape(-1)
 
-    def gather(ops, bufs):
-        return [ops.allgather(bufs[0])]
+    n = flat.shape[0]
+    if isinstance(cfg.backend, _mpi_backend.MPIBackend) and not cfg.backend.native:
+        # Host staging and mpi4jax choose the leader with lax.cond, whose branches
+        # must keep shapes: the input is padded to the gathered size (as the
+        # sparse sync does).
+        flat = jnp.pad(flat, (0, (cfg.backend.size() - 1) * n))
 
-    (world,) = cfg.backend.run(gather, [flat], intra, leader_only=True)  # (P, D*L)
+    def gather(ops, bufs):
+        return [ops.allgather(bufs[0][:n]).reshape(-1)]
+
+    (world,) = cfg.backend.run(gather, [flat], intra, leader_only=True)  # (P * D*L,)
     return world.reshape(-1, buf.shape[0])
 
 
@@ -113,11 +125,14 @@ def sign_mean(
 
     Returns:
       an ``optax.GradientTransformation``; ``update`` must run where
-      ``axis_name`` is bound (``shard_map``, ``pmap`` or ``vmap``).
+      ``axis_name`` is bound (``shard_map``, ``pmap`` or ``vmap``), anywhere
+      for ``axis_name=None`` (one device per process: only ``comm`` averages).
 
     Raises:
       TypeError, ValueError: a static argument is of the wrong type or out of
-        range (when the factory is called).
+        range (when the factory is called); a state made for another tree, or
+        made (or passed) outside ``shard_map``'s per-device specs (when
+        ``update`` is traced).
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxsync
@@ -136,15 +151,16 @@ def sign_mean(
     error_feedback = _check_bool(fn, "error_feedback", error_feedback)
     min_size = _check_int(fn, "min_size", min_size, 1, "pass e.g. min_size=256")
     cfg = _config.make_config(fn, "hierarchical", axis_name, comm, staging=staging, timeout=timeout)
+    owner = _owner_of(cfg)
 
     def init_fn(params):
         leaves = jax.tree_util.tree_leaves(params)
         res = tuple(
-            jnp.zeros(x.shape, _wide(x.dtype))
+            jnp.zeros(_residual_shape(x.shape), _wide(x.dtype))
             for x, c in zip(leaves, _sign_layout(leaves, min_size))
             if c
         )
-        return SignState(jnp.zeros((), jnp.int32), res)
+        return SignState(jnp.zeros((), jnp.int32), res, jnp.int32(owner))
 
     def update_fn(updates, state, params=None):
         del params
@@ -157,6 +173,8 @@ def sign_mean(
         rest = [k for k, c in enumerate(layout) if not c]
         if len(idx) != len(state.residual):
             raise _tree_error(fn, "compressed leaves", len(idx), len(state.residual))
+        _check_state_shapes(fn, updates, idx, state, cfg.axes)
+        new_owner = jnp.full_like(state.owner, owner)
         out = list(leaves)
         if rest:
             exact, _ = _sync.sync(tuple(leaves[k] for k in rest), cfg)
@@ -164,8 +182,9 @@ def sign_mean(
                 out[k] = exact[j]
         if not idx:
             return jax.tree_util.tree_unflatten(treedef, out), SignState(
-                state.count + 1, state.residual
+                state.count + 1, state.residual, new_owner
             )
+        residual = _owned_residuals(state, owner)
         shared = _invariance.share_invariant(
             [leaves[k] for k in idx], cfg.axes + cfg.backend.mesh_axes
         )
@@ -173,7 +192,7 @@ def sign_mean(
         for j, g in enumerate(shared):
             p = g.astype(_wide(g.dtype)).reshape(-1)
             if error_feedback:
-                p = p + state.residual[j].reshape(-1)
+                p = p + residual[j].reshape(-1)
             ps.append(p)
             scales.append(jnp.mean(jnp.abs(p)).astype(jnp.float32))
             packed.append(pack_signs(p))
@@ -201,12 +220,12 @@ def sign_mean(
             if error_feedback:
                 s = scales[j].astype(ps[j].dtype)
                 sent = jnp.where(ps[j] >= 0, s, -s)
-                new_res.append((ps[j] - sent).reshape(leaves[k].shape))
+                new_res.append((ps[j] - sent).reshape(_residual_shape(leaves[k].shape)))
             else:
                 new_res.append(state.residual[j])
         return (
             jax.tree_util.tree_unflatten(treedef, out),
-            SignState(state.count + 1, tuple(new_res)),
+            SignState(state.count + 1, tuple(new_res), new_owner),
         )
 
     return optax.GradientTransformation(init_fn, update_fn)

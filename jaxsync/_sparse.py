@@ -297,7 +297,13 @@ def path_str(path) -> str:
 
 
 def choose(mode: str, replicas: int, g: RowSparse) -> str:
-    """The automatic choice: sparse when it puts fewer bytes on the wire."""
+    """The automatic choice: sparse when it puts fewer bytes on the wire.
+
+    Integer rows are always gathered: the dense path passes integer leaves
+    through unreduced, which would return this replica's own rows.
+    """
+    if not jnp.issubdtype(g.dtype, jnp.floating):
+        return "sparse"
     if mode != "auto":
         return mode
     row_bytes = int(np.prod(g.row_shape, dtype=np.int64)) * jnp.dtype(g.dtype).itemsize

@@ -48,6 +48,8 @@ def sync_mixed(tree, cfg, dense_sync: Callable):
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_rs)
     sparse_at = [i for i, (_, x) in enumerate(with_paths) if _is_rs(x)]
     paths = {i: path_str(with_paths[i][0]) for i in sparse_at}
+    if cfg.reduce == "mean":
+        _reject_integer_rows([(paths[i], with_paths[i][1]) for i in sparse_at])
     modes = {i: choose(opts.mode_of(paths[i]), replicas, with_paths[i][1]) for i in sparse_at}
     # Agreement first: k, num_rows, shapes, dtypes and the chosen side of every
     # sparse leaf; a mismatch fails every process with the same message.
@@ -89,6 +91,20 @@ def sync_mixed(tree, cfg, dense_sync: Callable):
         if cfg.check_finite == "raise":
             _raise_if_bad([paths[i] for i in sparse], ok)
     return jax.tree_util.tree_unflatten(treedef, out), finite
+
+
+def _reject_integer_rows(named) -> None:
+    """The mean of integer rows is not an integer (and gathered rows are only
+    ever summed): refused at trace time rather than returning the sum."""
+    for name, g in named:
+        if not jnp.issubdtype(g.dtype, jnp.floating):
+            raise TypeError(
+                f"jaxsync: reduce='mean' got the row-sparse leaf {name!r} with {g.dtype} "
+                "values (expected: floating values; the mean of integer rows is not an "
+                "integer, and integer rows are never rounded). Fix: cast its values to "
+                "a float dtype, jaxsync.RowSparse(g.indices, g.values.astype(jnp.float32), "
+                "g.num_rows), or sum them with reduce='sum'."
+            )
 
 
 def _sync_sparse(gs: list, cfg, intra, replicas: int, opts: SparseOptions):

@@ -8,6 +8,7 @@ choice being the model's minimum, exact means and clear fall-backs.
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import warnings
@@ -756,3 +757,61 @@ def test_16bit_overhead_fit_recovers_known_values():
     for s, c16 in truth.items():
         assert dict(over)[s] == pytest.approx(c16, rel=0.05)
         assert rep[s]["median_rel_error"] < 1e-6
+
+
+def _bad_profile(edit):
+    data = json.loads(json.dumps(_cost.DEFAULT_PROFILE.to_json()))
+    edit(data)
+    return data
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda d: d["links"]["device"].update(alpha=-1e-5), "links.device.alpha"),
+        (lambda d: d["links"]["host"].update(beta=float("nan")), "links.host.beta"),
+        (lambda d: d.update(copy=float("inf")), "copy must be a finite"),
+        (lambda d: d["links"]["device"].update(flows=0), "links.device.flows"),
+        (lambda d: d.update(overheads={"flat": [1e-6]}), "overheads['flat'] must be"),
+        (lambda d: d.update(overheads={"flat": [float("nan"), 0.0]}), "overheads['flat']"),
+        (lambda d: d.update(overheads16={"flat": -1e-9}), "overheads16['flat']"),
+    ],
+    ids=[
+        "negative-alpha",
+        "nan-beta",
+        "inf-copy",
+        "no-flows",
+        "one-number",
+        "nan-overhead",
+        "neg16",
+    ],
+)
+def test_unusable_profile_values_fall_back_when_read(tmp_path, edit, words):
+    data = _bad_profile(edit)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=re.escape(words)):
+        Profile.from_json(data, "bad.json")
+    for given in (str(path), data):  # a file, a dict: the factory warns and falls back
+        with pytest.warns(UserWarning, match=f"unreadable .*{re.escape(words)}"):
+            tx = jaxsync.auto_mean(axis_name="i", comm=None, profile=given)
+        assert tx.update.config.auto.profile is _cost.DEFAULT_PROFILE
+        out = jax.vmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="i")(
+            {"w": jnp.arange(8.0).reshape(4, 2)}
+        )
+        np.testing.assert_array_equal(np.asarray(out["w"]), np.tile([3.0, 4.0], (4, 1)))
+        assert "predicted inf" not in tx.describe() and "built-in default" in tx.describe()
+    assert _cost.DEFAULT_PROFILE.problems() == []
+
+
+def test_no_profile_anywhere_is_quiet_and_described(tmp_path, monkeypatch):
+    """As the README says: nothing asked for and nothing at the default path."""
+    monkeypatch.delenv("JAXSYNC_PROFILE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert not _auto.default_profile_path().exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tx = jaxsync.auto_mean(axis_name="i", comm=None)
+        jax.vmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="i")({"w": jnp.ones((4, 2))})
+    assert tx.update.config.auto.profile is _cost.DEFAULT_PROFILE
+    assert "no profile at" in tx.describe() and "built-in default" in tx.describe()

@@ -476,3 +476,119 @@ def test_row_sparse_leaves_are_refused(make):
     }
     with pytest.raises(TypeError, match="RowSparse.*optax.partition"):
         tx.update(g, state)
+
+
+# --------------------------------------------------------------------------
+# Wrong or foreign states, scalar leaves, NNX states (issue 27)
+
+
+def test_scalar_leaf_under_shard_map():
+    """A rank-0 leaf (a learnable temperature) has a (1,) residual per device, so
+    state_specs' P(axis) stacks them: exact by construction (|p| is the scale)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("d",))
+    tx = jaxsync.sign_mean(axis_name="d", comm=None, min_size=1)
+    params = {"t": jnp.float32(0.0)}
+    specs = jaxsync.state_specs(jax.eval_shape(tx.init, params), "d")
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+
+    def step(x, s):
+        return tx.update({"t": x[0]}, s)
+
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("d"), specs), out_specs=(P(), specs)))
+    out, state = f(jnp.arange(1.0, 5.0), state)  # replicas send 1, 2, 3, 4: mean 2.5
+    assert bits(out["t"]) == bits(jnp.float32(2.5))
+    assert state.residual[0].shape == (4,)
+    assert (bits(state.residual[0]) == bits(jnp.zeros(4))).all()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jaxsync.powersgd_mean(axis_name=None, comm=None, min_compression_rate=0.0),
+        lambda: jaxsync.sign_mean(axis_name=None, comm=None, min_size=1),
+    ],
+    ids=["powersgd", "sign"],
+)
+def test_state_for_another_shape_raises_at_trace_time(make):
+    tx = make()
+    state = tx.init({"w": jnp.zeros((8, 4))})
+    g = {"w": jax.ShapeDtypeStruct((4, 8), jnp.float32)}
+    with pytest.raises(ValueError, match=r"residual of \['w'\] has shape \(8, 4\)") as e:
+        jax.eval_shape(tx.update, g, state)  # static: no value is computed
+    assert "needs (4, 8)" in str(e.value) and "Fix: call init" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jaxsync.powersgd_mean(axis_name="d", comm=None, min_compression_rate=0.0),
+        lambda: jaxsync.sign_mean(axis_name="d", comm=None, min_size=1),
+    ],
+    ids=["powersgd", "sign"],
+)
+def test_state_made_outside_shard_map_names_the_fix(make):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
+    tx = make()
+    params = {"w": jnp.ones((16, 32))}
+    specs = jaxsync.state_specs(jax.eval_shape(tx.init, params), "d")
+    f = jax.jit(jax.shard_map(tx.update, mesh=mesh, in_specs=(P(), specs), out_specs=(P(), specs)))
+    with pytest.raises(ValueError, match="made outside shard_map") as e:
+        f(params, tx.init(params))  # one residual for both devices, split by P("d")
+    assert "(8, 32)" in str(e.value) and "state_specs" in str(e.value)
+    assert "out_specs=specs" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jaxsync.powersgd_mean(axis_name="i", comm=None, rank=1, min_compression_rate=0.0),
+        lambda: jaxsync.sign_mean(axis_name="i", comm=None, min_size=1),
+    ],
+    ids=["powersgd", "sign"],
+)
+def test_residuals_of_another_process_are_dropped(make):
+    """A state recording another owner (a checkpoint restored on another rank)
+    updates exactly as with zero residuals; then it is this process's own."""
+    tx = make()
+    init, update = vmapped(tx)
+    rng = np.random.default_rng(8)
+    g = [{"w": jnp.asarray(rng.integers(-4, 5, (R, 6, 4)), jnp.float32)} for _ in range(2)]
+    _, own = update(g[0], init(g[0]))
+    assert (np.asarray(own.owner) == 0).all()
+    foreign = own._replace(owner=jnp.full((R,), 1, jnp.int32))
+    fresh = own._replace(residual=jax.tree.map(jnp.zeros_like, own.residual))
+    assert not all((bits(a) == 0).all() for a in own.residual)  # something to drop
+    out_f, next_f = update(g[1], foreign)
+    out_z, next_z = update(g[1], fresh)
+    for a, b in zip(jax.tree.leaves((out_f, next_f)), jax.tree.leaves((out_z, next_z))):
+        assert (bits(a) == bits(b)).all()
+    assert (np.asarray(next_f.owner) == 0).all()
+
+
+def test_state_specs_finds_the_residuals_in_an_nnx_state():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(4, 3, rngs=rngs)
+            self.temperature = nnx.Param(jnp.float32(1.0))
+
+    tx = optax.chain(
+        jaxsync.powersgd_mean(axis_name="d", comm=None, rank=1, min_compression_rate=0.0),
+        jaxsync.sign_mean(axis_name="d", comm=None, min_size=1),
+        optax.sgd(0.1),
+    )
+    opt = nnx.Optimizer(Model(nnx.Rngs(0)), tx, wrt=nnx.Param)
+    state = nnx.state(opt)
+    specs = jaxsync.state_specs(state, "d")
+    got = {
+        jax.tree_util.keystr(path): spec
+        for path, spec in jax.tree_util.tree_flatten_with_path(
+            specs, is_leaf=lambda x: isinstance(x, P)
+        )[0]
+    }
+    residuals = {k for k in got if "'residual'" in k}
+    # powersgd: the (4, 3) kernel; sign: kernel, bias and temperature
+    assert len(residuals) == 4
+    assert all(got[k] == P("d") for k in residuals)
+    assert all(got[k] == P() for k in got if k not in residuals)

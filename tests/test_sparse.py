@@ -453,3 +453,31 @@ def test_check_finite_raise_names_sparse_leaf():
         jax.effects_barrier()
     assert "indices outside [0, num_rows)" in str(info.value)
     assert "row-sparse leaves e" in str(info.value)
+
+
+def test_integer_rows_with_mean_are_refused_sum_is_exact():
+    """The mean of integer rows is not an integer: refused at trace time, naming
+    the leaf, the dtype and the fix; reduce="sum" gathers them exactly (in every
+    mode: the dense path would pass an integer leaf through unreduced)."""
+    g = _sparse.RowSparse.tree_unflatten(
+        3, (jnp.zeros((2, 1), jnp.int32), jnp.full((2, 1), 6, jnp.int32))
+    )  # 2 replicas, each 6 in row 0: the sum is [12, 0, 0], the mean would be 6
+
+    def run(reduce, mode="auto"):
+        tx = jaxsync.hierarchical_mean(
+            axis_name="i", comm=None, reduce=reduce, sparse=jaxsync.SparseOptions(mode=mode)
+        )
+        return jax.vmap(
+            lambda t: jaxsync.densify().update(tx.update(t, tx.init(t))[0], None)[0],
+            axis_name="i",
+        )({"e": g})["e"]
+
+    for mode in ("auto", "dense", "sparse"):
+        with pytest.raises(
+            TypeError, match="reduce='mean' got the row-sparse leaf 'e' with int32"
+        ) as e:
+            run("mean", mode)
+        assert "Fix:" in str(e.value) and "reduce='sum'" in str(e.value)
+        got = run("sum", mode)
+        assert got.dtype == jnp.int32, mode
+        np.testing.assert_array_equal(np.asarray(got), np.array([[12, 0, 0]] * 2), err_msg=mode)

@@ -7,6 +7,7 @@ through numpy.savez halfway).
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from mpi_harness import requires_mpi, run_mpi
@@ -75,3 +76,52 @@ def test_sign_bits_travel_as_uint8_through_the_native_allgather(compress_run):
 @pytest.mark.parametrize("name", NAMES)
 def test_default_step_has_no_host_callback(compress_run, name):
     assert _get(compress_run, 0, f"{name}:callbacks") == 0
+
+
+# --------------------------------------------------------------------------
+# Issue 27: host staging with a bound axis; rank 0's checkpoint on every rank
+# (worker_compress.py --mode review; integer-valued gradients, exact)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1dev", "2dev"])
+def review_run(request):
+    return run_mpi(
+        "worker_compress.py", n=2, devices=request.param, args=("--mode", "review"), timeout=180
+    ).check()
+
+
+def test_sign_host_staging_under_shard_map(review_run):
+    """staging="host" (leader in lax.cond) with axis_name bound, 1 or 2 devices."""
+    devices = review_run.results[0]["meta"]["devices"]
+    n = 2 * devices  # replica r sends w = (r + 1) * pattern: scale 2 (r + 1)
+    pattern = np.array([1, -3, 2, -2, 3, -1, 2, -2], np.float32)
+    want_w = ((n + 1) * np.sign(pattern)).astype(np.float32)  # mean of 2 (r + 1) sign
+    want_b = np.full(2, (n - 1) / 2, np.float32)  # exact mean of r
+    for r in range(2):
+        host, device = (_get(review_run, r, f"{s}:outs") for s in ("host", "device"))
+        first = host[0]
+        assert (_u(first["w"]) == _u(np.broadcast_to(want_w, first["w"].shape))).all()
+        assert (_u(first["b"]) == _u(np.broadcast_to(want_b, first["b"].shape))).all()
+        for h, d in zip(host, device):  # every step, bit for bit
+            for leaf in ("w", "b"):
+                assert (_u(h[leaf]) == _u(d[leaf])).all(), (r, leaf)
+        hres, dres = (_get(review_run, r, f"{s}:residual") for s in ("host", "device"))
+        assert (_u(hres) == _u(dres)).all()
+        # every leaf compressed (b too: b_r = r, scale r, sent exactly): the same mean
+        first = _get(review_run, r, "host_all:outs")[0]
+        assert (_u(first["w"]) == _u(np.broadcast_to(want_w, first["w"].shape))).all()
+        assert (_u(first["b"]) == _u(np.broadcast_to(want_b, first["b"].shape))).all()
+
+
+def test_rank0_checkpoint_on_every_rank_drops_the_foreign_residuals(review_run):
+    """Every rank restores rank 0's file: rank 0 continues as with its own state,
+    the others as with zero residuals (never rank 0's error on their gradients)."""
+    own = [_get(review_run, r, "restore:own_residual") for r in range(2)]
+    assert not np.array_equal(own[0], own[1]) and np.any(own[1] != 0)  # can fail
+    for r in range(2):
+        restored, zeroed = (_get(review_run, r, f"restore:{k}") for k in ("restored", "zeroed"))
+        a, b = jax.tree.leaves(restored), jax.tree.leaves(zeroed)
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert x.shape == y.shape and (_u(x) == _u(y)).all(), r
+        assert int(_get(review_run, r, "restore:owner")) == r

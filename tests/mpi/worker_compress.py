@@ -16,6 +16,17 @@ state must equal the uninterrupted run's bit for bit.
 Also records whether the lowered step calls jaxsync's native all-gather on
 uint8 data (the packed sign bits), and how many host callbacks it has (none:
 they would put jit's dispatch on its slow path).
+
+``--mode review`` (issue 27) runs instead, with integer-valued gradients:
+
+* ``host``: ``sign_mean(staging="host")`` under ``jit(shard_map)`` (its
+  leader's all-gather runs inside ``lax.cond``), 3 steps, next to the same
+  with ``staging="device"``; plus a leaf below ``min_size`` (the exact path
+  runs first in the step, so the two syncs are chained); ``host_all``: every
+  leaf compressed (the all-gather is the step's only inter-process call).
+* ``restore``: after 2 steps rank 0's state is written and every rank
+  restores it ("process 0 saves"), then one step; and one step from each
+  rank's own state with the residuals zeroed on the other ranks.
 """
 
 import os
@@ -26,7 +37,9 @@ STEPS = 50
 
 
 def main():
-    ns, jax, MPI = init()
+    ns, jax, MPI = init([(("--mode",), dict(default="train", choices=["train", "review"]))])
+    if ns.mode == "review":
+        return review(ns, jax, MPI)
     import jax.numpy as jnp
     import numpy as np
     import optax
@@ -123,6 +136,90 @@ def main():
             import traceback
 
             res.add(f"{name}:error", traceback.format_exc())
+    res.write()
+
+
+def review(ns, jax, MPI):
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    import jaxsync
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    D = jax.local_device_count()
+    res = Results(ns.out, rank)
+    res.add("meta", dict(rank=rank, size=size, devices=D))
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    # replica r = D * rank + d: w = (r + 1) * pattern (mean |w| = 2 (r + 1)), b exact
+    pattern = np.array([1, -3, 2, -2, 3, -1, 2, -2], np.float32)
+    reps = np.arange(rank * D, (rank + 1) * D)
+    grads = {
+        "w": ((reps[:, None] + 1) * pattern).astype(np.float32),  # (D, 8)
+        "b": (reps[:, None] * np.ones(2)).astype(np.float32),  # (D, 2)
+    }
+    params = {"w": np.zeros(8, np.float32), "b": np.zeros(2, np.float32)}
+
+    def make(tx):
+        specs = jaxsync.state_specs(jax.eval_shape(tx.init, params), "d")
+        init_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+
+        def step(g, s):
+            u, s = tx.update(jax.tree.map(lambda x: x[0], g), s)
+            return jax.tree.map(lambda x: jax.lax.pcast(x, "d", to="varying")[None], u), s
+
+        f = jax.jit(
+            jax.shard_map(step, mesh=mesh, in_specs=(P("d"), specs), out_specs=(P("d"), specs))
+        )
+        return init_state, f
+
+    for name, staging, min_size in (
+        ("host", "host", 4),
+        ("host_all", "host", 1),
+        ("device", "device", 4),
+    ):
+        try:
+            tx = jaxsync.sign_mean(axis_name="d", comm=comm, min_size=min_size, staging=staging)
+            init_state, f = make(tx)
+            s, outs = init_state(params), []
+            for _ in range(3):
+                u, s = f(grads, s)
+                outs.append(to_numpy(u))
+            res.add(f"{name}:outs", outs)
+            res.add(f"{name}:residual", np.asarray(s.residual[0]))
+        except Exception:
+            import traceback
+
+            res.add(f"{name}:error", traceback.format_exc())
+
+    try:
+        tx = jaxsync.sign_mean(axis_name="d", comm=comm, min_size=4)
+        init_state, f = make(tx)
+        s = init_state(params)
+        for _ in range(2):
+            _, s = f(grads, s)
+        leaves, treedef = jax.tree_util.tree_flatten(s)
+        path = os.path.join(ns.out, "ckpt-rank0.npz")
+        if rank == 0:  # "process 0 saves"
+            np.savez(path, *[np.asarray(a) for a in leaves])
+        comm.Barrier()
+        with np.load(path) as z:  # ... and every process restores that file
+            restored = jax.tree_util.tree_unflatten(
+                treedef, [z[f"arr_{i}"] for i in range(len(leaves))]
+            )
+        u_restored, s_restored = f(grads, restored)
+        zeroed = s if rank == 0 else s._replace(residual=jax.tree.map(jnp.zeros_like, s.residual))
+        u_zeroed, s_zeroed = f(grads, zeroed)
+        res.add("restore:own_residual", np.asarray(s.residual[0]))
+        res.add("restore:owner", np.asarray(getattr(s, "owner", -1)))
+        res.add("restore:restored", to_numpy((u_restored, s_restored)))
+        res.add("restore:zeroed", to_numpy((u_zeroed, s_zeroed)))
+    except Exception:
+        import traceback
+
+        res.add("restore:error", traceback.format_exc())
     res.write()
 
 
