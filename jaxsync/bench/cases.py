@@ -4,7 +4,8 @@ What it is for: ``IntraBench`` (one process, ``n`` fake devices, ``jit(shard_map
 over the axis ``"d"``) and ``MPIBench`` (under mpirun: the README's step over the
 local devices with ``axis_name="local"`` and ``comm=MPI.COMM_WORLD``, a whole train
 step, the plain-``jit`` path and the mpi4jax / mpi4py peers, the bare mpi4py
-``Allreduce``). Each builds the ``Case`` list of a tree for ``timing.run_tree``.
+``Allreduce``, and with ``jax.distributed`` joined the peer of ``jaxsync.bench.jaxdist``).
+Each builds the ``Case`` list of a tree for ``timing.run_tree``.
 What it may import: numpy, jax, optax, mpi4py, mpi4jax, ``jaxsync`` (public API)
 and the other ``jaxsync.bench`` modules except ``report`` and ``cli``.
 
@@ -284,4 +285,24 @@ class MPIBench(_MeshBench):
             ),
         ]
         k = next(i for i, c in enumerate(cases) if c.kind == "sweep") if sweeps else len(cases)
-        return cases[:k] + extra + cases[k:], skipped
+        return cases[:k] + extra + self._jax_distributed(arg, wire) + cases[k:], skipped
+
+    def _jax_distributed(self, arg, wire) -> list[Case]:
+        """The ``jax.distributed`` peer (when ``jaxdist.init`` ran): a global mesh and
+        one ``pmean``, beside its own base step on that mesh."""
+        import jax
+
+        if jax.process_count() == 1:
+            return []
+        from .jaxdist import GlobalMesh
+
+        g = GlobalMesh()
+        garg = g.array(arg)
+        base = "base tree (global mesh)"
+        cases = [
+            Case(base, "base", None, step=g.step(False), arg=garg),
+            Case("jax.distributed pmean", "peer", base, step=g.step(True), arg=garg),
+        ]
+        compile_cases(cases, self.n * self.procs, 1)
+        cases[1].wire_bytes = wire  # an allreduce of the tree's bytes between processes
+        return cases

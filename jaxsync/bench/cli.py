@@ -81,6 +81,12 @@ def _parse(argv) -> argparse.Namespace:
         "user's program has them; run both ways to see the difference",
     )
     p.add_argument(
+        "--no-jax-distributed",
+        action="store_true",
+        help="under mpirun, leave out the jax.distributed peer (a global mesh and one "
+        "pmean, gloo between processes; joining it starts JAX's multi-process runtime)",
+    )
+    p.add_argument(
         "--no-sweeps", action="store_true", help="skip the flat bucket_bytes / pack_threshold sweep"
     )
     p.add_argument(
@@ -121,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     comm = mpi_world()
     devices = args.devices or (1 if comm is not None else 8)
     set_devices(devices)
+    if comm is not None and not args.no_jax_distributed:
+        from .jaxdist import init
+
+        init(comm)
     if args.tune_host_allocator:
         import jaxsync
 

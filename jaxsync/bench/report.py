@@ -63,6 +63,7 @@ def evaluate_targets(rows: list[Row], devices: int = 1) -> list[Target]:
       the ResNet-like tree and ``two_dimensional`` <= 1.25x on trees of >= 1M;
     * with several devices per process: the default <= 1.5x (bare allreduce + bare
       psum) under MPI, <= 1.5x the bare psum in one process (trees of >= 1M);
+    * under MPI with the ``jax.distributed`` peer: every strategy <= 1.0x it;
     * ``comm_dtype=bfloat16`` >= 1.7x faster than float32 where it sends fewer
       bytes (float32 trees of >= 1M parameters).
 
@@ -107,6 +108,16 @@ def evaluate_targets(rows: list[Row], devices: int = 1) -> list[Target]:
                             _ratio(rs[name].median_ms, loop.median_ms),
                             1.0,
                         )
+        jd = rs.get("jax.distributed pmean")
+        if jd is not None:
+            for m in STRATEGY_METHODS:
+                if m in rs:
+                    target(
+                        f"{m} no slower than jax.distributed pmean",
+                        tree,
+                        _ratio(rs[m].median_ms, jd.median_ms),
+                        1.0,
+                    )
         bare = d.median_ms / d.ratio_to_bare if d.ratio_to_bare else float("nan")
         if mode == "mpi" and devices == 1:
             inplace = rs.get("mpi4py bare in-place")

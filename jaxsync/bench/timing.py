@@ -163,11 +163,13 @@ def check_results(cases: list[Case]) -> dict[str, bool]:
     """
     import jax
 
+    from .jaxdist import local
+
     def result(c: Case):
         assert c.run is not None, c.method  # compiled by compile_cases
-        return jax.tree.map(np.asarray, jax.block_until_ready(c.run()))
+        return local(jax.block_until_ready(c.run()))
 
-    bases = {c.method: result(c) for c in cases if c.method in ("base tree", "base tree (jit)")}
+    bases = {c.method: result(c) for c in cases if c.kind == "base" and "tree" in c.method}
     out = {}
     for c in cases:
         if c.base not in bases or c.kind == "base":

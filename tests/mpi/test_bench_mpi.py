@@ -64,13 +64,16 @@ def test_bench_one_device_per_process(tmp_path):
         rows,
         strategies
         + [f"{s} (jit)" for s in strategies]
-        + ["hierarchical in a train step", "mpi4jax/leaf", "ravel+mpi4jax", "mpi4jax bare"],
+        + ["hierarchical in a train step", "mpi4jax/leaf", "ravel+mpi4jax", "mpi4jax bare"]
+        + ["jax.distributed pmean"],
     )
+    assert rows["jax.distributed pmean"]["kind"] == "peer"
     assert rows["mpi4py bare"]["kind"] == "bare"
     assert rows["mpi4py bare in-place"]["kind"] == "limit"
     assert rows["hierarchical in a train step"]["kind"] == "jaxsync"
     names = {t["name"] for t in result["targets"]}
     assert "hierarchical no slower than the mpi4jax loop" in names
+    assert "hierarchical no slower than jax.distributed pmean" in names
 
 
 def test_bench_two_devices_per_process(tmp_path):
@@ -84,6 +87,7 @@ def test_bench_two_devices_per_process(tmp_path):
             "two_dimensional",
             "hierarchical in a train step",
             "psum bare",
+            "jax.distributed pmean",  # a global mesh over both processes' 4 devices
         ],
     )
     # mpi4jax's ordered effects refuse multi-device computations: no such rows.
