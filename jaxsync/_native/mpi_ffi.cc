@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <atomic>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <utility>
 #include <cstring>
@@ -520,7 +521,21 @@ struct Counted {
 // exchanges the texts and names the first differing leaf).
 using MismatchFn = int (*)(int64_t instance, int64_t id, char* out, int cap);
 MismatchFn g_mismatch = nullptr;
+// g_agree_mu guards the tables below and is never held across MPI or Python.
+// The exchange itself is serialised per agreement communicator (two threads
+// must not run collectives on one communicator at once), not globally: a
+// global lock held across the blocking MPI_Allgather deadlocked two programs
+// synchronised over different communicators that run at the same time - rank
+// 0's program A holding it while waiting for rank 1's A, rank 1's program B
+// holding it while waiting for rank 0's B, each process's other program
+// waiting for the lock (tests/mpi/test_mpi_robust.py). Programs over one
+// communicator that run at the same time must, like any collectives on it,
+// start in the same order on every process. The Python callback on a
+// mismatch runs under the communicator's lock only; it takes the GIL, which
+// no thread waiting for that lock holds (XLA runs these calls with the GIL
+// released).
 std::mutex g_agree_mu;
+std::map<int64_t, std::unique_ptr<std::mutex>> g_exchange_mu;  // per communicator
 std::map<std::pair<int64_t, int64_t>, std::string> g_verdicts;  // agreed
 
 struct Pending {
@@ -529,22 +544,44 @@ struct Pending {
 };
 std::map<std::pair<int64_t, int64_t>, Pending> g_pending;
 
+// The verdict on `key` if this process has one (g_agree_mu held): true, and
+// `out` set to the error (success: agreed) when one is known.
+bool KnownVerdict(const std::pair<int64_t, int64_t>& key, ffi::Error* out) {
+  if (g_verdicts.count(key)) {
+    *out = ffi::Error::Success();
+    return true;
+  }
+  auto pending = g_pending.find(key);
+  if (pending == g_pending.end()) return false;
+  std::string verdict = pending->second.verdict;
+  if (--pending->second.left <= 0) g_pending.erase(pending);
+  *out = ffi::Error(ffi::ErrorCode::kFailedPrecondition, verdict);
+  return true;
+}
+
 // Only agreement is remembered: every process remembers it alike. A process
 // whose plan failed before exchanges again on its next run (the others may
 // run a new plan and wait for it); within one run, the local devices after
 // the first take the verdict it got (`devices` of them run the check).
 ffi::Error Agree(int64_t agree_comm, int64_t id, int64_t instance, int64_t devices) {
   if (agree_comm == 0) return ffi::Error::Success();
-  std::lock_guard<std::mutex> lock(g_agree_mu);
   // Remembered per traced synchronisation (instance), not per plan: a process
   // that compiles a step again exchanges again, as the others do.
-  auto key = std::make_pair(agree_comm, instance);
-  if (g_verdicts.count(key)) return ffi::Error::Success();
-  auto pending = g_pending.find(key);
-  if (pending != g_pending.end()) {
-    std::string verdict = pending->second.verdict;
-    if (--pending->second.left <= 0) g_pending.erase(pending);
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, verdict);
+  const auto key = std::make_pair(agree_comm, instance);
+  std::mutex* exchange_mu = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_agree_mu);
+    ffi::Error known = ffi::Error::Success();
+    if (KnownVerdict(key, &known)) return known;
+    auto& mu = g_exchange_mu[agree_comm];
+    if (!mu) mu = std::make_unique<std::mutex>();
+    exchange_mu = mu.get();
+  }
+  std::lock_guard<std::mutex> exchange(*exchange_mu);
+  {
+    std::lock_guard<std::mutex> lock(g_agree_mu);  // another device exchanged meanwhile
+    ffi::Error known = ffi::Error::Success();
+    if (KnownVerdict(key, &known)) return known;
   }
   MPI_Comm c = MPI_Comm_f2c(static_cast<MPI_Fint>(agree_comm));
   int size = 0;
@@ -556,6 +593,7 @@ ffi::Error Agree(int64_t agree_comm, int64_t id, int64_t instance, int64_t devic
   bool same = true;
   for (int64_t other : ids) same = same && other == id;
   if (same) {
+    std::lock_guard<std::mutex> lock(g_agree_mu);
     g_verdicts.emplace(key, "");
     return ffi::Error::Success();
   }
@@ -568,7 +606,10 @@ ffi::Error Agree(int64_t agree_comm, int64_t id, int64_t instance, int64_t devic
       verdict = buf.data();
     }
   }
-  if (devices > 1) g_pending[key] = Pending{verdict, devices - 1};
+  if (devices > 1) {
+    std::lock_guard<std::mutex> lock(g_agree_mu);
+    g_pending[key] = Pending{verdict, devices - 1};
+  }
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition, verdict);
 }
 

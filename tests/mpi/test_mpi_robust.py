@@ -1,0 +1,45 @@
+"""Issue 27's MPI items: count limits, the all-to-all's shape check, concurrent
+agreements (``worker_robust.py``), and stalls that end the job
+(``worker_stall.py``). Every job runs under ``mpirun`` with a timeout.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi_harness import requires_mpi, run_mpi
+
+pytestmark = requires_mpi
+
+
+def _bitwise(got, want, what):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, got.shape)
+    if got.tobytes() != want.tobytes():
+        bits = f"u{got.itemsize}"
+        bad = np.flatnonzero(got.reshape(-1).view(bits) != want.reshape(-1).view(bits))
+        pytest.fail(f"{what}: {bad.size} of {got.size} elements differ, first at {bad[0]}")
+
+
+def _ok(run, rank, key):
+    got = run.results[rank][key]
+    if isinstance(got, str):
+        pytest.fail(f"rank {rank} {key}: {got}\n{run.describe()}", pytrace=False)
+    return got
+
+
+# --------------------------------------------------------------------------
+# E: the agreement's lock is per communicator.
+
+
+def test_agreements_of_concurrent_programs_on_two_communicators(tmp_path):
+    run = run_mpi(
+        "worker_robust.py", n=2, devices=1, timeout=90, out=tmp_path, args=("--mode", "concurrent")
+    )
+    assert not run.timed_out, "deadlock:\n" + run.describe()
+    run.check()
+    for rank in range(2):
+        res = run.results[rank]
+        assert res["done"] == [0, 1], run.describe()
+        for k in (0, 1):
+            _bitwise(res["outs"][k], res["want"][k], f"rank {rank} program {k}")
