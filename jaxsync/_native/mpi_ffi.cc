@@ -696,6 +696,16 @@ ffi::Error AllreduceImpl(ffi::Token, CommArg comm,
   return f16.Run(c, false);
 }
 
+// The shape of `x` as "(a, b, ...)", for error messages.
+std::string ShapeOf(const ffi::AnyBuffer& x) {
+  std::string out = "(";
+  const auto dims = x.dimensions();
+  for (size_t i = 0; i < dims.size(); ++i) {
+    out += (i ? ", " : "") + std::to_string(dims[i]);
+  }
+  return out + (dims.size() == 1 ? ",)" : ")");
+}
+
 // allgather: x of n elements -> (size, n). alltoall: x of shape (size, m) ->
 // (size, m), row j to peer j.
 template <bool kAlltoall>
@@ -716,11 +726,14 @@ ffi::Error MoveImpl(ffi::Token, CommArg comm,
   if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Comm_size");
   size_t n = x.element_count();
   if (kAlltoall) {
-    if (size == 0 || n % size != 0) {
+    const auto dims = x.dimensions();
+    if (dims.size() == 0 || dims[0] != size) {
       return ffi::Error::InvalidArgument(
-          "jaxsync_alltoall: the leading axis must have the communicator's size");
+          "jaxsync_alltoall: the operand's leading axis must have the communicator's "
+          "size " + std::to_string(size) + " (one row per process), got shape " +
+          ShapeOf(x) + ". Fix: reshape it to (" + std::to_string(size) + ", ...)");
     }
-    n /= size;
+    n /= static_cast<size_t>(size);
   }
   int count = 0;  // the received total must fit MPI's int count too
   if (auto e = CountOf(n * static_cast<size_t>(size), what, &count); e.failure()) {

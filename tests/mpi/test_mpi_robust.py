@@ -29,6 +29,27 @@ def _ok(run, rank, key):
 
 
 # --------------------------------------------------------------------------
+# Defect 7: the all-to-all checked the element count, not the leading axis.
+
+
+def test_native_alltoall_checks_the_leading_axis(tmp_path):
+    run = run_mpi(
+        "worker_robust.py", n=2, devices=1, timeout=90, out=tmp_path, args=("--mode", "alltoall")
+    ).check()
+    for rank in range(2):
+        res = run.results[rank]
+        for name, shape in (("one-row", "(1, 2)"), ("rows-of-one", "(4, 1)")):
+            msg = res[f"trace-{name}"]
+            assert isinstance(msg, str) and msg.startswith("ERROR: ValueError"), (name, msg)
+            assert "leading axis" in msg and "size 2" in msg and shape in msg, msg
+        msg = res["target"]
+        assert isinstance(msg, str) and "INVALID_ARGUMENT" in msg, msg
+        assert "leading axis" in msg and "size 2" in msg and "(1, 2)" in msg, msg
+        right = _ok(run, rank, "right")
+        _bitwise(right["got"], right["want"], f"rank {rank} right shape")
+
+
+# --------------------------------------------------------------------------
 # E: the agreement's lock is per communicator.
 
 
