@@ -29,6 +29,27 @@ def _ok(run, rank, key):
 
 
 # --------------------------------------------------------------------------
+# Defect 2: no leaf of 2^31 elements or more could be synced (MPI's int count).
+
+
+@pytest.mark.parametrize("procs", [2, 3])
+def test_native_calls_split_past_the_int_count(tmp_path, procs):
+    """Leaves past the (lowered) count limit: the 16-bit sum (2 processes: the
+    user operation; 3: the all-to-all), a float32 sum, all-gather and
+    all-to-all, bit for bit."""
+    run = run_mpi(
+        "worker_robust.py", n=procs, devices=1, timeout=120, out=tmp_path, args=("--mode", "large")
+    ).check()
+    for rank in range(procs):
+        sync = _ok(run, rank, "sync")
+        for leaf in ("b", "f"):
+            _bitwise(sync["got"][leaf], sync["want"][leaf], f"rank {rank} sync leaf {leaf}")
+        for key in ("allgather", "allgather-bf16", "alltoall"):
+            got = _ok(run, rank, key)
+            _bitwise(got["got"], got["want"], f"rank {rank} {key}")
+
+
+# --------------------------------------------------------------------------
 # Defect 7: the all-to-all checked the element count, not the leading axis.
 
 
