@@ -82,15 +82,17 @@ class Agreement:
         return np.zeros((), np.uint8)
 
 
-def agreement_dep(comm, text: str, what: str, disagreement):
+def agreement_dep(comm, text: str, what: str, disagreement, after=None):
     """A uint8 zero computed by the in-step agreement on ``text`` over ``comm``.
 
-    Whatever depends on it runs after the check. Several agreements of one traced
-    step form one chain (kept per trace, like the MPI token chain), so every
-    process runs them in the same order.
+    Whatever depends on it runs after the check; the check runs after ``after``
+    (a value, or None). Several agreements of one traced step form one chain
+    (kept per trace, like the MPI token chain), so every process runs them in
+    the same order.
     """
     agreement = Agreement(comm, text, what, disagreement)
     prev = _ordering.chain_value("agreement", lambda: None)
+    deps = tuple(d for d in (prev, after) if d is not None)
     # A pure_callback, not an io_callback: any effect in a step puts jit's
     # dispatch on its slow path (tens of microseconds per output: +12 ms on a
     # step returning 500 leaves). Its result feeds the MPI calls, so JAX cannot
@@ -99,7 +101,7 @@ def agreement_dep(comm, text: str, what: str, disagreement):
     dep = jax.pure_callback(
         agreement.host,
         jax.ShapeDtypeStruct((), jnp.uint8),
-        *(() if prev is None else (prev,)),
+        *deps,
         vmap_method="broadcast_all",
     )
     _ordering.set_chain_value("agreement", dep)

@@ -44,6 +44,8 @@ Bytes = int | None | Literal["auto"]
 CheckFinite = bool | Literal["raise"]
 #: ``"device"`` or ``"host"`` (MPI through host memory).
 Staging = Literal["device", "host"]
+#: What the stall watchdog does after ``timeout``: ``"report"`` or ``"abort"``.
+OnTimeout = Literal["report", "abort"]
 #: ``strategy="auto"``'s profile: a path, its JSON as a dict, a profile, or None.
 ProfileLike = Any
 __all__ = [
@@ -53,6 +55,7 @@ __all__ = [
     "CheckFinite",
     "Comm",
     "DTypeLike",
+    "OnTimeout",
     "ProfileLike",
     "Reduce",
     "Staging",
@@ -62,6 +65,7 @@ __all__ = [
 _REDUCES = ("mean", "sum")
 _STAGINGS = ("device", "host")
 _CHECKS = (False, True, "raise")
+_ON_TIMEOUTS = ("report", "abort")
 
 
 def _bad_type(fn, arg, expected, got, fix):
@@ -100,7 +104,7 @@ def _normalize_axes(fn: str, axis_name) -> tuple:
     )
 
 
-def _make_backend(fn: str, comm, staging: str, timeout=None):
+def _make_backend(fn: str, comm, staging: str, timeout=None, on_timeout="report"):
     if isinstance(comm, str) and comm == AUTO:
         comm = default_comm()
     if comm is None:
@@ -111,7 +115,11 @@ def _make_backend(fn: str, comm, staging: str, timeout=None):
     if comm.Get_size() == 1:
         return _axis_backend.LocalBackend()
     return _mpi_backend.MPIBackend(
-        comm, staging=staging, timeout=None if timeout is None else float(timeout)
+        comm,
+        staging=staging,
+        timeout=None if timeout is None else float(timeout),
+        on_timeout=on_timeout,
+        name=fn,
     )
 
 
@@ -181,6 +189,11 @@ class SyncConfig:
             f"{self.check_finite!r} backend {self.backend.name} staging "
             f"{getattr(self.backend, 'staging', None)} timeout "
             f"{getattr(self.backend, 'timeout', None)}"
+            + (
+                f" on_timeout {self.backend.on_timeout}"
+                if getattr(self.backend, "timeout", None) is not None
+                else ""
+            )
             + (f" auto profile {self.auto.profile.digest()}" if self.auto else "")
         )
 
@@ -199,6 +212,7 @@ def make_config(
     check_finite=False,
     staging="device",
     timeout=None,
+    on_timeout="report",
     sparse=None,
     profile=None,
 ) -> SyncConfig:
@@ -219,6 +233,7 @@ def make_config(
             check_finite=check_finite,
             staging=staging,
             timeout=timeout,
+            on_timeout=on_timeout,
             sparse=sparse,
         )
     if profile is not None:
@@ -283,6 +298,27 @@ def make_config(
                 f"{fn}: timeout must be > 0 seconds, got {timeout}. "
                 "Fix: timeout=60.0, or None (off)."
             )
+    if not isinstance(on_timeout, str):
+        raise _bad_type(
+            fn,
+            "on_timeout",
+            f"one of {_ON_TIMEOUTS}",
+            on_timeout,
+            "pass on_timeout='report' (default: print and keep waiting) or "
+            "on_timeout='abort' (print and end the job)",
+        )
+    if on_timeout not in _ON_TIMEOUTS:
+        raise ValueError(
+            f"{fn}: on_timeout must be one of {_ON_TIMEOUTS}, got {on_timeout!r}. "
+            "Fix: on_timeout='report' (default: print which ranks have not arrived "
+            "and keep waiting) or on_timeout='abort' (print it and end the job)."
+        )
+    if on_timeout == "abort" and timeout is None:
+        raise ValueError(
+            f"{fn}: on_timeout='abort' needs a timeout, got timeout=None (the "
+            "watchdog is off). Fix: pass the seconds a process may wait in one "
+            "inter-process stage, e.g. timeout=300.0, on_timeout='abort'."
+        )
     sparse = _sparse.check_options(fn, sparse)
     if strategy == "single_node":
         # No inter-process stage: a communicator would be silently ignored.
@@ -295,7 +331,7 @@ def make_config(
             )
         backend = _axis_backend.LocalBackend()
     else:
-        backend = _make_backend(fn, comm, staging, timeout)
+        backend = _make_backend(fn, comm, staging, timeout, on_timeout)
     return SyncConfig(
         strategy,
         axes,

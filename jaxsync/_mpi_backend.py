@@ -16,6 +16,7 @@ sparse sync, ``auto`` and ``tune`` do).
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,9 @@ from ._intra import AxisOps, _is_batched, bound_axes
 from ._invariance import _varying, _vma
 from ._ordering import _after
 from ._topology import Comms
+
+_BACKENDS = itertools.count(1)  # MPI transforms made by this process, in order
+_SITES = itertools.count(1)  # traced inter-process stages (the watchdog's sites)
 
 
 class _NativeOps:
@@ -208,12 +212,22 @@ class MPIBackend:
         ``"host"`` copies each buffer to host memory and calls mpi4py
         (ChainerMN's ``non_cuda_aware``): works with any MPI, costs a
         device-to-host copy each way.
+      timeout, on_timeout: the stall watchdog (``_watchdog``): seconds in one
+        inter-process stage (``None``: off), then ``"report"`` or ``"abort"``.
+      name: the factory, for the watchdog's messages (``"hierarchical_mean #1"``).
     """
 
     name = "mpi"
     mesh_axes: tuple = ()
 
-    def __init__(self, comm, staging: str = "device", timeout: float | None = None):
+    def __init__(
+        self,
+        comm,
+        staging: str = "device",
+        timeout: float | None = None,
+        on_timeout: str = "report",
+        name: str = "MPI",
+    ):
         self.native = staging == "device" and jax.default_backend() == "cpu"
         if self.native:
             _mpi_load.require_native()  # a clear error now, never a slow fallback
@@ -224,17 +238,48 @@ class MPIBackend:
         self.comm = comm
         self.staging = staging
         self.timeout = timeout
+        self.on_timeout = on_timeout
+        # The watchdog names the synchronisation: the factory and how many MPI
+        # transforms this process made before it (the same on every process:
+        # they make them together, in the same order).
+        self.label = f"{name} #{next(_BACKENDS)}"
         # Every communicator this backend will use is made now, when the factory
         # is called (on every process): never while tracing, which a process may
         # do alone (eval_shape, lower, make_jaxpr on rank 0).
         self.comms.prepare(jax.local_device_count())
         if timeout is not None:
-            self.comms.watchdog(timeout)
+            self.comms.watchdog(timeout, on_timeout)
 
-    def _watched(self, program, watch, when=None):
+    # -- the stall watchdog: enter/leave hooks around each inter-process stage --
+    def _watchdog(self):
+        return self.comms.watchdog(self.timeout, self.on_timeout)
+
+    def _stage_name(self) -> str:
+        """This stage's name: the synchronisation and its stage within the trace."""
+        key = f"watch-stage-{id(self)}"
+        k = _ordering.chain_value(key, lambda: 0)
+        _ordering.set_chain_value(key, k + 1)
+        return self.label if k == 0 else f"{self.label} (stage {k + 1})"
+
+    def _take_entered(self):
+        """``(site, name, True)``: the stage ``agree`` entered (or None), taken once."""
+        if self.timeout is None:
+            return None
+        key = f"watch-entered-{id(self)}"
+        got = _ordering.chain_value(key, lambda: None)
+        _ordering.set_chain_value(key, None)
+        return got
+
+    def _new_stage(self) -> tuple:
+        """``(site, name, entered)`` of a stage not entered yet."""
+        return next(_SITES), self._stage_name(), False
+
+    def _watched(self, program, watch, when=None, stage=None):
+        """``program`` with the watchdog's hooks (``stage``: see ``_new_stage``)."""
         if self.timeout is None or not watch:
             return program
-        return self.comms.watchdog(self.timeout).wrap(program, when)
+        site, name, entered = self._new_stage() if stage is None else stage
+        return self._watchdog().wrap(program, site, name, when, entered=entered)
 
     @functools.cached_property
     def comms(self) -> Comms:
@@ -255,11 +300,14 @@ class MPIBackend:
         """
         if not bufs:
             return []
+        entered = self._take_entered()
         if self.native:
-            return self._run_native(program, list(bufs), intra, leader_only, group_bytes)
-        return self._run(program, list(bufs), intra, leader_only)
+            return self._run_native(program, list(bufs), intra, leader_only, group_bytes, entered)
+        return self._run(program, list(bufs), intra, leader_only, entered)
 
-    def _run_native(self, program, bufs, intra: AxisOps, leader_only: bool, group_bytes):
+    def _run_native(
+        self, program, bufs, intra: AxisOps, leader_only: bool, group_bytes, entered=None
+    ):
         comms = self.comms
         group = _native_prim.GROUP_BYTES if group_bytes is None else group_bytes
         size = comms.size
@@ -269,12 +317,13 @@ class MPIBackend:
             # One device per process: no leader choice, no broadcast; results
             # typed invariant over the local axes of size 1 (if any).
             ops = _NativeOps(world, one, size, intra.unit_axes, group)
-            return self._watched(program, True)(ops, bufs)
+            return self._watched(program, True, None, entered)(ops, bufs)
         idx = lax.axis_index(intra.axes)
         if _is_batched(idx):
             # Under vmap all replicas live in one program: one ordered chain on
             # the world communicator, every replica a row of the same message.
-            return self._watched(program, True)(_NativeOps(world, one, size, group=group), bufs)
+            ops = _NativeOps(world, one, size, group=group)
+            return self._watched(program, True, None, entered)(ops, bufs)
         leader = idx == 0
         if leader_only:
             # Every device makes the call; only local device 0 talks MPI, the
@@ -282,7 +331,7 @@ class MPIBackend:
             # the local axes, as it is; the broadcast makes it invariant again.
             active = leader.astype(jnp.int32)
             bufs = [_varying(b, _vma(active)) for b in bufs]
-            out = self._watched(program, True, leader)(
+            out = self._watched(program, True, leader, entered)(
                 _NativeOps(world, active, size, group=group), bufs
             )
             return intra.broadcast(list(out), root=0)
@@ -290,34 +339,37 @@ class MPIBackend:
         # picked at run time: no lax.switch.
         handles = np.array([c.py2f() for c in comms.per_device(intra.size)], np.int32)
         comm = jnp.asarray(handles)[idx]
-        return self._watched(program, True, leader)(_NativeOps(comm, one, size, group=group), bufs)
+        ops = _NativeOps(comm, one, size, group=group)
+        return self._watched(program, True, leader, entered)(ops, bufs)
 
-    def _run(self, program, bufs, intra: AxisOps, leader_only: bool):
+    def _run(self, program, bufs, intra: AxisOps, leader_only: bool, entered=None):
         """Host staging, and mpi4jax's targets off CPU: leader chosen by lax.cond."""
         comms = self.comms
         if not intra.axes:
-            return self._watched(program, True)(self._ops(comms.world), bufs)
+            return self._watched(program, True, None, entered)(self._ops(comms.world), bufs)
         idx = lax.axis_index(intra.axes)
         if _is_batched(idx):
-            return self._watched(program, True)(self._ops(comms.world), bufs)
+            return self._watched(program, True, None, entered)(self._ops(comms.world), bufs)
         # Tokens (and the chain inside a branch) cannot leave lax.cond: the
         # previous synchronisation of this trace is tied to this one by data.
         prev = _ordering.chain_value("cond", lambda: None)
         if prev is not None:
             bufs = [_after(bufs[0], prev), *bufs[1:]]
-        out = self._run_cond(program, bufs, intra, leader_only, idx)
+        out = self._run_cond(program, bufs, intra, leader_only, idx, entered)
         head = next((y.reshape(-1)[:1] for y in out if y.size), None)
         if head is not None:  # one element: all the next tie needs
             _ordering.set_chain_value("cond", head)
         return out
 
-    def _run_cond(self, program, bufs, intra, leader_only, idx):
+    def _run_cond(self, program, bufs, intra, leader_only, idx, entered=None):
         comms = self.comms
+        if self.timeout is not None and entered is None:
+            entered = self._new_stage()  # named in the trace around the branches
 
         def on(comm, watch, bs):
             # Results keep the inputs' shard_map axis types, so branches agree
             # and a replicated input gives a replicated (invariant) result.
-            out = self._watched(program, watch)(self._ops(comm), bs)
+            out = self._watched(program, watch, None, entered)(self._ops(comm), bs)
             return [_varying(y, _vma(b)) for y, b in zip(out, bs)]
 
         if leader_only:
@@ -338,6 +390,16 @@ class MPIBackend:
         """
         if not bufs:
             return bufs
+        # With the watchdog, the synchronisation's first stage is entered here,
+        # before the agreement: a first execution waiting in it is watched too.
+        start = jnp.zeros((1,), jnp.uint8)
+        if self.timeout is not None:
+            site, name, _ = self._new_stage()
+            when = _one_device()
+            if when is not None:
+                start = _varying(start, _vma(when))
+            start = self._watchdog().enter_before(start, site, name, when)
+            _ordering.set_chain_value(f"watch-entered-{id(self)}", (site, name, True))
         if self.native:
             # A native call checks it (the first time a process runs it; then a
             # table look-up): no host callback in the step, which would put jit's
@@ -354,7 +416,7 @@ class MPIBackend:
             )
             token, (dep,) = _native_prim.native_call(
                 "agree",
-                [jnp.zeros((1,), jnp.uint8)],
+                [start],
                 _ordering.chain_token(),
                 jnp.int32(self.comms.world.py2f()),
                 jnp.int32(1),
@@ -363,7 +425,19 @@ class MPIBackend:
             )  # (comm, id, instance, devices)
             _ordering.set_chain_token(token)
             return list(lax.optimization_barrier((dep, *bufs))[1:])
-        return tie_buffers(bufs, agreement_dep(self.comms.agreement, text, what, _disagreement))
+        after = None if self.timeout is None else start
+        dep = agreement_dep(self.comms.agreement, text, what, _disagreement, after=after)
+        return tie_buffers(bufs, dep)
 
     def __repr__(self):
         return f"MPIBackend(size={self.size()}, staging={self.staging!r}, timeout={self.timeout})"
+
+
+def _one_device():
+    """A traced boolean, true on one device of this process (index 0 along
+    every bound, unmapped axis); ``None`` where one program runs per process
+    (no such axis: plain ``jit``, or only ``vmap``)."""
+    axes = [a for a in bound_axes() if not _is_batched(lax.axis_index(a))]
+    if not axes:
+        return None
+    return functools.reduce(jnp.logical_and, [lax.axis_index(a) == 0 for a in axes])

@@ -57,6 +57,12 @@ def _native_abstract_eval(token, comm, active, *xs, kind, size, invariant, agree
     del token, comm, active
     outs = []
     for x in xs:
+        if kind == "alltoall" and (x.ndim == 0 or x.shape[0] != size):
+            raise ValueError(
+                f"jaxsync: the native all-to-all needs an operand whose leading axis "
+                f"has the communicator's size {size} (one row per process), got shape "
+                f"{tuple(x.shape)}. Fix: reshape it to ({size}, ...)."
+            )
         if kind == "allgather":
             spec = x.sharding.spec
             sharding = x.sharding.update(spec=type(spec)(None, *spec))

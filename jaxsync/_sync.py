@@ -22,6 +22,7 @@ from ._config import (
     CheckFinite,
     Comm,
     DTypeLike,
+    OnTimeout,
     ProfileLike,
     Reduce,
     Staging,
@@ -197,6 +198,7 @@ def sync_gradients(
     check_finite: CheckFinite = False,
     staging: Staging = "device",
     timeout: float | None = None,
+    on_timeout: OnTimeout = "report",
     sparse: SparseOptions | None = None,
     profile: ProfileLike = None,
 ) -> PyTree:
@@ -224,6 +226,7 @@ def sync_gradients(
       check_finite: as for :func:`jaxsync.hierarchical_mean`.
       staging: as for :func:`jaxsync.hierarchical_mean`.
       timeout: as for :func:`jaxsync.hierarchical_mean`.
+      on_timeout: as for :func:`jaxsync.hierarchical_mean`.
       sparse: as for :func:`jaxsync.hierarchical_mean`.
       profile: ``strategy="auto"`` only: as for :func:`jaxsync.auto_mean`.
 
@@ -258,6 +261,7 @@ def sync_gradients(
         check_finite=check_finite,
         staging=staging,
         timeout=timeout,
+        on_timeout=on_timeout,
         sparse=sparse,
         profile=profile,
     )

@@ -220,13 +220,13 @@ class Comms:
         while len(self._devices) < n:
             self._devices.append(self.control.Dup())
 
-    def watchdog(self, timeout: float):
-        """The stall watchdog of this communicator (one per timeout value)."""
+    def watchdog(self, timeout: float, on_timeout: str = "report"):
+        """The stall watchdog of this communicator (one per timeout and action)."""
         from ._watchdog import Watchdog
 
-        key = float(timeout)
+        key = (float(timeout), on_timeout)
         if key not in self._watchdogs:
-            self._watchdogs[key] = Watchdog(self.control.Dup(), key)
+            self._watchdogs[key] = Watchdog(self.control.Dup(), key[0], on_timeout)
         return self._watchdogs[key]
 
     @property

@@ -16,6 +16,7 @@ from ._config import (
     CheckFinite,
     Comm,
     DTypeLike,
+    OnTimeout,
     Reduce,
     Staging,
     make_config,
@@ -45,6 +46,7 @@ def naive_mean(
     check_finite: CheckFinite = False,
     staging: Staging = "device",
     timeout: float | None = None,
+    on_timeout: OnTimeout = "report",
     sparse: SparseOptions | None = None,
 ) -> optax.GradientTransformation:
     """Average gradients leaf by leaf.
@@ -80,8 +82,14 @@ def naive_mean(
       staging: ``"device"``, or ``"host"`` (MPI through host memory, for an MPI
         without GPU support).
       timeout: seconds (MPI only; ``None``: off): when this process has waited
-        longer than this in one inter-process stage, a watchdog prints which
-        ranks have not arrived. The synchronisation keeps waiting.
+        longer than this in one inter-process stage (the first execution's
+        agreement included), a watchdog thread prints which ranks have not
+        arrived, which synchronisation and which step.
+      on_timeout: what the watchdog does then: ``"report"`` (default) keeps
+        waiting (the result is unchanged when the straggler arrives);
+        ``"abort"`` makes every process that can still answer print the same
+        diagnosis once and ends the job with ``MPI_Abort`` (a non-zero exit),
+        also when a peer is dead or unreachable. Needs ``timeout``.
       sparse: how :class:`jaxsync.RowSparse` leaves are synchronised (a
         :class:`jaxsync.SparseOptions`; ``None``: automatic).
 
@@ -113,6 +121,7 @@ def flat_mean(
     check_finite: CheckFinite = False,
     staging: Staging = "device",
     timeout: float | None = None,
+    on_timeout: OnTimeout = "report",
     sparse: SparseOptions | None = None,
 ) -> optax.GradientTransformation:
     """Average gradients packed into a few buffers.
@@ -153,8 +162,14 @@ def flat_mean(
       staging: ``"device"``, or ``"host"`` (MPI through host memory, for an MPI
         without GPU support).
       timeout: seconds (MPI only; ``None``: off): when this process has waited
-        longer than this in one inter-process stage, a watchdog prints which
-        ranks have not arrived. The synchronisation keeps waiting.
+        longer than this in one inter-process stage (the first execution's
+        agreement included), a watchdog thread prints which ranks have not
+        arrived, which synchronisation and which step.
+      on_timeout: what the watchdog does then: ``"report"`` (default) keeps
+        waiting (the result is unchanged when the straggler arrives);
+        ``"abort"`` makes every process that can still answer print the same
+        diagnosis once and ends the job with ``MPI_Abort`` (a non-zero exit),
+        also when a peer is dead or unreachable. Needs ``timeout``.
       sparse: how :class:`jaxsync.RowSparse` leaves are synchronised (a
         :class:`jaxsync.SparseOptions`; ``None``: automatic).
 
@@ -186,6 +201,7 @@ def hierarchical_mean(
     check_finite: CheckFinite = False,
     staging: Staging = "device",
     timeout: float | None = None,
+    on_timeout: OnTimeout = "report",
     sparse: SparseOptions | None = None,
 ) -> optax.GradientTransformation:
     """Average gradients hierarchically.
@@ -223,8 +239,14 @@ def hierarchical_mean(
       staging: ``"device"``, or ``"host"`` (MPI through host memory, for an MPI
         without GPU support).
       timeout: seconds (MPI only; ``None``: off): when this process has waited
-        longer than this in one inter-process stage, a watchdog prints which
-        ranks have not arrived. The synchronisation keeps waiting.
+        longer than this in one inter-process stage (the first execution's
+        agreement included), a watchdog thread prints which ranks have not
+        arrived, which synchronisation and which step.
+      on_timeout: what the watchdog does then: ``"report"`` (default) keeps
+        waiting (the result is unchanged when the straggler arrives);
+        ``"abort"`` makes every process that can still answer print the same
+        diagnosis once and ends the job with ``MPI_Abort`` (a non-zero exit),
+        also when a peer is dead or unreachable. Needs ``timeout``.
       sparse: how :class:`jaxsync.RowSparse` leaves are synchronised (a
         :class:`jaxsync.SparseOptions`; ``None``: automatic).
 
@@ -257,6 +279,7 @@ def two_dimensional_mean(
     check_finite: CheckFinite = False,
     staging: Staging = "device",
     timeout: float | None = None,
+    on_timeout: OnTimeout = "report",
     sparse: SparseOptions | None = None,
 ) -> optax.GradientTransformation:
     """Average gradients two-dimensionally.
@@ -295,8 +318,14 @@ def two_dimensional_mean(
       staging: ``"device"``, or ``"host"`` (MPI through host memory, for an MPI
         without GPU support).
       timeout: seconds (MPI only; ``None``: off): when this process has waited
-        longer than this in one inter-process stage, a watchdog prints which
-        ranks have not arrived. The synchronisation keeps waiting.
+        longer than this in one inter-process stage (the first execution's
+        agreement included), a watchdog thread prints which ranks have not
+        arrived, which synchronisation and which step.
+      on_timeout: what the watchdog does then: ``"report"`` (default) keeps
+        waiting (the result is unchanged when the straggler arrives);
+        ``"abort"`` makes every process that can still answer print the same
+        diagnosis once and ends the job with ``MPI_Abort`` (a non-zero exit),
+        also when a peer is dead or unreachable. Needs ``timeout``.
       sparse: how :class:`jaxsync.RowSparse` leaves are synchronised (a
         :class:`jaxsync.SparseOptions`; ``None``: automatic).
 

@@ -300,6 +300,15 @@ class _WatchComm:
     def send(self, obj, dest=None, tag=None):
         self.queries.append(obj)
 
+    def isend(self, obj, dest=None, tag=None):
+        self.send(obj, dest, tag)
+        return _Sent()
+
+
+class _Sent:
+    def Test(self):
+        return True
+
 
 @pytest.fixture
 def fake_mpi_status(monkeypatch):

@@ -321,6 +321,9 @@ BAD_ARGS = [
     ("timeout_0", dict(timeout=0), ValueError, ["timeout", "0"]),
     ("timeout_str", dict(timeout="60"), TypeError, ["timeout", "str"]),
     ("timeout_bool", dict(timeout=True), TypeError, ["timeout", "bool"]),
+    ("on_timeout_kill", dict(timeout=5.0, on_timeout="kill"), ValueError, ["on_timeout", "'kill'"]),
+    ("on_timeout_true", dict(timeout=5.0, on_timeout=True), TypeError, ["on_timeout", "bool"]),
+    ("on_timeout_no_timeout", dict(on_timeout="abort"), ValueError, ["on_timeout", "timeout=None"]),
     ("unknown_option", dict(bucket_size=4), TypeError, ["bucket_size"]),
 ]
 

@@ -28,6 +28,9 @@
 // once to nearest even, one MPI_Allgather of the rounded slices. The bits are
 // those of jaxsync's XLA path for 16-bit data (_strategies._sum_low).
 // jaxsync_allgather / jaxsync_alltoall move one buffer each.
+// MPI's counts are int: every call is given at most MaxCount() (INT_MAX)
+// elements, longer buffers are split into several calls, so a buffer of any
+// size travels.
 //
 // MPI failures come back as ffi::Error carrying MPI's error string (the
 // communicators need MPI_ERRORS_RETURN, mpi4py's default).
@@ -37,9 +40,11 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <atomic>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <utility>
 #include <cstring>
@@ -124,14 +129,22 @@ ffi::Error Unsupported(const char* what, ffi::DataType t) {
       "integer type");
 }
 
-ffi::Error CountOf(size_t n, const char* what, int* out) {
-  if (n > static_cast<size_t>(INT_MAX)) {
-    return ffi::Error::InvalidArgument(
-        std::string("jaxsync: ") + what + " of " + std::to_string(n) +
-        " elements exceeds MPI's int count; use smaller buckets (bucket_bytes)");
-  }
-  *out = static_cast<int>(n);
-  return ffi::Error::Success();
+// The most elements one MPI call is given (MPI's counts are int): every call
+// whose count could be larger is split into calls of at most this many, so a
+// buffer of any size travels (2^31 bfloat16 elements and more). The private
+// knob JAXSYNC_TESTING_MAX_COUNT lowers it (read once), so that the tests can
+// cross it without 4 GiB buffers; it is not a tuning parameter.
+size_t MaxCount() {
+  static const size_t limit = [] {
+    size_t v = static_cast<size_t>(INT_MAX);
+    if (const char* s = std::getenv("JAXSYNC_TESTING_MAX_COUNT")) {
+      char* end = nullptr;
+      const unsigned long long n = std::strtoull(s, &end, 10);
+      if (end != s && *end == '\0' && n > 0 && n < v) v = static_cast<size_t>(n);
+    }
+    return v;
+  }();
+  return limit;
 }
 
 MPI_Comm CommOf(const CommArg& comm) {
@@ -176,7 +189,7 @@ class Sums {
   ffi::Error Add(MPI_Datatype dtype, size_t width, void* src, void* dst, size_t bytes,
                  MPI_Op op = MPI_SUM) {
     if (bytes >= small_) {
-      return Start(src == dst ? MPI_IN_PLACE : src, dst, bytes / width, dtype, op);
+      return Start(src == dst ? MPI_IN_PLACE : src, dst, bytes / width, width, dtype, op);
     }
     if (!open_.empty() &&
         (dtype != dtype_ || op != op_ || open_bytes_ + bytes > group_cap_)) {
@@ -206,14 +219,19 @@ class Sums {
     std::vector<Part> parts;
   };
 
-  ffi::Error Start(const void* src, void* dst, size_t count, MPI_Datatype dtype,
-                   MPI_Op op) {
-    int n = 0;
-    if (auto e = CountOf(count, "MPI_Allreduce", &n); e.failure()) return e;
-    MPI_Request req;
-    int rc = MPI_Iallreduce(src, dst, n, dtype, op, c_, &req);
-    if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Iallreduce");
-    reqs_.push_back(req);
+  // One MPI_Iallreduce per MaxCount() elements (one for any buffer below it).
+  ffi::Error Start(const void* src, void* dst, size_t count, size_t width,
+                   MPI_Datatype dtype, MPI_Op op) {
+    const size_t most = MaxCount();
+    for (size_t o = 0; o < count; o += most) {
+      const int n = static_cast<int>(std::min(most, count - o));
+      const void* s = src == MPI_IN_PLACE ? MPI_IN_PLACE
+                                          : static_cast<const char*>(src) + o * width;
+      MPI_Request req;
+      int rc = MPI_Iallreduce(s, static_cast<char*>(dst) + o * width, n, dtype, op, c_, &req);
+      if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Iallreduce");
+      reqs_.push_back(req);
+    }
     return ffi::Error::Success();
   }
 
@@ -225,8 +243,8 @@ class Sums {
     open_bytes_ = 0;
     if (parts.size() == 1) {  // alone: summed where it is
       const Part& p = parts[0];
-      return Start(p.src == p.dst ? MPI_IN_PLACE : p.src, p.dst, p.bytes / width_, dtype_,
-                   op_);
+      return Start(p.src == p.dst ? MPI_IN_PLACE : p.src, p.dst, p.bytes / width_, width_,
+                   dtype_, op_);
     }
     if (used_ + bytes > arena_size_) {  // reuse the arena: finish what is in flight
       if (auto e = Drain(); e.failure()) return e;
@@ -239,7 +257,7 @@ class Sums {
       off += p.bytes;
     }
     sent_.push_back({at, std::move(parts)});
-    return Start(MPI_IN_PLACE, at, bytes / width_, dtype_, op_);
+    return Start(MPI_IN_PLACE, at, bytes / width_, width_, dtype_, op_);
   }
 
   ffi::Error Drain() {
@@ -366,7 +384,8 @@ class Low16 {
     std::vector<Part> rest;
     size_t left = 0;
     for (const Part& q : parts_) {
-      const size_t chunk = std::max<size_t>(kLowChunk / p, 1) * p;
+      // Each MPI call moves m = chunk / p elements per process (m <= MaxCount()).
+      const size_t chunk = std::max<size_t>(std::min(kLowChunk / p, MaxCount()), 1) * p;
       const size_t direct = q.n >= kLowDirect ? (q.n / p) * p : 0;
       for (size_t o = 0; o < direct; o += chunk) {
         const size_t k = std::min(chunk, direct - o);
@@ -385,7 +404,7 @@ class Low16 {
     static thread_local std::vector<uint16_t> send, recv, mine;
     size_t part = 0, off = 0;  // cursor: element `off` of parts_[part]
     for (size_t done = 0; done < total_;) {
-      const size_t k = std::min(kLowChunk, total_ - done);
+      const size_t k = std::min(std::min(kLowChunk, MaxCount()), total_ - done);
       const size_t m = (k + p - 1) / p;
       if (send.size() < m * p) send.resize(m * p);
       if (recv.size() < m * p) recv.resize(m * p);
@@ -520,7 +539,21 @@ struct Counted {
 // exchanges the texts and names the first differing leaf).
 using MismatchFn = int (*)(int64_t instance, int64_t id, char* out, int cap);
 MismatchFn g_mismatch = nullptr;
+// g_agree_mu guards the tables below and is never held across MPI or Python.
+// The exchange itself is serialised per agreement communicator (two threads
+// must not run collectives on one communicator at once), not globally: a
+// global lock held across the blocking MPI_Allgather deadlocked two programs
+// synchronised over different communicators that run at the same time - rank
+// 0's program A holding it while waiting for rank 1's A, rank 1's program B
+// holding it while waiting for rank 0's B, each process's other program
+// waiting for the lock (tests/mpi/test_mpi_robust.py). Programs over one
+// communicator that run at the same time must, like any collectives on it,
+// start in the same order on every process. The Python callback on a
+// mismatch runs under the communicator's lock only; it takes the GIL, which
+// no thread waiting for that lock holds (XLA runs these calls with the GIL
+// released).
 std::mutex g_agree_mu;
+std::map<int64_t, std::unique_ptr<std::mutex>> g_exchange_mu;  // per communicator
 std::map<std::pair<int64_t, int64_t>, std::string> g_verdicts;  // agreed
 
 struct Pending {
@@ -529,22 +562,44 @@ struct Pending {
 };
 std::map<std::pair<int64_t, int64_t>, Pending> g_pending;
 
+// The verdict on `key` if this process has one (g_agree_mu held): true, and
+// `out` set to the error (success: agreed) when one is known.
+bool KnownVerdict(const std::pair<int64_t, int64_t>& key, ffi::Error* out) {
+  if (g_verdicts.count(key)) {
+    *out = ffi::Error::Success();
+    return true;
+  }
+  auto pending = g_pending.find(key);
+  if (pending == g_pending.end()) return false;
+  std::string verdict = pending->second.verdict;
+  if (--pending->second.left <= 0) g_pending.erase(pending);
+  *out = ffi::Error(ffi::ErrorCode::kFailedPrecondition, verdict);
+  return true;
+}
+
 // Only agreement is remembered: every process remembers it alike. A process
 // whose plan failed before exchanges again on its next run (the others may
 // run a new plan and wait for it); within one run, the local devices after
 // the first take the verdict it got (`devices` of them run the check).
 ffi::Error Agree(int64_t agree_comm, int64_t id, int64_t instance, int64_t devices) {
   if (agree_comm == 0) return ffi::Error::Success();
-  std::lock_guard<std::mutex> lock(g_agree_mu);
   // Remembered per traced synchronisation (instance), not per plan: a process
   // that compiles a step again exchanges again, as the others do.
-  auto key = std::make_pair(agree_comm, instance);
-  if (g_verdicts.count(key)) return ffi::Error::Success();
-  auto pending = g_pending.find(key);
-  if (pending != g_pending.end()) {
-    std::string verdict = pending->second.verdict;
-    if (--pending->second.left <= 0) g_pending.erase(pending);
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, verdict);
+  const auto key = std::make_pair(agree_comm, instance);
+  std::mutex* exchange_mu = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_agree_mu);
+    ffi::Error known = ffi::Error::Success();
+    if (KnownVerdict(key, &known)) return known;
+    auto& mu = g_exchange_mu[agree_comm];
+    if (!mu) mu = std::make_unique<std::mutex>();
+    exchange_mu = mu.get();
+  }
+  std::lock_guard<std::mutex> exchange(*exchange_mu);
+  {
+    std::lock_guard<std::mutex> lock(g_agree_mu);  // another device exchanged meanwhile
+    ffi::Error known = ffi::Error::Success();
+    if (KnownVerdict(key, &known)) return known;
   }
   MPI_Comm c = MPI_Comm_f2c(static_cast<MPI_Fint>(agree_comm));
   int size = 0;
@@ -556,6 +611,7 @@ ffi::Error Agree(int64_t agree_comm, int64_t id, int64_t instance, int64_t devic
   bool same = true;
   for (int64_t other : ids) same = same && other == id;
   if (same) {
+    std::lock_guard<std::mutex> lock(g_agree_mu);
     g_verdicts.emplace(key, "");
     return ffi::Error::Success();
   }
@@ -568,7 +624,10 @@ ffi::Error Agree(int64_t agree_comm, int64_t id, int64_t instance, int64_t devic
       verdict = buf.data();
     }
   }
-  if (devices > 1) g_pending[key] = Pending{verdict, devices - 1};
+  if (devices > 1) {
+    std::lock_guard<std::mutex> lock(g_agree_mu);
+    g_pending[key] = Pending{verdict, devices - 1};
+  }
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition, verdict);
 }
 
@@ -655,6 +714,56 @@ ffi::Error AllreduceImpl(ffi::Token, CommArg comm,
   return f16.Run(c, false);
 }
 
+// The shape of `x` as "(a, b, ...)", for error messages.
+std::string ShapeOf(const ffi::AnyBuffer& x) {
+  std::string out = "(";
+  const auto dims = x.dimensions();
+  for (size_t i = 0; i < dims.size(); ++i) {
+    out += (i ? ", " : "") + std::to_string(dims[i]);
+  }
+  return out + (dims.size() == 1 ? ",)" : ")");
+}
+
+// One MPI_Allgather or MPI_Alltoall of rows of `n` elements (allgather: this
+// process's row; alltoall: row j to peer j), in column chunks of at most
+// MaxCount() elements: a chunk's rows are one derived datatype, `k` elements
+// with the extent of a whole row, so every row's chunk lands in place.
+template <bool kAlltoall>
+ffi::Error MoveRows(MPI_Comm c, MPI_Datatype dtype, size_t width, const char* src, char* dst,
+                    size_t n) {
+  const char* what = kAlltoall ? "MPI_Alltoall" : "MPI_Allgather";
+  auto call = [&](const void* s, int scount, MPI_Datatype st, void* d, int dcount,
+                  MPI_Datatype dt) {
+    return kAlltoall ? MPI_Alltoall(s, scount, st, d, dcount, dt, c)
+                     : MPI_Allgather(s, scount, st, d, dcount, dt, c);
+  };
+  const size_t most = MaxCount();
+  if (n <= most) {  // the usual case: one call, no derived type
+    const int k = static_cast<int>(n);
+    int rc = call(src, k, dtype, dst, k, dtype);
+    return rc == MPI_SUCCESS ? ffi::Error::Success() : MpiError(rc, what);
+  }
+  for (size_t o = 0; o < n; o += most) {
+    const size_t k = std::min(most, n - o);
+    MPI_Datatype block, row;
+    int rc = MPI_Type_contiguous(static_cast<int>(k), dtype, &block);
+    if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Type_contiguous");
+    rc = MPI_Type_create_resized(block, 0, static_cast<MPI_Aint>(n * width), &row);
+    MPI_Type_free(&block);
+    if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Type_create_resized");
+    rc = MPI_Type_commit(&row);
+    if (rc == MPI_SUCCESS) {
+      // allgather sends k plain elements; alltoall one (strided) row chunk per peer
+      rc = kAlltoall ? call(src + o * width, 1, row, dst + o * width, 1, row)
+                     : call(src + o * width, static_cast<int>(k), dtype, dst + o * width, 1,
+                            row);
+    }
+    MPI_Type_free(&row);
+    if (rc != MPI_SUCCESS) return MpiError(rc, what);
+  }
+  return ffi::Error::Success();
+}
+
 // allgather: x of n elements -> (size, n). alltoall: x of shape (size, m) ->
 // (size, m), row j to peer j.
 template <bool kAlltoall>
@@ -675,25 +784,19 @@ ffi::Error MoveImpl(ffi::Token, CommArg comm,
   if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Comm_size");
   size_t n = x.element_count();
   if (kAlltoall) {
-    if (size == 0 || n % size != 0) {
+    const auto dims = x.dimensions();
+    if (dims.size() == 0 || dims[0] != size) {
       return ffi::Error::InvalidArgument(
-          "jaxsync_alltoall: the leading axis must have the communicator's size");
+          "jaxsync_alltoall: the operand's leading axis must have the communicator's "
+          "size " + std::to_string(size) + " (one row per process), got shape " +
+          ShapeOf(x) + ". Fix: reshape it to (" + std::to_string(size) + ", ...)");
     }
-    n /= size;
+    n /= static_cast<size_t>(size);
   }
-  int count = 0;  // the received total must fit MPI's int count too
-  if (auto e = CountOf(n * static_cast<size_t>(size), what, &count); e.failure()) {
-    return e;
-  }
-  count = static_cast<int>(n);
   if (n == 0) return ffi::Error::Success();
-  if (kAlltoall) {
-    rc = MPI_Alltoall(x.untyped_data(), count, dtype, y->untyped_data(), count, dtype, c);
-  } else {
-    rc = MPI_Allgather(x.untyped_data(), count, dtype, y->untyped_data(), count, dtype, c);
-  }
-  if (rc != MPI_SUCCESS) return MpiError(rc, what);
-  return ffi::Error::Success();
+  return MoveRows<kAlltoall>(c, dtype, ffi::ByteWidth(x.element_type()),
+                             static_cast<const char*>(x.untyped_data()),
+                             static_cast<char*>(y->untyped_data()), n);
 }
 
 ffi::Error AllgatherImpl(ffi::Token t, CommArg comm,
