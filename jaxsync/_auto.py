@@ -42,7 +42,7 @@ from ._cost import Profile
 from ._cost_ops import ModelTopology
 
 if TYPE_CHECKING:
-    from ._config import AxisName, Bytes, CheckFinite, Comm, DTypeLike, Reduce, Staging
+    from ._config import AxisName, Bytes, CheckFinite, Comm, DTypeLike, OnTimeout, Reduce, Staging
     from ._sparse import SparseOptions
 
 __all__ = [
@@ -314,6 +314,7 @@ def auto_mean(
     check_finite: CheckFinite = False,
     staging: Staging = "device",
     timeout: float | None = None,
+    on_timeout: OnTimeout = "report",
     sparse: SparseOptions | None = None,
 ) -> AutoTransformation:
     """Average gradients with the strategy the cost model predicts fastest.
@@ -337,8 +338,8 @@ def auto_mean(
         path), its JSON as a dict, or ``None``: ``$JAXSYNC_PROFILE``, else
         ``~/.cache/jaxsync/profile.json`` (where ``tune`` writes by default),
         else the built-in default parameters (see the README).
-      reduce, comm_dtype, predivide, check_finite, staging, timeout, sparse: as for
-        :func:`jaxsync.hierarchical_mean`.
+      reduce, comm_dtype, predivide, check_finite, staging, timeout, on_timeout,
+        sparse: as for :func:`jaxsync.hierarchical_mean`.
       bucket_bytes: ``"auto"`` (chosen) or a fixed value.
       pack_threshold: ``"auto"`` (chosen) or a fixed value (``None``: pack all).
 
@@ -370,6 +371,7 @@ def auto_mean(
         check_finite=check_finite,
         staging=staging,
         timeout=timeout,
+        on_timeout=on_timeout,
         sparse=sparse,
     )
     init_fn, update_fn = transform_fns(fn, cfg)

@@ -29,7 +29,7 @@ from ._compress import (
     _wide,
 )
 from ._compress_phase import _check_phase_backend, _select_phase
-from ._config import AxisName, Comm, Staging
+from ._config import AxisName, Comm, OnTimeout, Staging
 
 AUTO = _config.AUTO
 # Gram-Schmidt: a column whose norm is below this (relative to nothing: the data
@@ -73,6 +73,7 @@ def powersgd_mean(
     seed: int = 0,
     staging: Staging = "device",
     timeout: float | None = None,
+    on_timeout: OnTimeout = "report",
 ) -> optax.GradientTransformation:
     """Average gradients with PowerSGD low-rank compression and error feedback.
 
@@ -111,7 +112,7 @@ def powersgd_mean(
       seed: the seed of the initial (and, without warm start, every) ``Q``;
         the same on every replica.
       staging: ``"device"`` or ``"host"``, as for ``hierarchical_mean``.
-      timeout: the stall watchdog, as for ``hierarchical_mean``.
+      timeout, on_timeout: the stall watchdog, as for ``hierarchical_mean``.
 
     Returns:
       an ``optax.GradientTransformation``; ``update`` must run where
@@ -145,7 +146,9 @@ def powersgd_mean(
     error_feedback = _check_bool(fn, "error_feedback", error_feedback)
     warm_start = _check_bool(fn, "warm_start", warm_start)
     seed = _check_int(fn, "seed", seed, 0, "pass e.g. seed=0")
-    cfg = _config.make_config(fn, "hierarchical", axis_name, comm, staging=staging, timeout=timeout)
+    cfg = _config.make_config(
+        fn, "hierarchical", axis_name, comm, staging=staging, timeout=timeout, on_timeout=on_timeout
+    )
     _check_phase_backend(fn, cfg, start_step)
     owner = _owner_of(cfg)
     key = jax.random.PRNGKey(seed)

@@ -29,7 +29,7 @@ from ._compress import (
     _tree_error,
     _wide,
 )
-from ._config import AxisName, Comm, Staging
+from ._config import AxisName, Comm, OnTimeout, Staging
 
 AUTO = _config.AUTO
 
@@ -91,6 +91,7 @@ def sign_mean(
     min_size: int = 256,
     staging: Staging = "device",
     timeout: float | None = None,
+    on_timeout: OnTimeout = "report",
 ) -> optax.GradientTransformation:
     """Average gradients as scaled signs, 1 bit per value, with error feedback.
 
@@ -121,7 +122,7 @@ def sign_mean(
         gradient (``False``: plain scaled sign; the residual stays zero).
       min_size: compress floating leaves of at least this many values (>= 1).
       staging: ``"device"`` or ``"host"``, as for ``hierarchical_mean``.
-      timeout: the stall watchdog, as for ``hierarchical_mean``.
+      timeout, on_timeout: the stall watchdog, as for ``hierarchical_mean``.
 
     Returns:
       an ``optax.GradientTransformation``; ``update`` must run where
@@ -150,7 +151,9 @@ def sign_mean(
     fn = "sign_mean"
     error_feedback = _check_bool(fn, "error_feedback", error_feedback)
     min_size = _check_int(fn, "min_size", min_size, 1, "pass e.g. min_size=256")
-    cfg = _config.make_config(fn, "hierarchical", axis_name, comm, staging=staging, timeout=timeout)
+    cfg = _config.make_config(
+        fn, "hierarchical", axis_name, comm, staging=staging, timeout=timeout, on_timeout=on_timeout
+    )
     owner = _owner_of(cfg)
 
     def init_fn(params):

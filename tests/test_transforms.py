@@ -684,3 +684,14 @@ def test_training_matches_single_device(layout, opt_name, replicated_grads):
             atol=1e-6,
             err_msg=f"{layout}/{opt_name}: parameter {k} diverged",
         )
+
+
+@pytest.mark.parametrize("factory", ["auto_mean", "sign_mean", "powersgd_mean"])
+def test_on_timeout_is_taken_and_checked_by_every_factory(factory):
+    """Every factory that takes ``timeout`` takes ``on_timeout`` too (issue 27)."""
+    make = getattr(jaxsync, factory)
+    make(axis_name="i", comm=None, timeout=5.0, on_timeout="abort")
+    with pytest.raises(ValueError, match="on_timeout"):
+        make(axis_name="i", comm=None, timeout=5.0, on_timeout="kill")
+    with pytest.raises(ValueError, match="on_timeout"):
+        make(axis_name="i", comm=None, on_timeout="abort")
