@@ -17,8 +17,8 @@ process (whose watchdog prints it too, once) and ends the job with
 ``MPI_Abort``, the only way out of a blocked MPI call. That path needs nothing
 but this thread and MPI: its messages are never waited for, so it ends a job
 whose peer is dead or unreachable as well (that peer is named as not
-answering), and if ``MPI_Abort`` itself cannot return, the process exits on
-its own.
+answering), and if ``MPI_Abort`` itself cannot return (the process manager
+cannot reach every host), a process of its own kills this one 10 s later.
 """
 
 from __future__ import annotations
@@ -37,7 +37,25 @@ from jax.experimental import io_callback
 _QUERY, _REPLY, _ABORT = 7101, 7102, 7103
 _ABORT_CODE = 1  # MPI_Abort's error code: the job's exit status under mpirun
 _ABORT_GRACE = 2.0  # seconds the others get to print before MPI_Abort
-_EXIT_AFTER = 20.0  # seconds after MPI_Abort: exit anyway (process manager gone)
+_EXIT_AFTER = 10.0  # seconds after MPI_Abort: SIGKILL anyway (process manager gone)
+
+
+def _kill_later(seconds: float) -> None:
+    """SIGKILL this process after ``seconds``, from a process of its own."""
+    import subprocess
+
+    _KILLERS.append(
+        subprocess.Popen(
+            ["/bin/sh", "-c", f"sleep {seconds:g}; kill -KILL {os.getpid()} 2>/dev/null"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    )
+
+
+_KILLERS: list = []  # kept: a Popen dropped while its process runs warns
 
 
 class Watchdog:
@@ -203,10 +221,9 @@ class Watchdog:
         except Exception:  # noqa: BLE001 - ending anyway
             pass
         # MPI_Abort ends every process of the job; should it not return (its
-        # process manager unreachable), this process ends on its own.
-        killer = threading.Timer(_EXIT_AFTER, os._exit, args=(_ABORT_CODE,))
-        killer.daemon = True
-        killer.start()
+        # process manager cannot reach every host), this process ends on its own.
+        # Not a Python timer: mpi4py's Abort holds the GIL while it blocks.
+        _kill_later(_EXIT_AFTER)
         try:
             self.comm.Abort(_ABORT_CODE)
         finally:

@@ -173,6 +173,30 @@ FAILED_GRACE_S = 3.0
 """After a rank fails, how long mpirun has to end the job by itself."""
 
 
+def failed_rank(exits: Path) -> tuple[str, int] | None:
+    """A rank that failed: its program's status was non-zero, or its tagger is gone
+    without one (killed: hydra kills a host's ranks on MPI_Abort)."""
+    for pidfile in sorted(exits.glob("rank*.pid")):
+        rank = pidfile.name.removesuffix(".pid")
+        status = exits / f"{rank}.exit"
+        if status.exists():
+            text = status.read_text()
+            if text and int(text) != 0:
+                return rank, int(text)
+        elif not alive(int(pidfile.read_text() or 0)):
+            if not status.exists():  # it may have written its status meanwhile
+                return rank, 137
+    return None
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
 def wait(proc: subprocess.Popen, deadline: float, exits: Path) -> int | None:
     """mpirun's exit status, a failed rank's once the job is ended, or None at the deadline."""
     while time.time() < deadline:
@@ -180,14 +204,14 @@ def wait(proc: subprocess.Popen, deadline: float, exits: Path) -> int | None:
             return proc.wait(timeout=0.25)
         except subprocess.TimeoutExpired:
             pass
-        failed = sorted(exits.iterdir())
+        failed = failed_rank(exits)
         if failed:
-            rank, rc = failed[0].name, int(failed[0].read_text() or 1)
+            rank, rc = failed
             try:
                 return proc.wait(timeout=FAILED_GRACE_S)
             except subprocess.TimeoutExpired:
                 pass
-            log(f"{rank} exited with status {rc} and mpirun did not end the job: ending it")
+            log(f"{rank} ended with status {rc} and mpirun did not end the job: ending it")
             end(proc)
             return rc
     return None

@@ -237,6 +237,7 @@ def _supervise(wd: Path, timeout: float, env: dict, echo) -> ClusterResult:
     t0 = time.monotonic()
     proc = subprocess.Popen(
         cmd,
+        preexec_fn=_die_with_parent,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
@@ -277,6 +278,14 @@ def _supervise(wd: Path, timeout: float, env: dict, echo) -> ClusterResult:
         elapsed=time.monotonic() - t0,
         timed_out=timed_out,
     )
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGKILL when this process (the thread that started it) dies,
+    however it dies; ``unshare --kill-child`` then takes the namespaces with it."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _children(pid: int) -> list[int]:

@@ -3,10 +3,11 @@
 Started by ``mpirun`` in place of the program (``_inside.mpirun_cmd``). Line by
 line, so ranks printing at once never cut into each other's lines (hydra's own
 prefix marks each write, not each line). The program keeps every file descriptor
-(PMI's among them), dies with this process, and its exit status is this one's;
-a non-zero status is also written to ``$JAXSYNC_CLUSTER_EXITS/rank{R}``, which
-the supervisor watches: MPICH's hydra (5.0) does not stop the ranks of the other
-hosts when one rank fails without MPI_Abort, and the job would hang.
+(PMI's among them), dies with this process, and its exit status is this one's.
+For the supervisor it writes ``$JAXSYNC_CLUSTER_EXITS/rank{R}.pid`` when it starts
+and ``rank{R}.exit`` (the status) when the program ends: MPICH's hydra (5.0) does
+not stop the other hosts' ranks when a rank fails, nor when a rank's MPI_Abort
+cannot reach a host, so the supervisor ends the job itself.
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str]) -> int:
-    tag = f"[host{os.environ.get('JAXSYNC_CLUSTER_HOST', '?')} r{os.environ.get('PMI_RANK', '?')}] "
+    rank = os.environ.get("PMI_RANK", "?")
+    tag = f"[host{os.environ.get('JAXSYNC_CLUSTER_HOST', '?')} r{rank}] "
+    report = os.environ.get("JAXSYNC_CLUSTER_EXITS")
+    if report:  # the supervisor watches this process: gone without a status = killed
+        with open(os.path.join(report, f"rank{rank}.pid"), "w") as f:
+            f.write(str(os.getpid()))
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,
@@ -42,9 +48,8 @@ def main(argv: list[str]) -> int:
         out.flush()
     rc = proc.wait()
     rc = 128 - rc if rc < 0 else rc
-    report = os.environ.get("JAXSYNC_CLUSTER_EXITS")
-    if rc != 0 and report:  # the supervisor ends the job (hydra leaves other hosts' ranks)
-        with open(os.path.join(report, f"rank{os.environ.get('PMI_RANK', '0')}"), "w") as f:
+    if report:
+        with open(os.path.join(report, f"rank{rank}.exit"), "w") as f:
             f.write(str(rc))
     return rc
 

@@ -92,6 +92,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """``python -m jaxsync cluster``; returns the program's exit status."""
     args = parse(list(sys.argv[1:] if argv is None else argv))
+    import signal
+
+    def on_term(signum, frame):  # SIGTERM (e.g. timeout(1), a scheduler): as Ctrl-C
+        del frame
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
     try:
         result = run(
             args.command,

@@ -6,7 +6,9 @@ steps with ``--pause`` seconds between them. After start-up every rank waits
 until ``--start`` seconds after the cluster's launch (``$JAXSYNC_CLUSTER_T0``),
 so that a fault scheduled a little later falls inside the training. Writes
 ``OUT/rank{R}.pkl``: the final parameters, when the training started and ended
-on the cluster's clock, and the longest step.
+on the cluster's clock, and the longest step. ``--timeout``/``--on-timeout`` go
+to the factory; ``--stall-rank R`` makes rank R stop calling (sleep in Python)
+before step ``--stall-at``.
 """
 
 import os
@@ -23,6 +25,8 @@ def main():
             (("--start",), dict(type=float, default=0.0)),
             (("--timeout",), dict(type=float, default=None)),
             (("--on-timeout",), dict(default=None)),
+            (("--stall-rank",), dict(type=int, default=-1)),
+            (("--stall-at",), dict(type=int, default=3)),
         ]
     )
     import jax.numpy as jnp
@@ -80,7 +84,10 @@ def main():
     time.sleep(max(0.0, t0 + ns.start - time.time()))
     began = time.time() - t0
     longest = 0.0
-    for _ in range(ns.steps):
+    for i in range(ns.steps):
+        if rank == ns.stall_rank and i == ns.stall_at:
+            print(f"rank {rank} stalls (in Python) before step {i}", flush=True)
+            time.sleep(3600)
         t = time.perf_counter()
         rep, opt = jax.block_until_ready(step(rep, opt, xs, ys))
         longest = max(longest, time.perf_counter() - t)
