@@ -1,4 +1,4 @@
-"""Command line: ``python -m jaxsync {demo,bench,tune,info}``."""
+"""Command line: ``python -m jaxsync {demo,bench,tune,cluster,selftest,info}``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ _HELP = {
     "--project prints predicted times for large clusters",
     "cluster": "run a program on an emulated multi-host cluster on this Linux machine "
     "(network namespaces, shaped links, faults)",
+    "selftest": "check a new cluster before training: topology, every strategy exact, "
+    "each tier's bandwidth (run under mpirun/srun or the cluster)",
     "info": "versions, MPI library and thread level, and this process's topology "
     "(run alone or under mpirun)",
 }
@@ -49,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         from .cluster import cli as cluster_cli
 
         return cluster_cli.main(rest)
+    if command == "selftest":
+        from . import _selftest
+
+        return _selftest.main(rest)
     if command == "info":
         from . import _info
 

@@ -85,3 +85,12 @@ def test_a_process_that_dies_mid_step_ends_the_job(cluster, tmp_path):
     assert r.returncode != 0, r.output
     assert (tmp_path / "rank0.calling").exists(), r.output
     assert not (tmp_path / "rank0.returned").exists(), r.output
+
+
+def test_selftest_on_2_hosts_x_2_processes(cluster):
+    cmd = [PY, "-m", "jaxsync", "selftest", "--mbytes", "2", "--iters", "2"]
+    r = cluster.run(cmd, hosts=2, procs_per_host=2, devices=1, env=worker_env(), timeout=240)
+    assert r.returncode == 0, r.output
+    assert "[host0 r0] selftest passed" in r.output
+    assert "topology: 2 host(s), 4 process(es), 1 device(s) each" in r.output
+    assert "hosts, one process each (MPI, network)" in r.output
