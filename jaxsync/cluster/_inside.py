@@ -70,8 +70,23 @@ def mount_netns_dir() -> None:
         sh("mount", "-t", "tmpfs", "jaxsync-cluster", str(target))
 
 
-def build(spec: Spec) -> None:
+def hosts_file(spec: Spec, work: Path) -> None:
+    """``hostH`` resolves to host H's address inside the cluster (gloo, for one, looks
+    its own hostname up): ``/etc/hosts`` plus the cluster's names, bound over it
+    in this mount namespace only."""
+    try:
+        text = Path("/etc/hosts").read_text()
+    except OSError:
+        text = "127.0.0.1 localhost\n"
+    names = "".join(f"{spec.address(h)} host{h}\n" for h in range(spec.hosts))
+    path = work / "hosts"
+    path.write_text(text.rstrip("\n") + "\n# jaxsync cluster\n" + names)
+    sh("mount", "--bind", str(path), "/etc/hosts")
+
+
+def build(spec: Spec, work: Path) -> None:
     mount_netns_dir()
+    hosts_file(spec, work)
     sh("ip", "link", "set", "lo", "up")
     sh("ip", "link", "add", BRIDGE, "type", "bridge")
     sh("ip", "addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE)
@@ -244,7 +259,7 @@ def main(argv: list[str]) -> int:
     stop = threading.Event()
     try:
         try:
-            build(spec)
+            build(spec, work)
         except RuntimeError as e:
             log(f"could not build the emulated network: {e}")
             return 3

@@ -1,0 +1,346 @@
+"""``python -m jaxsync bench --suite cluster``: the benchmark on a network.
+
+What it is for: running the MPI benchmark (every strategy, ``comm_dtype=bfloat16``,
+the peers: per-leaf mpi4jax, ``jax.distributed`` with a global mesh and ``pmean``,
+the bare MPI allreduce) and the compression suite (``powersgd_mean``,
+``sign_mean``) inside the emulated cluster (``jaxsync.cluster``), for each
+configuration of hosts x processes per host x devices per process and link rate,
+and putting every row beside **the link's limit**: the bytes each host must send
+over its link in any allreduce between ``H`` hosts (``2 (H-1)/H`` of the tree;
+the whole tree for 2 hosts), over the link rate measured in the same run (MPI
+messages both ways between host 0 and host 1, before each configuration's
+benchmark). Writes ``cluster.json`` (every row, the measured rates, the
+commands), ``cluster.md`` (the summary table) and ``cluster.png`` (each method's
+time over the link's limit).
+What it may import: numpy, matplotlib, ``jaxsync.cluster``, the standard library,
+and mpi4py in the rate probe (run as ``python -m jaxsync.bench.cluster probe``
+inside the cluster).
+
+Example:
+  >>> from jaxsync.bench import cluster
+  >>> cluster.limit_ms(21e6, hosts=2, rate_bps=1e9)  # the whole tree over 1 Gb/s
+  168.0
+  >>> [c.name for c in cluster.configs([2], [1, 2], [1], ["1gbit"])]
+  ['2x1x1@1gbit', '2x2x1@1gbit']
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+PROBE_BYTES = 16_000_000
+
+
+def limit_ms(tree_bytes: float, hosts: int, rate_bps: float) -> float:
+    """The link's limit: the bytes one host must send in an allreduce over ``hosts``."""
+    return 2 * (hosts - 1) / hosts * tree_bytes * 8 / rate_bps * 1e3
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    hosts: int
+    procs: int
+    devices: int
+    link: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.hosts}x{self.procs}x{self.devices}@{self.link}"
+
+
+def configs(hosts, procs, devices, links) -> list[Config]:
+    return [Config(h, p, d, link) for link in links for h in hosts for p in procs for d in devices]
+
+
+def probe() -> int:
+    """Inside the cluster: the link rate between host 0 and the last host, both ways at
+    once (rank 0 and the last rank exchange ``PROBE_BYTES``); rank 0 prints JSON."""
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    peer = {0: size - 1, size - 1: 0}.get(rank)
+    send = np.ones(PROBE_BYTES // 4, np.float32)
+    recv = np.empty_like(send)
+    rates = []
+    for i in range(4):
+        comm.Barrier()
+        t = time.perf_counter()
+        if peer is not None:
+            comm.Sendrecv(send, peer, 0, recv, peer, 0)
+        dt = comm.allreduce(time.perf_counter() - t, op=MPI.MAX)
+        if i:  # the first exchange sets up the connection
+            rates.append(send.nbytes * 8 / dt)
+    if rank == 0:
+        print(json.dumps({"rate_bps": sorted(rates)[len(rates) // 2]}), flush=True)
+    return 0
+
+
+def _run(cfg: Config, cmd: list[str], timeout: float, log) -> tuple[int, str]:
+    from jaxsync import cluster
+
+    log(f"[cluster bench] {cfg.name}: {' '.join(cmd[1:])}")
+    r = cluster.run(
+        cmd,
+        hosts=cfg.hosts,
+        procs_per_host=cfg.procs,
+        link=cfg.link,
+        devices=cfg.devices,
+        timeout=timeout,
+    )
+    if r.returncode != 0:
+        log(r.output[-4000:])
+    return r.returncode, r.output
+
+
+def measure(cfg: Config, out: Path, args, log) -> dict:
+    """One configuration: the rate probe, the MPI bench, the compression suite."""
+    py = sys.executable
+    d = out / cfg.name
+    d.mkdir(parents=True, exist_ok=True)
+    rc, text = _run(cfg, [py, "-m", "jaxsync.bench.cluster", "probe"], 120, log)
+    rate = None
+    for line in text.splitlines():
+        if '"rate_bps"' in line:
+            rate = json.loads(line.split("] ", 1)[1])["rate_bps"]
+    bench = [py, "-m", "jaxsync", "bench", "--no-sweeps", "--devices", str(cfg.devices)]
+    bench += ["--repeats", str(args.repeats), "--out", str(d)]
+    bench += ["--quick"] if args.quick else ["--trees", *args.trees]
+    rc_b, _ = _run(cfg, bench, args.timeout, log)
+    comp = [py, "-m", "jaxsync", "bench", "--suite", "compress", "--out", str(d)]
+    comp += ["--quick"] if args.quick else ["--rounds", str(args.repeats)]
+    rc_c, _ = _run(cfg, comp, args.timeout, log)
+    rows = []
+    if rc_b == 0:
+        for r in json.loads((d / "mpi.json").read_text())["rows"]:
+            if r["kind"] != "sweep":
+                rows.append(
+                    dict(
+                        tree=r["tree"],
+                        method=r["method"],
+                        kind=r["kind"],
+                        tree_bytes=r["tree_bytes"],
+                        ms=r["median_ms"],
+                        q25_ms=r["q25_ms"],
+                        q75_ms=r["q75_ms"],
+                    )
+                )
+    if rc_c == 0:
+        comp_rows = json.loads((d / "compress-mpi.json").read_text())["rows"]
+        # hierarchical_mean's payload is the tree's bytes
+        full = {r["tree"]: r["payload_bytes"] for r in comp_rows if r["sync"] == "hierarchical"}
+        for r in comp_rows:
+            rows.append(
+                dict(
+                    tree=r["tree"],
+                    method=f"{r['sync']} (compress suite)",
+                    kind="compress",
+                    tree_bytes=full.get(r["tree"]),
+                    ms=r["marginal_ms"],
+                    step_ms=r["base_step_ms"] + r["marginal_ms"],
+                )
+            )
+    return dict(
+        config=dataclasses.asdict(cfg),
+        name=cfg.name,
+        rate_bps=rate,
+        returncodes=dict(probe=rc, bench=rc_b, compress=rc_c),
+        rows=rows,
+    )
+
+
+def summarise(results: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Rows with the link's limit and each time over it; the issue's targets."""
+    table, targets = [], []
+    for res in results:
+        cfg, rate = res["config"], res["rate_bps"]
+        sizes = {r["tree"]: r["tree_bytes"] for r in res["rows"] if r.get("tree_bytes")}
+        for r in res["rows"]:
+            nbytes = r.get("tree_bytes") or sizes.get(r["tree"])
+            lim = limit_ms(nbytes, cfg["hosts"], rate) if rate and nbytes else float("nan")
+            row = dict(config=res["name"], **r)
+            row.update(tree_bytes=nbytes, limit_ms=lim, x_limit=r["ms"] / lim)
+            table.append(row)
+        by = {(r["tree"], r["method"]): r for r in res["rows"]}
+        for tree in sorted({r["tree"] for r in res["rows"]}):
+            jd = by.get((tree, "jax.distributed pmean"))
+            for m in ("naive", "flat", "hierarchical", "two_dimensional"):
+                if jd and (tree, m) in by:
+                    ratio = by[(tree, m)]["ms"] / jd["ms"]
+                    targets.append(
+                        dict(
+                            config=res["name"],
+                            tree=tree,
+                            name=f"{m} <= jax.distributed pmean",
+                            value=ratio,
+                            passed=ratio <= 1.0,
+                        )
+                    )
+            h = by.get((tree, "hierarchical (compress suite)"))
+            p = by.get((tree, "powersgd r4 (compress suite)"))
+            if h and p and cfg["procs"] == 1 and cfg["link"] == "1gbit":
+                ratio = h["step_ms"] / p["step_ms"]
+                targets.append(
+                    dict(
+                        config=res["name"],
+                        tree=tree,
+                        name="train step: hierarchical / powersgd r4 >= 3",
+                        value=ratio,
+                        passed=ratio >= 3.0,
+                    )
+                )
+    return table, targets
+
+
+def write(out: Path, results, table, targets, meta) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "cluster.json", out / "cluster.md"]
+    paths[0].write_text(
+        json.dumps(dict(meta=meta, results=results, table=table, targets=targets), indent=1)
+    )
+    lines = ["| configuration | tree | method | ms | x link limit |", "|---|---|---|---|---|"]
+    for r in table:
+        lines.append(
+            f"| {r['config']} | {r['tree']} | {r['method']} | {r['ms']:.1f} | {r['x_limit']:.2f} |"
+        )
+    lines += ["", "| configuration | tree | target | value | |", "|---|---|---|---|---|"]
+    for t in targets:
+        lines.append(
+            f"| {t['config']} | {t['tree']} | {t['name']} | {t['value']:.2f} | "
+            f"{'PASS' if t['passed'] else 'MISS'} |"
+        )
+    rates = ", ".join(
+        f"{r['name']}: {r['rate_bps'] / 1e9:.3f} Gb/s" for r in results if r["rate_bps"]
+    )
+    lines += ["", f"Measured link rates (MPI, both ways at once): {rates}."]
+    paths[1].write_text("\n".join(lines) + "\n")
+    if table:
+        paths.append(_plot(out / "cluster.png", table))
+    return paths
+
+
+def _plot(path: Path, table) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keep = [
+        r
+        for r in table
+        if r["kind"] in ("jaxsync", "peer", "bare", "compress") and r["x_limit"] == r["x_limit"]
+    ]
+    cfgs = sorted({r["config"] for r in keep})
+    trees = sorted({r["tree"] for r in keep})
+    fig, axes = plt.subplots(len(trees), 1, figsize=(11, 3.2 * len(trees)), squeeze=False)
+    for ax, tree in zip(axes[:, 0], trees):
+        methods = sorted({r["method"] for r in keep if r["tree"] == tree})
+        width = 0.8 / max(1, len(cfgs))
+        for i, c in enumerate(cfgs):
+            vals = {
+                r["method"]: r["x_limit"] for r in keep if r["tree"] == tree and r["config"] == c
+            }
+            ax.bar(
+                [j + i * width for j in range(len(methods))],
+                [vals.get(m, 0) for m in methods],
+                width,
+                label=c,
+            )
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(
+            [j + 0.4 for j in range(len(methods))], methods, rotation=40, ha="right", fontsize=7
+        )
+        ax.set_ylabel("x link's limit")
+        ax.set_yscale("log")
+        ax.set_title(tree, fontsize=9)
+        ax.legend(fontsize=6, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _parse(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxsync bench --suite cluster",
+        description="The benchmark on a network: the MPI and compression suites inside "
+        "the emulated cluster (python -m jaxsync cluster) for each configuration, beside "
+        "the link's limit (the bytes each host must send over the measured link rate).",
+    )
+    p.add_argument("--hosts", type=int, nargs="+", default=[2])
+    p.add_argument(
+        "--procs", type=int, nargs="+", default=[1, 2, 4], help="processes per host (default 1 2 4)"
+    )
+    p.add_argument(
+        "--devices",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="fake CPU devices per process (default 1 2)",
+    )
+    p.add_argument("--links", nargs="+", default=["1gbit", "10gbit"])
+    p.add_argument("--trees", nargs="+", default=["resnet18", "small500", "transformer", "mixed"])
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="one configuration (2x1x1 at 1gbit), tiny trees: a smoke test",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        help="time limit of each run inside the cluster, seconds (default 1800)",
+    )
+    p.add_argument("--out", type=Path, default=Path("bench-results/cluster"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.hosts, args.procs, args.devices, args.links = [2], [1], [1], ["1gbit"]
+        args.repeats = 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["probe"]:
+        return probe()
+    args = _parse(argv)
+    from jaxsync import cluster
+
+    try:
+        cluster.check()
+    except cluster.ClusterUnavailable as e:
+        print(e, file=sys.stderr)
+        return 2
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    t0 = time.time()
+    results = [
+        measure(c, args.out, args, log)
+        for c in configs(args.hosts, args.procs, args.devices, args.links)
+    ]
+    table, targets = summarise(results)
+    meta = dict(
+        argv=argv,
+        seconds=round(time.time() - t0),
+        cpus=os.cpu_count(),
+        loadavg_end=os.getloadavg(),
+        date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
+    for path in write(args.out, results, table, targets, meta):
+        print(f"wrote {path}")
+    print((args.out / "cluster.md").read_text())
+    failed = [r["name"] for r in results if any(r["returncodes"].values())]
+    if failed:
+        print(f"runs that failed: {failed}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
