@@ -131,3 +131,14 @@ def test_tune_host_allocator_rejects_a_non_bool_map_large():
 
     with pytest.raises(ValueError, match="map_large must be True or False, got 'yes'"):
         jaxsync.tune_host_allocator(map_large="yes")  # type: ignore[arg-type]
+
+
+def test_bench_help_lists_every_suite():
+    from jaxsync.bench import cli
+
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxsync", "bench", "--help"], capture_output=True, text=True
+    ).stdout
+    assert set(cli.SUITE_HELP) == set(cli.SUITES)
+    for name, text in cli.SUITE_HELP.items():
+        assert f"  {name:<9} {text[:40]}" in out, out

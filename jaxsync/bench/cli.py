@@ -34,13 +34,23 @@ SUITES = {
     "model": "jaxsync.bench.model",
     "cluster": "jaxsync.bench.cluster",
 }
-"""``--suite NAME``: the module whose ``main(argv)`` runs it (``model`` moves into
-this package later)."""
+"""``--suite NAME``: the module whose ``main(argv)`` runs it."""
+
+SUITE_HELP = {
+    "sparse": "row-sparse gradients (embedding tables): all-gathers against dense syncs",
+    "compress": "powersgd_mean and sign_mean: bytes, step cost, ring model",
+    "model": "the cost model behind strategy='auto': predicted against measured",
+    "cluster": "the MPI and compression suites inside the emulated cluster, beside the "
+    "link's limit (hosts x processes x devices, 1 and 10 Gb/s)",
+}
 
 
 def _parse(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m jaxsync bench",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="other suites (python -m jaxsync bench --suite NAME --help for their "
+        "options):\n" + "\n".join(f"  {k:<9} {v}" for k, v in SUITE_HELP.items()),
         description="Marginal cost of gradient synchronisation inside a jitted step: "
         "jaxsync's strategies against peers and the bare collective. Run "
         "plainly for one process with fake CPU devices, or under "
