@@ -71,10 +71,32 @@ def linked_mpi(path: str) -> str:
         out = subprocess.run(["ldd", path], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return f"unknown ({type(e).__name__})"
+    return parse_ldd(out)
+
+
+def parse_ldd(out: str) -> str:
+    r"""The MPI line of ``ldd``'s output, as ``NAME => PATH``.
+
+    Example:
+      >>> from jaxsync._info import parse_ldd
+      >>> parse_ldd("\tlibmpi.so.12 => /v/lib/libmpi.so.12 (0x7f00)\n")
+      'libmpi.so.12 => /v/lib/libmpi.so.12'
+      >>> parse_ldd("\tlibmpi.so.12 => not found\n")  # doctest: +NORMALIZE_WHITESPACE
+      'libmpi.so.12 => not found by ldd (no RUNPATH to it; at run time the MPI that
+      mpi4py loaded first provides it)'
+      >>> parse_ldd("\tlibc.so.6 => /lib/libc.so.6 (0x7f00)\n")
+      'no MPI library linked'
+    """
     for line in out.splitlines():
-        name = line.strip().split(" ")[0]
+        name, _, target = line.strip().partition(" => ")
         if name.startswith(("libmpi.so", "libmpi_abi.so", "libmpich.so")):
-            return " ".join(line.split()[:3])
+            target = target.split(" (0x")[0].strip()
+            if target == "not found":
+                target = (
+                    "not found by ldd (no RUNPATH to it; at run time the MPI that mpi4py "
+                    "loaded first provides it)"
+                )
+            return f"{name} => {target}"
     return "no MPI library linked"
 
 
