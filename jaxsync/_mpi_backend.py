@@ -73,6 +73,38 @@ class _NativeOps:
     def allgather(self, x):
         return self._call("allgather", [x])[0]
 
+    # The host tier's steps (comm: this host's processes; rank 0 the leader).
+    def reduce(self, bufs):
+        return self._call("reduce", list(bufs)) if bufs else []
+
+    def bcast(self, bufs):
+        return self._call("bcast", list(bufs)) if bufs else []
+
+    def reduce_scatter(self, bufs):
+        return self._call("reduce_scatter", list(bufs)) if bufs else []
+
+
+def _host_tier(program, host, cross, leader_only: bool, lengths=None):
+    """``program`` run over the hosts, with the processes of each host first.
+
+    ``host`` and ``cross`` are ``_NativeOps`` on this host's processes and on
+    this local rank's process of every host. ``leader_only`` (ChainerMN's
+    ``hierarchical``): the host's sum onto its leader (16-bit data summed in
+    float32 and rounded there), ``program`` among the hosts' leaders (``cross``
+    is active on local rank 0 only), the leader's result broadcast on the host.
+    Otherwise (``two_dimensional``): a reduce-scatter over the host, each local
+    rank's slice through ``program`` with the same local rank of the other
+    hosts, an all-gather over the host.
+    """
+
+    def run(_, bufs):
+        if leader_only:
+            return host.bcast(program(cross, host.reduce(bufs)))
+        slices = program(cross, host.reduce_scatter(bufs))
+        return [host.allgather(s).reshape(-1)[: b.shape[0]] for s, b in zip(slices, bufs)]
+
+    return run
+
 
 class _MPIOps:
     """mpi4jax's collectives (non-CPU platforms), one call per buffer, chained."""
@@ -246,29 +278,58 @@ class MPIBackend:
     def _ops(self, comm):
         return _HostOps(comm) if self.staging == "host" else _MPIOps(comm)
 
-    def run(self, program, bufs, intra: AxisOps, leader_only: bool, group_bytes=None):
+    def run(self, program, bufs, intra: AxisOps, leader_only: bool, group_bytes=None, tiered=False):
         """Run ``program(ops, bufs)`` with ``ops`` reducing across processes.
 
         Every inter-process call of a traced step takes the token (or host
         dependency) of the previous one, across synchronisations too, so every
-        process issues them in the same order.
+        process issues them in the same order. ``tiered``: ``program`` is a sum
+        that may run over the hosts, the processes of each host reduced first
+        (the host tier, see :meth:`tier`).
         """
         if not bufs:
             return []
         if self.native:
-            return self._run_native(program, list(bufs), intra, leader_only, group_bytes)
+            tier = self.tier(leader_only) if tiered else None
+            return self._run_native(program, list(bufs), intra, leader_only, group_bytes, tier)
         return self._run(program, list(bufs), intra, leader_only)
 
-    def _run_native(self, program, bufs, intra: AxisOps, leader_only: bool, group_bytes):
+    def tier(self, leader_only: bool):
+        """The host tier a tiered sum uses (a ``_topology.HostTier``), or None.
+
+        jaxsync's native targets only (CPU, ``staging="device"``); with hosts
+        of unequal process counts, ``leader_only`` ones only (a reduce-scatter
+        over the host needs the same slices on every host).
+        """
+        t = self.comms.tier if self.native else None
+        return t if t is not None and (leader_only or t.uniform) else None
+
+    def _run_native(self, program, bufs, intra: AxisOps, leader_only: bool, group_bytes, tier):
         comms = self.comms
         group = _native_prim.GROUP_BYTES if group_bytes is None else group_bytes
         size = comms.size
         one = jnp.int32(1)
         world = jnp.int32(comms.world.py2f())
+
+        if tier is not None and intra.size > len(tier.host):
+            comms.per_device(intra.size)  # more replicas than devices: made now
+            tier = self.tier(leader_only)
+
+        def tiered(comm_index, active, invariant=()):
+            # Devices of a process first (done), then processes of a host, then
+            # hosts: the host's communicators of this device (comm_index).
+            pick = lambda cs: jnp.asarray(np.array([c.py2f() for c in cs], np.int32))[comm_index]
+            host = _NativeOps(pick(tier.host), active, tier.local_size, invariant, group)
+            lead = active * jnp.int32(tier.local_rank == 0) if leader_only else active
+            cross = _NativeOps(pick(tier.cross), lead, tier.hosts, invariant, group)
+            return _host_tier(program, host, cross, leader_only)
+
         if not intra.axes:
             # One device per process: no leader choice, no broadcast; results
             # typed invariant over the local axes of size 1 (if any).
             ops = _NativeOps(world, one, size, intra.unit_axes, group)
+            if tier is not None:
+                return self._watched(tiered(0, one, intra.unit_axes), True)(ops, bufs)
             return self._watched(program, True)(ops, bufs)
         idx = lax.axis_index(intra.axes)
         if _is_batched(idx):
@@ -282,10 +343,12 @@ class MPIBackend:
             # the local axes, as it is; the broadcast makes it invariant again.
             active = leader.astype(jnp.int32)
             bufs = [_varying(b, _vma(active)) for b in bufs]
-            out = self._watched(program, True, leader)(
-                _NativeOps(world, active, size, group=group), bufs
-            )
+            ops = _NativeOps(world, active, size, group=group)
+            run = program if tier is None else tiered(0, active)
+            out = self._watched(run, True, leader)(ops, bufs)
             return intra.broadcast(list(out), root=0)
+        if tier is not None:  # every device its slice through its own communicators
+            return self._watched(tiered(idx, one), True, leader)(None, bufs)
         # Every device its own communicator (the world split by local index),
         # picked at run time: no lax.switch.
         handles = np.array([c.py2f() for c in comms.per_device(intra.size)], np.int32)

@@ -128,12 +128,14 @@ def run(strategy: str, bufs: list, intra, backend, group_bytes=None) -> list:
     if strategy in ("flat", "hierarchical"):
         # Same stages; they differ in packing (flat: everything packed).
         bufs = sum_buffers(intra, bufs)
-        return backend.run(sum_buffers, bufs, intra, leader_only=True, group_bytes=group_bytes)
+        return backend.run(
+            sum_buffers, bufs, intra, leader_only=True, group_bytes=group_bytes, tiered=True
+        )
     if strategy == "two_dimensional":
         d = intra.size
         padded = [_pad_to(b, d) for b in bufs]
         slices = [_scatter_sum(intra, x) for x, _ in padded]
-        slices = backend.run(sum_buffers, slices, intra, leader_only=False)
+        slices = backend.run(sum_buffers, slices, intra, leader_only=False, tiered=True)
         return [intra.allgather_tiled(s)[:n] for s, (_, n) in zip(slices, padded)]
     raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
 
