@@ -9,7 +9,7 @@ the stall watchdog and the cross-process agreement check.
 
 Imports: the collective modules below it (``_intra``, ``_invariance``,
 ``_ordering``, ``_mpi_load``, ``_native_prim``, ``_mpi4jax_prim``, ``_quiet``),
-``_agree`` and ``_topology``; none of those imports it (the transforms, compression,
+``_agree``, ``_topology`` and ``_host_tier``; none of those imports it (the transforms, compression,
 sparse sync, ``auto`` and ``tune`` do).
 """
 
@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import io_callback
 
-from . import _mpi4jax_prim, _mpi_load, _native_prim, _ordering, _quiet
+from . import _host_tier, _mpi4jax_prim, _mpi_load, _native_prim, _ordering, _quiet
 from ._agree import _disagreement, agreement_dep, tie_buffers
 from ._intra import AxisOps, _is_batched, bound_axes
 from ._invariance import _varying, _vma
@@ -82,28 +82,6 @@ class _NativeOps:
 
     def reduce_scatter(self, bufs):
         return self._call("reduce_scatter", list(bufs)) if bufs else []
-
-
-def _host_tier(program, host, cross, leader_only: bool, lengths=None):
-    """``program`` run over the hosts, with the processes of each host first.
-
-    ``host`` and ``cross`` are ``_NativeOps`` on this host's processes and on
-    this local rank's process of every host. ``leader_only`` (ChainerMN's
-    ``hierarchical``): the host's sum onto its leader (16-bit data summed in
-    float32 and rounded there), ``program`` among the hosts' leaders (``cross``
-    is active on local rank 0 only), the leader's result broadcast on the host.
-    Otherwise (``two_dimensional``): a reduce-scatter over the host, each local
-    rank's slice through ``program`` with the same local rank of the other
-    hosts, an all-gather over the host.
-    """
-
-    def run(_, bufs):
-        if leader_only:
-            return host.bcast(program(cross, host.reduce(bufs)))
-        slices = program(cross, host.reduce_scatter(bufs))
-        return [host.allgather(s).reshape(-1)[: b.shape[0]] for s, b in zip(slices, bufs)]
-
-    return run
 
 
 class _MPIOps:
@@ -322,7 +300,7 @@ class MPIBackend:
             host = _NativeOps(pick(tier.host), active, tier.local_size, invariant, group)
             lead = active * jnp.int32(tier.local_rank == 0) if leader_only else active
             cross = _NativeOps(pick(tier.cross), lead, tier.hosts, invariant, group)
-            return _host_tier(program, host, cross, leader_only)
+            return _host_tier.program(program, host, cross, leader_only)
 
         if not intra.axes:
             # One device per process: no leader choice, no broadcast; results

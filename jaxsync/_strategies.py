@@ -23,6 +23,12 @@ per dtype (ChainerMN's flat communicator; with the native target and one device
 per process the target packs them, into a reused scratch buffer, so XLA
 neither concatenates nor slices); ``hierarchical`` sends large leaves as they
 are, without a copy, and packs only the small ones.
+
+flat, hierarchical and two_dimensional ask for a *tiered* inter stage: a
+backend whose processes share hosts may then reduce over the processes of a
+host first and run the program over the hosts (the MPI backend's host tier:
+leader_only, the host's leader; otherwise, each local rank's slice); the
+strategy never sees how.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ from typing import Any
 
 import jax
 
+from . import _host_tier
+
 _MPI_ENV = (
     "PMI_SIZE",
     "PMI_RANK",
@@ -169,45 +171,6 @@ def topology(comm: Any = "auto") -> Topology:
     )
 
 
-HOST_TIER_ENV = "JAXSYNC_HOST_TIER"
-"""``0`` turns the host tier off (every process must see the same value)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class HostTier:
-    """The processes of this host and, on every other host, their peers.
-
-    Made by :meth:`Comms.prepare` when the processes span several hosts and a
-    host holds more than one of them (collectively, so every process makes the
-    same decision). Per local device ``d``: ``host[d]``, this host's processes
-    (ranked as in the world, so the lowest rank is local rank 0, the host's
-    leader), and ``cross[d]``: the processes of this local rank on every host
-    (for local rank 0: the hosts' leaders).
-
-    Attributes:
-      hosts: number of hosts.
-      local_rank: this process's rank on its host.
-      local_size: processes on this host.
-      uniform: every host holds ``local_size`` processes (``two_dimensional``'s
-        slices need it; ``hierarchical`` does not).
-      host: per local device, a communicator of this host's processes.
-      cross: per local device, a communicator of this local rank's processes.
-    """
-
-    hosts: int
-    local_rank: int
-    local_size: int
-    uniform: bool
-    host: tuple
-    cross: tuple
-
-    def describe(self) -> str:
-        return (
-            f"host tier: {self.hosts} hosts, local rank {self.local_rank} of "
-            f"{self.local_size}{'' if self.uniform else ', hosts of unequal sizes'}"
-        )
-
-
 class Comms:
     """Private duplicates of a user communicator, made once and cached.
 
@@ -233,7 +196,7 @@ class Comms:
         self._devices: list = []  # per-device duplicates, made by prepare()
         self._watchdogs: dict = {}
         self._host = None
-        self._tier: HostTier | None = None
+        self._tier: _host_tier.HostTier | None = None
         self._tier_base: tuple = ()  # (host, cross) communicators, once decided
         self._tier_decided = False
         self.freed = False
@@ -264,36 +227,15 @@ class Comms:
         self._prepare_tier(n)
 
     def _prepare_tier(self, n: int) -> None:
-        """Decide the host tier (collectively) and make its ``n`` per-device pairs."""
-        from mpi4py import MPI
-
+        """Decide the host tier (collectively, once) and make its ``n`` device pairs."""
         if not self._tier_decided:
             self._tier_decided = True
-            on = os.environ.get(HOST_TIER_ENV, "1").strip() != "0"
-            host = self.control.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-            local_rank, local_size = host.Get_rank(), host.Get_size()
-            seen = self.control.allgather((local_rank == 0, local_size, on))
-            hosts = sum(1 for first, _, _ in seen if first)
-            if not all(o for _, _, o in seen) or hosts < 2 or max(k for _, k, _ in seen) < 2:
-                host.Free()
-                return
-            cross = self.control.Split(local_rank, key=self.rank)
-            self._tier_base = (host, cross)
-            self._tier = HostTier(
-                hosts, local_rank, local_size, len({k for _, k, _ in seen}) == 1, (), ()
-            )
-        if self._tier is None or len(self._tier.host) >= n:
-            return
-        host, cross = self._tier_base
-        pairs = [(host.Dup(), cross.Dup()) for _ in range(n - len(self._tier.host))]
-        self._tier = dataclasses.replace(
-            self._tier,
-            host=self._tier.host + tuple(h for h, _ in pairs),
-            cross=self._tier.cross + tuple(c for _, c in pairs),
-        )
+            self._tier, self._tier_base = _host_tier.decide(self.control, self.rank)
+        if self._tier is not None:
+            self._tier = _host_tier.extend(self._tier, self._tier_base, n)
 
     @property
-    def tier(self) -> HostTier | None:
+    def tier(self) -> _host_tier.HostTier | None:
         """The host tier (see :class:`HostTier`), or None: one host, or one
         process per host, or turned off (``JAXSYNC_HOST_TIER=0``)."""
         return self._tier
