@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterable, Sequence
 
 from ._cost import (
@@ -84,8 +85,8 @@ class ModelTopology:
         host axis in one process).
       host_tier: whether ``flat``, ``hierarchical`` and ``two_dimensional`` reduce
         over the processes of a host first (``_mpi_backend.MPIBackend.tier``);
-        ``None``: what the native target does, with several hosts and several
-        processes on a host.
+        ``None``: what the native target does with ``JAXSYNC_HOST_TIER=1``,
+        several hosts and several processes on a host.
     """
 
     processes: int = 1
@@ -107,7 +108,8 @@ class ModelTopology:
         """The host tier is in use: processes of a host, then hosts."""
         if self.host_tier is not None:
             return self.host_tier and 1 < self.hosts < self.processes
-        return self.native and self.broadcast and 1 < self.hosts < self.processes
+        on = os.environ.get("JAXSYNC_HOST_TIER", "0").strip() == "1"  # _host_tier.enabled
+        return on and self.native and self.broadcast and 1 < self.hosts < self.processes
 
     @property
     def per_host(self) -> int:

@@ -6,7 +6,10 @@ ChainerMN's communicators send (:func:`program`): the host leader's buffer
 (``hierarchical``), or each local rank's slice (``two_dimensional``). The
 decision is collective, made once when a transform is made (:func:`decide`,
 from ``_topology.Comms.prepare``), so every process takes the same path;
-``JAXSYNC_HOST_TIER=0`` turns it off.
+It is off unless ``JAXSYNC_HOST_TIER=1`` (see :func:`enabled`): in the
+emulated cluster (2 cores, links shaped with tc tbf) its sequential host stages
+and the leaders' single TCP flow cost more than MPI's own allreduce over every
+process (README, "Strategies").
 
 Imports: the standard library (mpi4py inside the functions that need it).
 """
@@ -18,7 +21,12 @@ import os
 from typing import Any
 
 HOST_TIER_ENV = "JAXSYNC_HOST_TIER"
-"""``0`` turns the host tier off (every process must see the same value)."""
+"""``1`` turns the host tier on (every process must see the same value)."""
+
+
+def enabled() -> bool:
+    """Whether ``$JAXSYNC_HOST_TIER`` asks for the host tier (``1``; default off)."""
+    return os.environ.get(HOST_TIER_ENV, "0").strip() == "1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +61,7 @@ def decide(control: Any, rank: int) -> tuple[HostTier | None, tuple]:
     cross) communicators)`` or ``(None, ())``. Collective over ``control``."""
     from mpi4py import MPI
 
-    on = os.environ.get(HOST_TIER_ENV, "1").strip() != "0"
+    on = enabled()
     host = control.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     local_rank, local_size = host.Get_rank(), host.Get_size()
     seen = control.allgather((local_rank == 0, local_size, on))

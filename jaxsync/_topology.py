@@ -237,7 +237,7 @@ class Comms:
     @property
     def tier(self) -> _host_tier.HostTier | None:
         """The host tier (see :class:`HostTier`), or None: one host, or one
-        process per host, or turned off (``JAXSYNC_HOST_TIER=0``)."""
+        process per host, or not turned on (``JAXSYNC_HOST_TIER=1``)."""
         return self._tier
 
     def watchdog(self, timeout: float):

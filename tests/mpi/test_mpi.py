@@ -109,9 +109,11 @@ TIER_TARGETS = {"jaxsync_reduce", "jaxsync_bcast", "jaxsync_reduce_scatter"}
 
 
 @pytest.mark.parametrize("devices", [1, 2])
-def test_the_host_tier_costs_nothing_on_one_host(devices):
-    """One host: every strategy lowers to the very step it lowers to with the
-    tier forced off (today's code path), and no tier target is called."""
+def test_the_host_tier_costs_nothing_on_one_host(devices, monkeypatch):
+    """One host, the tier asked for: every strategy lowers to the very step it
+    lowers to with the tier forced off (today's code path), and no tier target
+    is called."""
+    monkeypatch.setenv("JAXSYNC_HOST_TIER", "1")
     run = run_mpi("worker_tier_lowering.py", n=2, devices=devices, timeout=150).check()
     for rank, res in enumerate(run.results):
         assert res["topology"]["hosts"] == 1, res["topology"]
