@@ -213,6 +213,9 @@ def resolve(tree, cfg):
         native=bool(getattr(backend, "native", False)),
         broadcast=isinstance(backend, _mpi_backend.MPIBackend) and not batched,
         inter_link=inter_link,
+        host_tier=isinstance(backend, _mpi_backend.MPIBackend)
+        and not batched
+        and backend.tier(True) is not None,
     )
     import jax.numpy as jnp
 

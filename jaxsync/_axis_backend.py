@@ -27,8 +27,8 @@ class LocalBackend:
     def size(self) -> int:
         return 1
 
-    def run(self, program, bufs, intra: AxisOps, leader_only: bool, group_bytes=None):
-        del intra, leader_only, group_bytes
+    def run(self, program, bufs, intra: AxisOps, leader_only: bool, group_bytes=None, tiered=False):
+        del intra, leader_only, group_bytes, tiered
         return program(AxisOps(()), bufs)
 
     def agree(self, text: str, what: str, bufs: list) -> list:
@@ -86,8 +86,9 @@ class AxisBackend:
         check_axes((self.axis,), "comm axis")
         return lax.axis_size(self.axis)
 
-    def run(self, program, bufs, intra: AxisOps, leader_only: bool, group_bytes=None):
-        del intra, leader_only  # XLA runs the collective on every device
+    def run(self, program, bufs, intra: AxisOps, leader_only: bool, group_bytes=None, tiered=False):
+        # XLA runs the collective on every device; a mesh axis has no host tier.
+        del intra, leader_only, tiered
         return program(AxisOps((self.axis,), wire16=True), bufs)
 
     def agree(self, text: str, what: str, bufs: list) -> list:

@@ -35,13 +35,14 @@ import json
 import math
 
 LINKS = ("device", "host", "network")
-KINDS = ("allreduce", "reduce_scatter", "allgather", "alltoall", "broadcast")
+KINDS = ("allreduce", "reduce_scatter", "allgather", "alltoall", "broadcast", "reduce")
 ALGORITHMS = {
     "allreduce": ("ring", "recursive_doubling", "rabenseifner"),
     "reduce_scatter": ("ring",),
     "allgather": ("ring", "recursive_doubling"),
     "alltoall": ("pairwise",),
     "broadcast": ("binomial", "scatter_allgather"),
+    "reduce": ("binomial", "reduce_scatter_gather"),
 }
 STRATEGY_NAMES = ("naive", "flat", "hierarchical", "two_dimensional", "single_node")
 
@@ -328,6 +329,11 @@ def coefficients(kind: str, nbytes: float, p: int, algorithm: str) -> tuple[floa
         if algorithm == "binomial":
             return (lgc, lgc * n, 0.0)
         return (lgc + p - 1, 2 * frac * n, 0.0)  # scatter + ring allgather
+    if kind == "reduce":  # onto one member
+        lgc = math.ceil(math.log2(p))
+        if algorithm == "binomial":
+            return (lgc, lgc * n, lgc * n)
+        return (lgc + p - 1, 2 * frac * n, frac * n)  # ring reduce-scatter + gather
     raise ValueError(f"unknown collective {kind!r}; expected one of {KINDS}")
 
 

@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterable, Sequence
 
 from ._cost import (
@@ -82,6 +83,10 @@ class ModelTopology:
         broadcast over the local devices (MPI); ``False`` for a mesh axis.
       inter_link: override the inter link (e.g. ``"device"`` for a simulated
         host axis in one process).
+      host_tier: whether ``flat``, ``hierarchical`` and ``two_dimensional`` reduce
+        over the processes of a host first (``_mpi_backend.MPIBackend.tier``);
+        ``None``: what the native target does with ``JAXSYNC_HOST_TIER=1``,
+        several hosts and several processes on a host.
     """
 
     processes: int = 1
@@ -90,6 +95,7 @@ class ModelTopology:
     native: bool = True
     broadcast: bool = True
     inter_link: str | None = None
+    host_tier: bool | None = None
 
     @property
     def link(self) -> str:
@@ -97,12 +103,25 @@ class ModelTopology:
             return self.inter_link
         return "host" if self.hosts <= 1 else "network"
 
+    @property
+    def tiered(self) -> bool:
+        """The host tier is in use: processes of a host, then hosts."""
+        if self.host_tier is not None:
+            return self.host_tier and 1 < self.hosts < self.processes
+        on = os.environ.get("JAXSYNC_HOST_TIER", "0").strip() == "1"  # _host_tier.enabled
+        return on and self.native and self.broadcast and 1 < self.hosts < self.processes
+
+    @property
+    def per_host(self) -> int:
+        """Processes per host (the host tier's members)."""
+        return -(-self.processes // max(1, self.hosts))
+
 
 @dataclasses.dataclass(frozen=True)
 class Op:
     """Collectives of one kind issued at one stage (one message per size)."""
 
-    stage: str  # "intra", "inter", "local"
+    stage: str  # "intra", "host" (the host tier), "inter", "local"
     kind: str  # a collective, "copy", "leaf", "strategy" or "strategy16" (overheads)
     link: str  # for "strategy": the strategy's name
     members: int
@@ -156,7 +175,10 @@ def _native_messages(
 
 
 def per_leaf_plan(strategy: str, topo: ModelTopology) -> bool:
-    """Whether ``_sync`` plans this strategy one buffer per leaf."""
+    """Whether ``_sync`` plans this strategy one buffer per leaf (``two_dimensional``
+    over the host tier packs: its slices are cut from buffers, not leaves)."""
+    if strategy == "two_dimensional" and topo.tiered:
+        return False
     return strategy == "naive" or (
         _alone(topo) and strategy in ("hierarchical", "two_dimensional", "flat")
     )
@@ -182,7 +204,12 @@ def strategy_ops(
     process, the native target's group size). Mirrors ``_strategies.run``: 16-bit buffers are
     summed as float32 inside a process and travel as 16 bits through an
     all-to-all and an all-gather across processes (with the native target
-    between two processes: in its allreduce, like the others).
+    between two processes: in its allreduce, like the others). With the host
+    tier (``topo.tiered``) ``flat`` and ``hierarchical`` add a reduce onto the
+    host's leader and a broadcast from it (``"host"`` stage and link, float32
+    for 16-bit data) around the allreduce among the hosts' leaders;
+    ``two_dimensional`` a reduce-scatter and an all-gather over the host around
+    the allreduce of each local rank's slice with its peers on other hosts.
     """
     if strategy not in STRATEGY_NAMES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGY_NAMES}")
@@ -216,7 +243,7 @@ def strategy_ops(
         if D > 1 and sizes:
             ops.append(Op("intra", kind, "device", D, tuple(sizes), 1, calls))
 
-    def inter(items_, flows=1, chain=False):
+    def inter(items_, flows=1, chain=False, P=P, link=topo.link):
         # chain: one native call per buffer, in one ordered chain (naive): no
         # grouping across buffers, and the wait for the slowest process is paid
         # once per chain (calls=1), not per call; each message pays its alpha.
@@ -236,7 +263,7 @@ def strategy_ops(
                 else ([n for _, n in wide], 0)
             )
             calls = 1 if topo.native else len(wide)  # mpi4jax: one call per buffer
-            ops.append(Op("inter", "allreduce", topo.link, P, tuple(msgs), flows, calls))
+            ops.append(Op("inter", "allreduce", link, P, tuple(msgs), flows, calls))
             if copied:  # the target's memcpy into its scratch buffer and back
                 ops.append(Op("local", "copy", "", 1, (2 * copied,)))
         if low:
@@ -244,13 +271,47 @@ def strategy_ops(
             if len(low) > 1:
                 ops.append(Op("local", "copy", "", 1, (total,)))
             # alltoall of the padded buffer, each member sums 1/P, allgather back
-            ops.append(Op("inter", "alltoall", topo.link, P, (total,), flows))
+            ops.append(Op("inter", "alltoall", link, P, (total,), flows))
             ops.append(Op("local", "copy", "", 1, (total,)))  # f32 sum of my slice
-            ops.append(Op("inter", "allgather", topo.link, P, (total,), flows))
+            ops.append(Op("inter", "allgather", link, P, (total,), flows))
 
     bcast = D > 1 and P > 1 and topo.broadcast
     k = len(items)
-    if strategy == "naive":
+    tier = topo.tiered and strategy in ("flat", "hierarchical", "two_dimensional")
+    L, H = topo.per_host, topo.hosts
+
+    def host(kind, sizes, calls=1):  # the host tier's steps (16-bit summed as f32)
+        # reduce and broadcast group small buffers as the allreduce does; a
+        # reduce-scatter or an all-gather moves each buffer alone
+        msgs, copied = list(sizes), 0
+        if kind in ("reduce", "broadcast"):
+            msgs, copied = _native_messages([("", n) for n in sizes], group)
+        ops.append(Op("host", kind, "host", L, tuple(msgs), 1, calls))
+        if copied:
+            ops.append(Op("local", "copy", "", 1, (2 * copied,)))
+
+    if tier and strategy != "two_dimensional":
+        # processes of a host onto its leader, the leaders over the hosts, the
+        # leader's result broadcast on the host
+        intra("allreduce", [intra_bytes(n, isz) for _, n, isz, _ in items])  # one psum
+        host("reduce", [intra_bytes(n, isz) for _, n, isz, _ in items])
+        inter(items, P=H)
+        host("broadcast", [n for _, n, _, _ in items])
+        if bcast:
+            intra("allreduce", [n for _, n, _, _ in items], calls=k)
+    elif tier:
+        # a reduce-scatter over the devices, then over the host; each slice over
+        # the hosts (D * L flows); all-gathers over the host, then the devices
+        intra("reduce_scatter", [intra_bytes(n, isz) for _, n, isz, _ in items], calls=k)
+        slices = [(d, -(-n // (D * isz)) * isz, isz, j) for d, n, isz, j in items]
+        host("reduce_scatter", [intra_bytes(n, isz) for _, n, isz, _ in slices])
+        if low16:  # widened into scratch and rounded back
+            ops.append(Op("local", "copy", "", 1, (low16 // D,)))
+        mine = [(d, -(-n // (L * isz)) * isz, isz, j) for d, n, isz, j in slices]
+        inter(mine, flows=D * L, P=H)
+        host("allgather", [n for _, n, _, _ in slices], calls=k)
+        intra("allgather", [n for _, n, _, _ in items], calls=k)
+    elif strategy == "naive":
         intra("allreduce", [intra_bytes(n, isz) for _, n, isz, _ in items], calls=k)
         if topo.native:  # one call per leaf, chained
             inter([it for it in items if it[2] >= 4 or P == 2], chain=True)

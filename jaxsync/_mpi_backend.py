@@ -9,7 +9,7 @@ the stall watchdog and the cross-process agreement check.
 
 Imports: the collective modules below it (``_intra``, ``_invariance``,
 ``_ordering``, ``_mpi_load``, ``_native_prim``, ``_mpi4jax_prim``, ``_quiet``),
-``_agree`` and ``_topology``; none of those imports it (the transforms, compression,
+``_agree``, ``_topology`` and ``_host_tier``; none of those imports it (the transforms, compression,
 sparse sync, ``auto`` and ``tune`` do).
 """
 
@@ -24,7 +24,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import io_callback
 
-from . import _mpi4jax_prim, _mpi_load, _native_prim, _ordering, _quiet
+from . import _host_tier, _mpi4jax_prim, _mpi_load, _native_prim, _ordering, _quiet
 from ._agree import _disagreement, agreement_dep, tie_buffers
 from ._intra import AxisOps, _is_batched, bound_axes
 from ._invariance import _varying, _vma
@@ -76,6 +76,16 @@ class _NativeOps:
 
     def allgather(self, x):
         return self._call("allgather", [x])[0]
+
+    # The host tier's steps (comm: this host's processes; rank 0 the leader).
+    def reduce(self, bufs):
+        return self._call("reduce", list(bufs)) if bufs else []
+
+    def bcast(self, bufs):
+        return self._call("bcast", list(bufs)) if bufs else []
+
+    def reduce_scatter(self, bufs):
+        return self._call("reduce_scatter", list(bufs)) if bufs else []
 
 
 class _MPIOps:
@@ -291,32 +301,65 @@ class MPIBackend:
     def _ops(self, comm):
         return _HostOps(comm) if self.staging == "host" else _MPIOps(comm)
 
-    def run(self, program, bufs, intra: AxisOps, leader_only: bool, group_bytes=None):
+    def run(self, program, bufs, intra: AxisOps, leader_only: bool, group_bytes=None, tiered=False):
         """Run ``program(ops, bufs)`` with ``ops`` reducing across processes.
 
         Every inter-process call of a traced step takes the token (or host
         dependency) of the previous one, across synchronisations too, so every
-        process issues them in the same order.
+        process issues them in the same order. ``tiered``: ``program`` is a sum
+        that may run over the hosts, the processes of each host reduced first
+        (the host tier, see :meth:`tier`).
         """
         if not bufs:
             return []
         entered = self._take_entered()
         if self.native:
-            return self._run_native(program, list(bufs), intra, leader_only, group_bytes, entered)
+            tier = self.tier(leader_only) if tiered else None
+            return self._run_native(
+                program, list(bufs), intra, leader_only, group_bytes, tier, entered
+            )
         return self._run(program, list(bufs), intra, leader_only, entered)
 
+    def tier(self, leader_only: bool):
+        """The host tier a tiered sum uses (a ``_topology.HostTier``), or None.
+
+        jaxsync's native targets only (CPU, ``staging="device"``); with hosts
+        of unequal process counts, ``leader_only`` ones only (a reduce-scatter
+        over the host needs the same slices on every host).
+        """
+        t = self.comms.tier if self.native else None
+        return t if t is not None and (leader_only or t.uniform) else None
+
     def _run_native(
-        self, program, bufs, intra: AxisOps, leader_only: bool, group_bytes, entered=None
+        self, program, bufs, intra: AxisOps, leader_only: bool, group_bytes, tier, entered=None
     ):
         comms = self.comms
         group = _native_prim.GROUP_BYTES if group_bytes is None else group_bytes
         size = comms.size
         one = jnp.int32(1)
         world = jnp.int32(comms.world.py2f())
+
+        if tier is not None and intra.size > len(tier.host):
+            comms.per_device(intra.size)  # more replicas than devices: made now
+            tier = self.tier(leader_only)
+
+        def tiered(comm_index, active, invariant=()):
+            # Devices of a process first (done), then processes of a host, then
+            # hosts: the host's communicators of this device (comm_index).
+            pick = lambda cs: jnp.asarray(np.array([c.py2f() for c in cs], np.int32))[comm_index]
+            host = _NativeOps(pick(tier.host), active, tier.local_size, invariant, group)
+            lead = active * jnp.int32(tier.local_rank == 0) if leader_only else active
+            cross = _NativeOps(pick(tier.cross), lead, tier.hosts, invariant, group)
+            return _host_tier.program(program, host, cross, leader_only)
+
         if not intra.axes:
             # One device per process: no leader choice, no broadcast; results
             # typed invariant over the local axes of size 1 (if any).
             ops = _NativeOps(world, one, size, intra.unit_axes, group)
+            if tier is not None:
+                return self._watched(tiered(0, one, intra.unit_axes), True, None, entered)(
+                    ops, bufs
+                )
             return self._watched(program, True, None, entered)(ops, bufs)
         idx = lax.axis_index(intra.axes)
         if _is_batched(idx):
@@ -331,10 +374,12 @@ class MPIBackend:
             # the local axes, as it is; the broadcast makes it invariant again.
             active = leader.astype(jnp.int32)
             bufs = [_varying(b, _vma(active)) for b in bufs]
-            out = self._watched(program, True, leader, entered)(
-                _NativeOps(world, active, size, group=group), bufs
-            )
+            ops = _NativeOps(world, active, size, group=group)
+            run = program if tier is None else tiered(0, active)
+            out = self._watched(run, True, leader, entered)(ops, bufs)
             return intra.broadcast(list(out), root=0)
+        if tier is not None:  # every device its slice through its own communicators
+            return self._watched(tiered(idx, one), True, leader, entered)(None, bufs)
         # Every device its own communicator (the world split by local index),
         # picked at run time: no lax.switch.
         handles = np.array([c.py2f() for c in comms.per_device(intra.size)], np.int32)

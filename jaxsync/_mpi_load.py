@@ -26,7 +26,15 @@ from . import _quiet
 SUPPORTED_MPI4JAX = ("0.9",)
 SUPPORTED_JAX = ("0.10",)
 
-_NATIVE_KINDS = ("allreduce", "allgather", "alltoall", "agree")
+_NATIVE_KINDS = (
+    "allreduce",
+    "allgather",
+    "alltoall",
+    "agree",
+    "reduce",
+    "bcast",
+    "reduce_scatter",
+)
 
 NATIVE_DIR = Path(__file__).resolve().parent / "_native"
 NATIVE_ENV = "JAXSYNC_NATIVE_LIB"  # a path that replaces the built library

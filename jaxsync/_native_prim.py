@@ -5,6 +5,9 @@
 * ``jaxsync_allreduce`` sums any number of buffers in one call, in place
   (results aliased to inputs, ``MPI_IN_PLACE``);
 * ``jaxsync_allgather`` and ``jaxsync_alltoall`` move one buffer each;
+* ``jaxsync_reduce``, ``jaxsync_bcast`` (in place, any number of buffers) and
+  ``jaxsync_reduce_scatter`` (buffer -> this rank's slice): the host tier's
+  steps among the processes of one host (rank 0 of the communicator is the root);
 * ``jaxsync_agree`` checks the processes agree (see ``_mpi_load.register_agreement``).
 
 Every call takes and returns an XLA token as a regular operand and result, the
@@ -67,6 +70,8 @@ def _native_abstract_eval(token, comm, active, *xs, kind, size, invariant, agree
             spec = x.sharding.spec
             sharding = x.sharding.update(spec=type(spec)(None, *spec))
             out = x.update(shape=(size, *x.shape), sharding=sharding)
+        elif kind == "reduce_scatter":  # 1-D: this rank's slice of ceil(n / size)
+            out = x.update(shape=(-(-x.shape[0] // size),))
         else:
             out = x.update(shape=x.shape)
         outs.append(out if kind == "alltoall" else _drop_varying(out, invariant))
@@ -74,17 +79,20 @@ def _native_abstract_eval(token, comm, active, *xs, kind, size, invariant, agree
 
 
 native_p.def_abstract_eval(_native_abstract_eval)
+
+# Kinds whose results are aliased to their inputs (and take ``group_bytes``).
+_IN_PLACE = ("allreduce", "reduce", "bcast")
 native_p.def_impl(functools.partial(_dispatch.apply_primitive, native_p))
 
 
 def _native_lowering(ctx, token, comm, active, *xs, kind, size, invariant, agree, group):
     del size, invariant
-    if kind == "allreduce":  # in place: result i is operand 3 + i
+    if kind in _IN_PLACE:  # result i is operand 3 + i
         aliases = {3 + i: 1 + i for i in range(len(xs))}
     else:
         aliases = None
     rule = jax.ffi.ffi_lowering(f"jaxsync_{kind}", operand_output_aliases=aliases)
-    if kind == "allreduce":
+    if kind in _IN_PLACE:
         return rule(ctx, token, comm, active, *xs, group_bytes=np.int64(group))
     if kind != "agree":
         return rule(ctx, token, comm, active, *xs)
@@ -114,6 +122,11 @@ def _native_batching(args, dims, *, kind, size, invariant, agree, group):
             "be batched (vmap them outside the synchronisation)"
         )
     xdims = dims[3:]
+    if kind == "reduce_scatter":
+        raise NotImplementedError(
+            "jaxsync: the host tier's reduce-scatter is not batched (under vmap the "
+            "synchronisation uses the world communicator)"
+        )
     if kind == "alltoall":  # the leading (peer) axis must stay first
         xs = [x if d is nm else jax.numpy.moveaxis(x, d, 1) for x, d in zip(xs, xdims)]
         xdims = [d if d is nm else 1 for d in xdims]
@@ -148,8 +161,12 @@ def native_call(
     Args:
       kind: ``"allreduce"`` (sum of every buffer of ``xs``, in place),
         ``"allgather"`` (one buffer; stacks along a new leading axis of size
-        ``size``) or ``"alltoall"`` (one buffer whose leading axis has size
-        ``size``).
+        ``size``), ``"alltoall"`` (one buffer whose leading axis has size
+        ``size``), ``"reduce"`` (sums onto rank 0, in place there; other ranks'
+        buffers unchanged), ``"bcast"`` (rank 0's buffers to every rank, in
+        place) or ``"reduce_scatter"`` (1-D buffers: this rank's slice of
+        ``ceil(n / size)`` elements, zeros past the end); ``reduce`` and
+        ``reduce_scatter`` sum 16-bit floats in float32, rounded once.
       xs: the local arrays.
       token: the previous call's token (see ``_ordering.chain_token``).
       comm: int32 scalar: the communicator's Fortran handle (``comm.py2f()``).
@@ -161,10 +178,11 @@ def native_call(
       agree: for ``kind="agree"``, ``(communicator handle, digest id, instance,
         devices of this process that run the check)`` (see
         ``_mpi_load.register_agreement``).
-      group: for ``kind="allreduce"``, buffers (of one dtype, in order) under
-        this many bytes are copied into one scratch buffer of at most
-        ``max(group, 4 MiB)`` bytes and summed by one MPI call (``flat`` passes
-        its ``bucket_bytes``: one message per bucket, packed by the target).
+      group: for ``kind="allreduce"`` (``"reduce"``, ``"bcast"`` alike),
+        buffers (of one dtype, in order) under this many bytes are copied into
+        one scratch buffer of at most ``max(group, 4 MiB)`` bytes and summed
+        by one MPI call (``flat`` passes its ``bucket_bytes``: one message per
+        bucket, packed by the target).
     """
     assert kind in _NATIVE_KINDS, kind
     require_native()

@@ -23,6 +23,12 @@ per dtype (ChainerMN's flat communicator; with the native target and one device
 per process the target packs them, into a reused scratch buffer, so XLA
 neither concatenates nor slices); ``hierarchical`` sends large leaves as they
 are, without a copy, and packs only the small ones.
+
+flat, hierarchical and two_dimensional ask for a *tiered* inter stage: a
+backend whose processes share hosts may then reduce over the processes of a
+host first and run the program over the hosts (the MPI backend's host tier:
+leader_only, the host's leader; otherwise, each local rank's slice); the
+strategy never sees how.
 """
 
 from __future__ import annotations
@@ -128,12 +134,14 @@ def run(strategy: str, bufs: list, intra, backend, group_bytes=None) -> list:
     if strategy in ("flat", "hierarchical"):
         # Same stages; they differ in packing (flat: everything packed).
         bufs = sum_buffers(intra, bufs)
-        return backend.run(sum_buffers, bufs, intra, leader_only=True, group_bytes=group_bytes)
+        return backend.run(
+            sum_buffers, bufs, intra, leader_only=True, group_bytes=group_bytes, tiered=True
+        )
     if strategy == "two_dimensional":
         d = intra.size
         padded = [_pad_to(b, d) for b in bufs]
         slices = [_scatter_sum(intra, x) for x, _ in padded]
-        slices = backend.run(sum_buffers, slices, intra, leader_only=False)
+        slices = backend.run(sum_buffers, slices, intra, leader_only=False, tiered=True)
         return [intra.allgather_tiled(s)[:n] for s, (_, n) in zip(slices, padded)]
     raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
 

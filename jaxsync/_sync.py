@@ -51,8 +51,11 @@ def sync(tree: PyTree, cfg: SyncConfig):
     # two_dimensional and flat hand it the leaves as they are, and it sums the
     # small ones together itself (a memcpy into one MPI message): nothing is
     # packed or unpacked in XLA.
+    # With the host tier two_dimensional reduce-scatters over the processes of
+    # a host: its small leaves are packed (one slice each, not one per leaf).
+    scatters = cfg.strategy == "two_dimensional" and _scatters_over_host(cfg.backend)
     per_leaf = cfg.strategy == "naive" or (
-        alone and cfg.strategy in ("hierarchical", "two_dimensional", "flat")
+        alone and not scatters and cfg.strategy in ("hierarchical", "two_dimensional", "flat")
     )
     # flat's packing is then the native target's: every leaf of one dtype into
     # messages of up to bucket_bytes, through a scratch buffer it reuses.
@@ -102,6 +105,11 @@ def sync(tree: PyTree, cfg: SyncConfig):
         if cfg.check_finite == "raise":
             _raise_if_nonfinite(named)
     return result, finite
+
+
+def _scatters_over_host(backend) -> bool:
+    """Whether a ``two_dimensional`` sum reduce-scatters over a host's processes."""
+    return isinstance(backend, _mpi_backend.MPIBackend) and backend.tier(False) is not None
 
 
 def _check_unsynced_devices(cfg: SyncConfig) -> None:

@@ -10,6 +10,8 @@ from typing import Any
 
 import jax
 
+from . import _host_tier
+
 _MPI_ENV = (
     "PMI_SIZE",
     "PMI_RANK",
@@ -194,6 +196,9 @@ class Comms:
         self._devices: list = []  # per-device duplicates, made by prepare()
         self._watchdogs: dict = {}
         self._host = None
+        self._tier: _host_tier.HostTier | None = None
+        self._tier_base: tuple = ()  # (host, cross) communicators, once decided
+        self._tier_decided = False
         self.freed = False
         _register_atexit()
 
@@ -219,6 +224,21 @@ class Comms:
         n = self.control.allreduce(n, op=MPI.MAX)
         while len(self._devices) < n:
             self._devices.append(self.control.Dup())
+        self._prepare_tier(n)
+
+    def _prepare_tier(self, n: int) -> None:
+        """Decide the host tier (collectively, once) and make its ``n`` device pairs."""
+        if not self._tier_decided:
+            self._tier_decided = True
+            self._tier, self._tier_base = _host_tier.decide(self.control, self.rank)
+        if self._tier is not None:
+            self._tier = _host_tier.extend(self._tier, self._tier_base, n)
+
+    @property
+    def tier(self) -> _host_tier.HostTier | None:
+        """The host tier (see :class:`HostTier`), or None: one host, or one
+        process per host, or not turned on (``JAXSYNC_HOST_TIER=1``)."""
+        return self._tier
 
     def watchdog(self, timeout: float, on_timeout: str = "report"):
         """The stall watchdog of this communicator (one per timeout and action)."""
@@ -261,8 +281,11 @@ class Comms:
             wd.stop()
         comms = [wd.comm for wd in self._watchdogs.values()]
         comms += [self._host] if self._host is not None else []
+        if self._tier is not None:
+            comms += [*self._tier.host, *self._tier.cross, *self._tier_base]
         comms += self._devices + [self.agreement, self.control, self.world]
         self._watchdogs, self._devices, self._host = {}, [], None
+        self._tier, self._tier_base = None, ()
         for c in comms:
             try:
                 c.Free()

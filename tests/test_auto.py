@@ -131,6 +131,56 @@ def test_two_dimensional_ops():
     ]
 
 
+def test_host_tier_ops():
+    """2 hosts x 2 processes x 4 devices: the host tier around the hosts' stage."""
+    tier = dict(processes=4, hosts=2, host_tier=True)
+    assert _ops("hierarchical", **tier) == [
+        ("local", "copy", "", 1, (200 * KB,), 1),
+        ("intra", "allreduce", "device", 4, (1024 * KB, 100 * KB), 1),
+        ("host", "reduce", "host", 2, (1024 * KB, 100 * KB), 1),  # onto the host's leader
+        ("inter", "allreduce", "network", 2, (1024 * KB, 100 * KB), 1),  # the leaders
+        ("host", "broadcast", "host", 2, (1024 * KB, 100 * KB), 1),
+        ("intra", "allreduce", "device", 4, (1024 * KB, 100 * KB), 1),  # broadcast
+    ]
+    assert _ops("flat", **tier) == _ops("hierarchical", **tier)
+    assert _ops("two_dimensional", **tier) == [
+        ("local", "copy", "", 1, (200 * KB,), 1),
+        ("intra", "reduce_scatter", "device", 4, (1024 * KB, 100 * KB), 1),
+        ("host", "reduce_scatter", "host", 2, (256 * KB, 25 * KB), 1),
+        # every local rank of every device: its slice with its peers on the other host
+        ("inter", "allreduce", "network", 2, (128 * KB, 12.5 * KB), 8),
+        ("host", "allgather", "host", 2, (256 * KB, 25 * KB), 1),
+        ("intra", "allgather", "device", 4, (1024 * KB, 100 * KB), 1),
+    ]
+    # naive has no host tier; neither has one host, one process per host, a mesh
+    # axis (no broadcast), a tier turned off, nor a job without JAXSYNC_HOST_TIER=1
+    assert not [o for o in _ops("naive", **tier) if o[0] == "host"]
+    for topo in (
+        dict(processes=4, hosts=1, host_tier=True),
+        dict(processes=2, hosts=2, host_tier=True),
+        dict(processes=4, hosts=2, broadcast=False),
+        dict(processes=4, hosts=2, host_tier=False),
+        dict(processes=4, hosts=2),
+    ):
+        assert not [o for o in _ops("hierarchical", **topo) if o[0] == "host"], topo
+    # two_dimensional packs its leaves over the tier (slices of buffers)
+    one = ModelTopology(processes=4, hosts=2, local_devices=1, host_tier=True)
+    assert not _cost_ops.per_leaf_plan("two_dimensional", one)
+    assert _cost_ops.per_leaf_plan("hierarchical", one)
+
+
+def test_host_tier_sends_16_bits_across_hosts_only():
+    low = [BucketInfo("bfloat16", 64 * KB, 1)]
+    t = ModelTopology(processes=8, hosts=2, local_devices=1, host_tier=True)
+    ops = [
+        (o.stage, o.kind, o.members, o.sizes)
+        for o in _cost_ops.strategy_ops("hierarchical", low, t)
+    ]
+    assert ("host", "reduce", 4, (128 * KB,)) in ops  # float32 within the host
+    assert ("inter", "allreduce", 2, (64 * KB,)) in ops  # 16 bits between 2 hosts
+    assert ("host", "broadcast", 4, (64 * KB,)) in ops
+
+
 def test_sixteen_bit_and_native_grouping():
     low = [BucketInfo("bfloat16", 64 * KB, 1), BucketInfo("bfloat16", 32 * KB, 1)]
     ops = _ops("flat", low, local_devices=1, processes=3)

@@ -61,6 +61,7 @@ def _wire(kind: str, nbytes: int, p: int) -> float:
         "alltoall": (p - 1) / p * nbytes,
         "allgather": (p - 1) * nbytes,
         "bcast": nbytes,
+        "reduce": nbytes,  # the host tier's: onto one member
     }[kind]
 
 

@@ -30,9 +30,11 @@ def cluster():
     return jaxsync.cluster
 
 
-def worker_env() -> dict:
-    """The ranks' environment: this checkout and tests/mpi importable, no XLA_FLAGS."""
+def worker_env(host_tier: bool = True) -> dict:
+    """The ranks' environment: this checkout and tests/mpi importable, no XLA_FLAGS,
+    the host tier on (``JAXSYNC_HOST_TIER=1``) unless ``host_tier`` is false."""
     env = dict(os.environ)
+    env["JAXSYNC_HOST_TIER"] = "1" if host_tier else "0"
     root = HERE.parent.parent
     env["PYTHONPATH"] = os.pathsep.join(
         [str(root), str(MPI_DIR), str(HERE)]

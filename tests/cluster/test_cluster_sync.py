@@ -3,7 +3,8 @@
 The exact cases are the MPI suite's (``tests/mpi/worker_exact.py``: replica
 ``r`` holds ``r + k`` in leaf ``k``, the mean has a closed form), here with the
 ranks spread over 2 hosts whose links are shaped, so the inter-host stage runs
-over TCP between network namespaces.
+over TCP between network namespaces, and with 2 or 3 processes on each host,
+so the host tier (processes of a host over shared memory first) is in use.
 """
 
 from __future__ import annotations
@@ -18,35 +19,84 @@ import jaxsync
 
 PY = __import__("sys").executable
 STRATEGIES = ("naive", "flat", "hierarchical", "two_dimensional")
-CASES = [f"shard_map-{s}-mean" for s in STRATEGIES] + [
-    f"shard_map-{s}-mean-comm_bf16" for s in STRATEGIES
-]
 
 
 def results(out, n):
     return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(n)]
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-def test_every_strategy_is_exact_on_2_hosts_x_2_processes(cluster, tmp_path, devices):
-    from test_mpi import assert_bitwise, stacked_expected
+TIER_CALLS = {  # the host tier's native targets each strategy calls
+    "naive": set(),
+    "flat": {"jaxsync_reduce", "jaxsync_bcast"},
+    "hierarchical": {"jaxsync_reduce", "jaxsync_bcast"},
+    "two_dimensional": {"jaxsync_reduce_scatter"},
+}
 
+
+@pytest.mark.parametrize(
+    "procs,devices,tier", [(2, 1, True), (2, 2, True), (3, 1, True), (3, 2, True), (2, 1, False)]
+)
+def test_every_strategy_is_exact_on_2_hosts(cluster, tmp_path, procs, devices, tier):
+    """Every replica bit for bit the closed form, with the host tier (several
+    processes on each host) and without it. 3 processes: N = 6 or 12 replicas,
+    where float16's mean (always divided first) is not exact by construction:
+    sums only."""
+    from test_mpi import TIER_TARGETS, assert_bitwise, stacked_expected
+
+    reduces = ("mean", "sum") if procs == 2 else ("sum",)
+    cases = [
+        f"shard_map-{s}-{r}{v}" for s in STRATEGIES for r in reduces for v in ("", "-comm_bf16")
+    ]
     cmd = [PY, MPI_DIR / "worker_exact.py", "--out", tmp_path, "--devices", devices]
     r = cluster.run(
-        [*cmd, "--cases", ",".join(CASES)],
+        [*cmd, "--cases", ",".join(cases)],
         hosts=2,
-        procs_per_host=2,
-        env=worker_env(),
-        timeout=240,
+        procs_per_host=procs,
+        env=worker_env(host_tier=tier),
+        timeout=360,
     )
     assert r.returncode == 0, r.output
-    want = stacked_expected(4 * devices, devices, "mean")
-    for rank, res in enumerate(results(tmp_path, 4)):
-        assert res["meta"] == dict(rank=rank, size=4, devices=devices)
-        for case in CASES:
+    n = 2 * procs
+    for rank, res in enumerate(results(tmp_path, n)):
+        assert res["meta"] == dict(rank=rank, size=n, devices=devices)
+        for case in cases:
             got = res[case]
             assert not isinstance(got, str), f"rank {rank} {case}: {got}"
+            want = stacked_expected(n * devices, devices, case.split("-")[2])
             assert_bitwise(got, want, f"rank {rank} {case}")
+            calls = {t for t, _ in res["calls:" + case]}
+            want_calls = TIER_CALLS[case.split("-")[1]] if tier else set()
+            assert calls & TIER_TARGETS == want_calls, (case, calls)
+
+
+def test_the_host_tier_changes_the_lowered_step_across_hosts(cluster, tmp_path):
+    """The other half of tests/mpi's one-host test: across hosts with several
+    processes on each, the tier is what makes the step differ."""
+    from test_mpi import TIER_TARGETS
+
+    cmd = [PY, MPI_DIR / "worker_tier_lowering.py", "--out", tmp_path, "--devices", "1"]
+    r = cluster.run(cmd, hosts=2, procs_per_host=2, env=worker_env(), timeout=180)
+    assert r.returncode == 0, r.output
+    for rank, res in enumerate(results(tmp_path, 4)):
+        assert res["topology"]["hosts"] == 2 and res["topology"]["local_size"] == 2
+        for strategy, want in TIER_CALLS.items():
+            for key in (strategy, f"{strategy}-bf16"):
+                assert res[f"{key}:same"] == (not want), f"rank {rank} {key}"
+                assert set(res[f"{key}:calls"]) & TIER_TARGETS == want, res[f"{key}:calls"]
+
+
+def test_the_host_tier_rounds_16_bit_sums_once_per_host_and_once_across(cluster, tmp_path):
+    """What changes with the tier (tests/mpi/worker_tier_rounding.py): bfloat16
+    on the wire, the ranks hold 256, 1 | 1, 1. One rounding of the whole sum
+    (naive, no tier): bf16(259) = 260. The tier rounds each host's float32 sum
+    before it crosses, then the hosts' sum: bf16(bf16(257) + bf16(2)) = 258."""
+    cmd = [PY, MPI_DIR / "worker_tier_rounding.py", "--out", tmp_path, "--devices", "1"]
+    r = cluster.run(cmd, hosts=2, procs_per_host=2, env=worker_env(), timeout=180)
+    assert r.returncode == 0, r.output
+    for rank, res in enumerate(results(tmp_path, 4)):
+        assert res["naive"] == 260.0, (rank, res)
+        for strategy in ("flat", "hierarchical", "two_dimensional"):
+            assert res[strategy] == 258.0, (rank, strategy, res)
 
 
 def _train(cluster, out, faults=(), **kw):

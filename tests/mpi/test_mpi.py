@@ -74,7 +74,7 @@ EXACT_DEVICES = 4
 EXACT_CASES = (
     [f"shard_map-{s}-{r}" for s in STRATEGIES for r in ("mean", "sum")]
     + [f"shard_map-{s}-mean-staging_host" for s in STRATEGIES]
-    + [f"shard_map-{s}-mean-comm_bf16" for s in STRATEGIES]
+    + [f"shard_map-{s}-{r}-comm_bf16" for s in STRATEGIES for r in ("mean", "sum")]
     + [f"vmap-{s}-mean" for s in STRATEGIES]
     + [f"pmap-{s}-mean" for s in ("hierarchical", "two_dimensional")]
 )
@@ -102,6 +102,28 @@ def test_exact_mpi(exact_run, case):
     want = stacked_expected(n, EXACT_DEVICES, reduce)
     for rank in range(2):
         assert_bitwise(result_of(exact_run, rank, case), want, f"rank {rank} {case}")
+
+
+TIER_TARGETS = {"jaxsync_reduce", "jaxsync_bcast", "jaxsync_reduce_scatter"}
+"""The host tier's native targets (processes of one host; see _mpi_backend._host_tier)."""
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_the_host_tier_costs_nothing_on_one_host(devices, monkeypatch):
+    """One host, the tier asked for: every strategy lowers to the very step it
+    lowers to with the tier forced off (today's code path), and no tier target
+    is called."""
+    monkeypatch.setenv("JAXSYNC_HOST_TIER", "1")
+    run = run_mpi("worker_tier_lowering.py", n=2, devices=devices, timeout=150).check()
+    for rank, res in enumerate(run.results):
+        assert res["topology"]["hosts"] == 1, res["topology"]
+        keys = [k[: -len(":same")] for k in res if k.endswith(":same")]
+        assert len(keys) == 8, keys
+        for key in keys:
+            assert res[f"{key}:same"], f"rank {rank} {key}: the lowered step changed"
+            calls = res[f"{key}:calls"]
+            assert not TIER_TARGETS & set(calls), f"rank {rank} {key}: {calls}"
+            assert calls[:2] == ["jaxsync_agree", "jaxsync_allreduce"], calls
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -11,8 +11,8 @@ Also ``random-*`` cases: random f32 data, compared with the mesh backend.
 For the shard_map cases the custom calls of the lowered step are recorded too,
 to check that ``staging`` and ``comm_dtype`` really change the transport.
 
-Cases: every strategy x {mean, sum} under jit(shard_map); staging="host" and
-comm_dtype=bfloat16 for every strategy; vmap for every strategy; pmap for
+Cases: every strategy x {mean, sum} under jit(shard_map), also with
+comm_dtype=bfloat16; staging="host" for every strategy; vmap for every strategy; pmap for
 hierarchical and two_dimensional.
 """
 
@@ -68,9 +68,10 @@ def main():
         cases[f"shard_map-{name}-mean-staging_host"] = functools.partial(
             sharded, fac(axis_name="d", comm=comm, staging="host")
         )
-        cases[f"shard_map-{name}-mean-comm_bf16"] = functools.partial(
-            sharded, fac(axis_name="d", comm=comm, comm_dtype=jnp.bfloat16)
-        )
+        for reduce in ("mean", "sum"):
+            cases[f"shard_map-{name}-{reduce}-comm_bf16"] = functools.partial(
+                sharded, fac(axis_name="d", comm=comm, reduce=reduce, comm_dtype=jnp.bfloat16)
+            )
         tx = fac(axis_name="d", comm=comm)
         cases[f"vmap-{name}-mean"] = functools.partial(
             lambda tx: jax.jit(jax.vmap(functools.partial(one, tx), axis_name="d")), tx
