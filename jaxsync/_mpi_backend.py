@@ -15,6 +15,8 @@ sparse sync, ``auto`` and ``tune`` do).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import itertools
 
@@ -35,6 +37,27 @@ _BACKENDS = itertools.count(1)  # MPI transforms made by this process, in order
 _SITES = itertools.count(1)  # traced inter-process stages (the watchdog's sites)
 
 
+# Inside ``asynchronous()``: how the native sums run (None: blocking calls).
+_ASYNC: contextvars.ContextVar = contextvars.ContextVar("jaxsync_async", default=None)
+
+
+@contextlib.contextmanager
+def asynchronous(inplace: bool = True):
+    """Native sums traced inside run on the communicator's thread (overlap).
+
+    Each ``jaxsync_allreduce_async`` call returns at once; XLA runs the rest of
+    the step until a result is needed. ``inplace=False`` writes fresh results
+    instead of summing in place (for inputs XLA must keep, such as the state a
+    double-buffered step reduces: no copy of it). Other backends ignore it (a
+    mesh axis: XLA's own async collectives; mpi4jax and host staging block).
+    """
+    reset = _ASYNC.set((bool(inplace),))
+    try:
+        yield
+    finally:
+        _ASYNC.reset(reset)
+
+
 class _NativeOps:
     """MPI collectives through jaxsync's native FFI targets, in one token chain.
 
@@ -53,8 +76,9 @@ class _NativeOps:
         self.size = size
         self.invariant = tuple(invariant)
         self.group = group
+        self.mode = _ASYNC.get()  # (inplace,) inside asynchronous(), else None
 
-    def _call(self, kind, xs):
+    def _call(self, kind, xs, inplace=True):
         token, ys = _native_prim.native_call(
             kind,
             xs,
@@ -64,12 +88,17 @@ class _NativeOps:
             self.size,
             self.invariant,
             group=self.group,
+            inplace=inplace,
         )
         _ordering.set_chain_token(token)
         return ys
 
     def allreduce(self, bufs):
-        return self._call("allreduce", list(bufs)) if bufs else []
+        if not bufs:
+            return []
+        if self.mode is not None:
+            return self._call("allreduce_async", list(bufs), inplace=self.mode[0])
+        return self._call("allreduce", list(bufs))
 
     def alltoall(self, x):
         return self._call("alltoall", [x])[0]
@@ -424,7 +453,9 @@ class MPIBackend:
                 agree=(*key, devices),
             )  # (comm, id, instance, devices)
             _ordering.set_chain_token(token)
-            return list(lax.optimization_barrier((dep, *bufs))[1:])
+            # One barrier per buffer: each waits for the check, none for the
+            # others (a bucket of an overlapped step travels as soon as it exists).
+            return [lax.optimization_barrier((dep, b))[1] for b in bufs]
         after = None if self.timeout is None else start
         dep = agreement_dep(self.comms.agreement, text, what, _disagreement, after=after)
         return tie_buffers(bufs, dep)

@@ -26,7 +26,7 @@ from . import _quiet
 SUPPORTED_MPI4JAX = ("0.9",)
 SUPPORTED_JAX = ("0.10",)
 
-_NATIVE_KINDS = ("allreduce", "allgather", "alltoall", "agree")
+_NATIVE_KINDS = ("allreduce", "allreduce_async", "allgather", "alltoall", "agree")
 
 NATIVE_DIR = Path(__file__).resolve().parent / "_native"
 NATIVE_ENV = "JAXSYNC_NATIVE_LIB"  # a path that replaces the built library

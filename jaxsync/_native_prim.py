@@ -4,6 +4,9 @@
 
 * ``jaxsync_allreduce`` sums any number of buffers in one call, in place
   (results aliased to inputs, ``MPI_IN_PLACE``);
+* ``jaxsync_allreduce_async`` is the same sum on the communicator's own thread:
+  it returns a future at once and XLA runs the rest of the step meanwhile
+  (overlap);
 * ``jaxsync_allgather`` and ``jaxsync_alltoall`` move one buffer each;
 * ``jaxsync_agree`` checks the processes agree (see ``_mpi_load.register_agreement``).
 
@@ -52,8 +55,10 @@ def _drop_varying(aval, axes):
     )
 
 
-def _native_abstract_eval(token, comm, active, *xs, kind, size, invariant, agree, group):
-    del agree, group
+def _native_abstract_eval(
+    token, comm, active, *xs, kind, size, invariant, agree, group, inplace=True
+):
+    del agree, group, inplace
     del token, comm, active
     outs = []
     for x in xs:
@@ -77,14 +82,16 @@ native_p.def_abstract_eval(_native_abstract_eval)
 native_p.def_impl(functools.partial(_dispatch.apply_primitive, native_p))
 
 
-def _native_lowering(ctx, token, comm, active, *xs, kind, size, invariant, agree, group):
+def _native_lowering(
+    ctx, token, comm, active, *xs, kind, size, invariant, agree, group, inplace=True
+):
     del size, invariant
-    if kind == "allreduce":  # in place: result i is operand 3 + i
+    if kind in _SUMS and inplace:  # in place: result i is operand 3 + i
         aliases = {3 + i: 1 + i for i in range(len(xs))}
     else:
         aliases = None
     rule = jax.ffi.ffi_lowering(f"jaxsync_{kind}", operand_output_aliases=aliases)
-    if kind == "allreduce":
+    if kind in _SUMS:
         return rule(ctx, token, comm, active, *xs, group_bytes=np.int64(group))
     if kind != "agree":
         return rule(ctx, token, comm, active, *xs)
@@ -101,10 +108,12 @@ def _native_lowering(ctx, token, comm, active, *xs, kind, size, invariant, agree
     )
 
 
+_SUMS = ("allreduce", "allreduce_async")
+
 mlir.register_lowering(native_p, _native_lowering, platform="cpu")
 
 
-def _native_batching(args, dims, *, kind, size, invariant, agree, group):
+def _native_batching(args, dims, *, kind, size, invariant, agree, group, inplace=True):
     # Under vmap every mapped replica takes part as a slice of one larger message.
     token, comm, active, *xs = args
     nm = None  # not mapped
@@ -127,6 +136,7 @@ def _native_batching(args, dims, *, kind, size, invariant, agree, group):
         invariant=invariant,
         agree=agree,
         group=group,
+        inplace=inplace,
     )
     if kind == "allgather":
         xdims = [d if d is nm else d + 1 for d in xdims]
@@ -141,12 +151,23 @@ GROUP_BYTES = 64 * 2**10
 
 
 def native_call(
-    kind, xs, token, comm, active, size, invariant=(), agree=(0, 0, 1), group=GROUP_BYTES
+    kind,
+    xs,
+    token,
+    comm,
+    active,
+    size,
+    invariant=(),
+    agree=(0, 0, 1),
+    group=GROUP_BYTES,
+    inplace=True,
 ):
     """Bind one native collective: returns ``(token, [results])``.
 
     Args:
       kind: ``"allreduce"`` (sum of every buffer of ``xs``, in place),
+        ``"allreduce_async"`` (the same sum on the communicator's thread: XLA
+        runs on until a result is used),
         ``"allgather"`` (one buffer; stacks along a new leading axis of size
         ``size``) or ``"alltoall"`` (one buffer whose leading axis has size
         ``size``).
@@ -165,6 +186,9 @@ def native_call(
         this many bytes are copied into one scratch buffer of at most
         ``max(group, 4 MiB)`` bytes and summed by one MPI call (``flat`` passes
         its ``bucket_bytes``: one message per bucket, packed by the target).
+      inplace: for the sums, results aliased to the inputs (``MPI_IN_PLACE``);
+        ``False`` writes fresh results (an input XLA must keep, such as a
+        parameter of the step, is then read where it is instead of copied).
     """
     assert kind in _NATIVE_KINDS, kind
     require_native()
@@ -178,5 +202,6 @@ def native_call(
         invariant=tuple(invariant),
         agree=tuple(int(a) for a in agree),
         group=int(group),
+        inplace=bool(inplace),
     )
     return token, ys

@@ -7,6 +7,8 @@ Imports: ``_config`` and ``_sync`` only (and ``_sparse`` for a type).
 
 from __future__ import annotations
 
+from typing import Literal
+
 import optax
 
 from ._config import (
@@ -48,6 +50,9 @@ def naive_mean(
     timeout: float | None = None,
     on_timeout: OnTimeout = "report",
     sparse: SparseOptions | None = None,
+    overlap: bool = False,
+    overlap_bucket_bytes: int | Literal["auto"] = AUTO,
+    double_buffering: bool = False,
 ) -> optax.GradientTransformation:
     """Average gradients leaf by leaf.
 
@@ -92,12 +97,30 @@ def naive_mean(
         also when a peer is dead or unreachable. Needs ``timeout``.
       sparse: how :class:`jaxsync.RowSparse` leaves are synchronised (a
         :class:`jaxsync.SparseOptions`; ``None``: automatic).
+      overlap: ``True`` sends the gradients in buckets, in the order backward
+        produces them (the tree's leaves last to first), each bucket as soon as
+        it exists; with MPI on CPU the sums run on a communication thread while
+        the step computes on (see "Overlap" in the README). The same bits as
+        ``False``. The buckets' order assumes the tree lists the model's layers
+        first to last.
+      overlap_bucket_bytes: with ``overlap``, about this many bytes per bucket
+        (``"auto"``: 4 MiB; the first bucket 1 MiB).
+      double_buffering: ``True`` applies, at step ``t``, the mean of the
+        gradients of step ``t - 1`` (ChainerMN's ``double_buffering``): step
+        ``t``'s local gradients are kept in the state, and their reduction
+        runs during step ``t + 1``'s forward and backward. The first step
+        applies zeros (the state starts from zero gradients; ChainerMN skips
+        its first update): plain SGD leaves the parameters unchanged, an
+        optimizer after this transform sees one zero gradient. The gradients
+        of the last step are in the state and never applied. A checkpoint of
+        the state taken between steps resumes the same run bit for bit.
 
     Returns:
       an ``optax.GradientTransformation`` whose ``update`` returns the reduced
       gradients, the same on every replica. Its state is
       ``optax.EmptyState()``, or :class:`jaxsync.SyncState` with
-      ``check_finite``.
+      ``check_finite``; with ``double_buffering``,
+      :class:`jaxsync.DoubleBufferState`.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxsync
@@ -123,6 +146,9 @@ def flat_mean(
     timeout: float | None = None,
     on_timeout: OnTimeout = "report",
     sparse: SparseOptions | None = None,
+    overlap: bool = False,
+    overlap_bucket_bytes: int | Literal["auto"] = AUTO,
+    double_buffering: bool = False,
 ) -> optax.GradientTransformation:
     """Average gradients packed into a few buffers.
 
@@ -172,12 +198,30 @@ def flat_mean(
         also when a peer is dead or unreachable. Needs ``timeout``.
       sparse: how :class:`jaxsync.RowSparse` leaves are synchronised (a
         :class:`jaxsync.SparseOptions`; ``None``: automatic).
+      overlap: ``True`` sends the gradients in buckets, in the order backward
+        produces them (the tree's leaves last to first), each bucket as soon as
+        it exists; with MPI on CPU the sums run on a communication thread while
+        the step computes on (see "Overlap" in the README). The same bits as
+        ``False``. The buckets' order assumes the tree lists the model's layers
+        first to last.
+      overlap_bucket_bytes: with ``overlap``, about this many bytes per bucket
+        (``"auto"``: 4 MiB; the first bucket 1 MiB).
+      double_buffering: ``True`` applies, at step ``t``, the mean of the
+        gradients of step ``t - 1`` (ChainerMN's ``double_buffering``): step
+        ``t``'s local gradients are kept in the state, and their reduction
+        runs during step ``t + 1``'s forward and backward. The first step
+        applies zeros (the state starts from zero gradients; ChainerMN skips
+        its first update): plain SGD leaves the parameters unchanged, an
+        optimizer after this transform sees one zero gradient. The gradients
+        of the last step are in the state and never applied. A checkpoint of
+        the state taken between steps resumes the same run bit for bit.
 
     Returns:
       an ``optax.GradientTransformation`` whose ``update`` returns the reduced
       gradients, the same on every replica. Its state is
       ``optax.EmptyState()``, or :class:`jaxsync.SyncState` with
-      ``check_finite``.
+      ``check_finite``; with ``double_buffering``,
+      :class:`jaxsync.DoubleBufferState`.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxsync
@@ -203,6 +247,9 @@ def hierarchical_mean(
     timeout: float | None = None,
     on_timeout: OnTimeout = "report",
     sparse: SparseOptions | None = None,
+    overlap: bool = False,
+    overlap_bucket_bytes: int | Literal["auto"] = AUTO,
+    double_buffering: bool = False,
 ) -> optax.GradientTransformation:
     """Average gradients hierarchically.
 
@@ -249,12 +296,30 @@ def hierarchical_mean(
         also when a peer is dead or unreachable. Needs ``timeout``.
       sparse: how :class:`jaxsync.RowSparse` leaves are synchronised (a
         :class:`jaxsync.SparseOptions`; ``None``: automatic).
+      overlap: ``True`` sends the gradients in buckets, in the order backward
+        produces them (the tree's leaves last to first), each bucket as soon as
+        it exists; with MPI on CPU the sums run on a communication thread while
+        the step computes on (see "Overlap" in the README). The same bits as
+        ``False``. The buckets' order assumes the tree lists the model's layers
+        first to last.
+      overlap_bucket_bytes: with ``overlap``, about this many bytes per bucket
+        (``"auto"``: 4 MiB; the first bucket 1 MiB).
+      double_buffering: ``True`` applies, at step ``t``, the mean of the
+        gradients of step ``t - 1`` (ChainerMN's ``double_buffering``): step
+        ``t``'s local gradients are kept in the state, and their reduction
+        runs during step ``t + 1``'s forward and backward. The first step
+        applies zeros (the state starts from zero gradients; ChainerMN skips
+        its first update): plain SGD leaves the parameters unchanged, an
+        optimizer after this transform sees one zero gradient. The gradients
+        of the last step are in the state and never applied. A checkpoint of
+        the state taken between steps resumes the same run bit for bit.
 
     Returns:
       an ``optax.GradientTransformation`` whose ``update`` returns the reduced
       gradients, the same on every replica. Its state is
       ``optax.EmptyState()``, or :class:`jaxsync.SyncState` with
-      ``check_finite``.
+      ``check_finite``; with ``double_buffering``,
+      :class:`jaxsync.DoubleBufferState`.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jaxsync
@@ -281,6 +346,9 @@ def two_dimensional_mean(
     timeout: float | None = None,
     on_timeout: OnTimeout = "report",
     sparse: SparseOptions | None = None,
+    overlap: bool = False,
+    overlap_bucket_bytes: int | Literal["auto"] = AUTO,
+    double_buffering: bool = False,
 ) -> optax.GradientTransformation:
     """Average gradients two-dimensionally.
 
@@ -328,12 +396,30 @@ def two_dimensional_mean(
         also when a peer is dead or unreachable. Needs ``timeout``.
       sparse: how :class:`jaxsync.RowSparse` leaves are synchronised (a
         :class:`jaxsync.SparseOptions`; ``None``: automatic).
+      overlap: ``True`` sends the gradients in buckets, in the order backward
+        produces them (the tree's leaves last to first), each bucket as soon as
+        it exists; with MPI on CPU the sums run on a communication thread while
+        the step computes on (see "Overlap" in the README). The same bits as
+        ``False``. The buckets' order assumes the tree lists the model's layers
+        first to last.
+      overlap_bucket_bytes: with ``overlap``, about this many bytes per bucket
+        (``"auto"``: 4 MiB; the first bucket 1 MiB).
+      double_buffering: ``True`` applies, at step ``t``, the mean of the
+        gradients of step ``t - 1`` (ChainerMN's ``double_buffering``): step
+        ``t``'s local gradients are kept in the state, and their reduction
+        runs during step ``t + 1``'s forward and backward. The first step
+        applies zeros (the state starts from zero gradients; ChainerMN skips
+        its first update): plain SGD leaves the parameters unchanged, an
+        optimizer after this transform sees one zero gradient. The gradients
+        of the last step are in the state and never applied. A checkpoint of
+        the state taken between steps resumes the same run bit for bit.
 
     Returns:
       an ``optax.GradientTransformation`` whose ``update`` returns the reduced
       gradients, the same on every replica. Its state is
       ``optax.EmptyState()``, or :class:`jaxsync.SyncState` with
-      ``check_finite``.
+      ``check_finite``; with ``double_buffering``,
+      :class:`jaxsync.DoubleBufferState`.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxsync

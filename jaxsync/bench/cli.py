@@ -32,6 +32,7 @@ SUITES = {
     "sparse": "jaxsync.bench.sparse",
     "compress": "jaxsync.bench.compress",
     "model": "jaxsync.bench.model",
+    "overlap": "jaxsync.bench.overlap",
 }
 """``--suite NAME``: the module whose ``main(argv)`` runs it (``model`` moves into
 this package later)."""
