@@ -165,7 +165,9 @@ def _run_async(cfg: SyncConfig, bufs: list, intra, group) -> list:
     with _mpi_backend.asynchronous(inplace=not cfg.double_buffering):
         for idx in groups:
             mine = [bufs[i] for i in idx]
-            if prev:
+            if prev and len({_invariance._vma(x) for x in [*mine, *(out[i] for i in prev)]}) == 1:
+                # (Under shard_map only when all are typed alike: the barrier
+                # would type its results as varying as the most varying one.)
                 # The last bucket's sums pass one barrier with this bucket's
                 # gradients: its optimizer update (which overwrites donated
                 # parameters) comes after the backward that reads those
@@ -442,6 +444,11 @@ def _double_buffer_fns(fn: str, cfg: SyncConfig):
                 "pass gradients with the parameters' structure."
             )
         synced, finite = sync(state.pending, cfg)
-        return synced, DoubleBufferState(updates, finite)
+        # Kept as this replica's share: a gradient autodiff already summed over
+        # the local axes (shard_map, replicated parameters) is typed varying in
+        # the state, so it is kept on local device 0 only (zeros elsewhere) and
+        # the next step's sum counts it once.
+        pending = _invariance.share_invariant(updates, cfg.axes)
+        return synced, DoubleBufferState(pending, finite)
 
     return init_fn, update_fn
