@@ -18,6 +18,7 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from . import _axis_backend, _mpi_backend, _sparse, _strategies
+from ._overlap import OVERLAP_BUCKET_BYTES
 from ._plan import DEFAULT_BUCKET_BYTES, DEFAULT_PACK_THRESHOLD, REDUCED_DTYPES, _check_bytes
 from ._topology import default_comm
 
@@ -28,12 +29,6 @@ FLAT_BUCKET_BYTES = 4 * 2**20
 
 AUTO: Final = "auto"
 
-# overlap=True: gradients travel in buckets of about this many bytes, issued in
-# the order backward produces them; the first (the last layers') is smaller so
-# the network starts early (DDP: 25 MB buckets, the first 1 MB). Measured on
-# the emulated 1 Gb/s cluster and in shared memory (README, "Overlap").
-OVERLAP_BUCKET_BYTES = 4 * 2**20
-OVERLAP_FIRST_BYTES = 1 * 2**20
 
 if TYPE_CHECKING:
     from mpi4py import MPI

@@ -15,8 +15,6 @@ sparse sync, ``auto`` and ``tune`` do).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import itertools
 
@@ -26,7 +24,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import io_callback
 
-from . import _mpi4jax_prim, _mpi_load, _native_prim, _ordering, _quiet
+from . import _mpi4jax_prim, _mpi_load, _native_prim, _ordering, _overlap, _quiet
 from ._agree import _disagreement, agreement_dep, tie_buffers
 from ._intra import AxisOps, _is_batched, bound_axes
 from ._invariance import _varying, _vma
@@ -35,27 +33,6 @@ from ._topology import Comms
 
 _BACKENDS = itertools.count(1)  # MPI transforms made by this process, in order
 _SITES = itertools.count(1)  # traced inter-process stages (the watchdog's sites)
-
-
-# Inside ``asynchronous()``: how the native sums run (None: blocking calls).
-_ASYNC: contextvars.ContextVar = contextvars.ContextVar("jaxsync_async", default=None)
-
-
-@contextlib.contextmanager
-def asynchronous(inplace: bool = True):
-    """Native sums traced inside run on the communicator's thread (overlap).
-
-    Each ``jaxsync_allreduce_async`` call returns at once; XLA runs the rest of
-    the step until a result is needed. ``inplace=False`` writes fresh results
-    instead of summing in place (for inputs XLA must keep, such as the state a
-    double-buffered step reduces: no copy of it). Other backends ignore it (a
-    mesh axis: XLA's own async collectives; mpi4jax and host staging block).
-    """
-    reset = _ASYNC.set((bool(inplace),))
-    try:
-        yield
-    finally:
-        _ASYNC.reset(reset)
 
 
 class _NativeOps:
@@ -76,7 +53,7 @@ class _NativeOps:
         self.size = size
         self.invariant = tuple(invariant)
         self.group = group
-        self.mode = _ASYNC.get()  # (inplace,) inside asynchronous(), else None
+        self.mode = _overlap.ASYNC.get()  # (inplace,) inside asynchronous(), else None
 
     def _call(self, kind, xs, inplace=True):
         token, ys = _native_prim.native_call(

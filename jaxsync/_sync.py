@@ -13,17 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
-from . import (
-    _config,
-    _intra,
-    _invariance,
-    _mpi_backend,
-    _sparse,
-    _sparse_sync,
-    _strategies,
-)
+from . import _intra, _invariance, _mpi_backend, _overlap, _sparse, _sparse_sync, _strategies
 from ._config import (
     AUTO,
     AxisName,
@@ -38,6 +29,7 @@ from ._config import (
     SyncConfig,
     make_config,
 )
+from ._overlap import DoubleBufferState, overlap_groups  # noqa: F401 (re-exported)
 from ._plan import make_plan
 from ._sparse import SparseOptions
 
@@ -92,7 +84,7 @@ def sync(tree: PyTree, cfg: SyncConfig):
     # any buffer travels (never while tracing: a process may trace alone).
     bufs = cfg.backend.agree(agreed, "gradient tree", bufs)
     if cfg.overlap or cfg.double_buffering:
-        bufs = _run_async(cfg, bufs, intra, group)
+        bufs = _overlap.run_async(cfg, bufs, intra, group)
     else:
         bufs = _strategies.run(cfg.strategy, bufs, intra, cfg.backend, group_bytes=group)
     posts = [(n / pre) if cfg.reduce == "mean" else (1.0 / pre) for pre in pres]
@@ -114,76 +106,6 @@ def sync(tree: PyTree, cfg: SyncConfig):
         if cfg.check_finite == "raise":
             _raise_if_nonfinite(named)
     return result, finite
-
-
-def overlap_groups(nbytes: list, bucket_bytes: int, first_bytes: int | None = None) -> list:
-    """Buffers grouped into overlap buckets, in the order backward produces them.
-
-    Backward produces the gradients of the last layers first: the buffers (in
-    the tree's order, the forward order of most models) are taken last to first;
-    a bucket closes once it holds ``bucket_bytes`` (the first once it holds
-    ``min(first_bytes, bucket_bytes)``: small, so the network starts early, as
-    in DDP). Returns lists of buffer indices.
-
-    Example:
-      >>> from jaxsync._sync import overlap_groups
-      >>> overlap_groups([4, 4, 4, 4, 4], bucket_bytes=8, first_bytes=4)
-      [[4], [3, 2], [1, 0]]
-    """
-    first = _config.OVERLAP_FIRST_BYTES if first_bytes is None else first_bytes
-    groups: list = []
-    cur: list = []
-    held = 0
-    for i in reversed(range(len(nbytes))):
-        cur.append(i)
-        held += nbytes[i]
-        if held >= (min(first, bucket_bytes) if not groups else bucket_bytes):
-            groups.append(cur)
-            cur, held = [], 0
-    if cur:
-        groups.append(cur)
-    return groups
-
-
-def _run_async(cfg: SyncConfig, bufs: list, intra, group) -> list:
-    """The strategy run once per overlap bucket, its MPI sums asynchronous.
-
-    ``overlap``: one call per bucket, issued as backward produces the bucket
-    (the token chain orders them), each summed in place on the communicator's
-    thread while XLA computes on. ``double_buffering`` alone: the buffers come
-    from the state (step t-1's gradients, all there when the step starts), so
-    one call sums them all, into fresh results (the state's buffers are read
-    where they are, never copied), while this step's forward and backward run.
-    """
-    if cfg.overlap:
-        sizes = [int(b.size) * jnp.dtype(b.dtype).itemsize for b in bufs]
-        groups = overlap_groups(sizes, cfg.overlap_bucket_bytes)
-    else:
-        groups = [list(range(len(bufs)))]
-    out = list(bufs)
-    prev: list = []
-    with _mpi_backend.asynchronous(inplace=not cfg.double_buffering):
-        for idx in groups:
-            mine = [bufs[i] for i in idx]
-            if prev and len({_invariance._vma(x) for x in [*mine, *(out[i] for i in prev)]}) == 1:
-                # (Under shard_map only when all are typed alike: the barrier
-                # would type its results as varying as the most varying one.)
-                # The last bucket's sums pass one barrier with this bucket's
-                # gradients: its optimizer update (which overwrites donated
-                # parameters) comes after the backward that reads those
-                # parameters to make these gradients, so XLA copies no parameter.
-                # This bucket's call reads the barrier's outputs (no copy either).
-                # Nothing waits longer: this bucket's call needs the last one's
-                # token (ready when it is done) and these gradients anyway.
-                done = [out[i] for i in prev]
-                done, mine = lax.optimization_barrier((done, mine))
-                for i, y in zip(prev, done):
-                    out[i] = y
-            got = _strategies.run(cfg.strategy, mine, intra, cfg.backend, group_bytes=group)
-            for i, y in zip(idx, got):
-                out[i] = y
-            prev = idx
-    return out
 
 
 def _check_unsynced_devices(cfg: SyncConfig) -> None:
@@ -362,26 +284,10 @@ class SyncState(NamedTuple):
     all_finite: jax.Array
 
 
-class DoubleBufferState(NamedTuple):
-    """State of a jaxsync transform made with ``double_buffering=True``.
-
-    Attributes:
-      pending: this replica's gradients of the last step, not yet reduced (the
-        next update reduces and applies them); zeros before the first step.
-        Each replica's own: under ``jax.shard_map`` with several local devices,
-        make and pass the state with :func:`jaxsync.state_specs`.
-      all_finite: with ``check_finite``, whether the last applied gradients
-        were all finite (``None`` otherwise).
-    """
-
-    pending: Any
-    all_finite: Any = None
-
-
 def transform_fns(fn: str, cfg: SyncConfig):
     """``(init_fn, update_fn)`` of a transform that synchronises with ``cfg``."""
     if cfg.double_buffering:
-        return _double_buffer_fns(fn, cfg)
+        return _overlap.double_buffer_fns(fn, cfg, sync)
     expected = SyncState if cfg.check_finite else optax.EmptyState
 
     def init_fn(params):
@@ -402,53 +308,5 @@ def transform_fns(fn: str, cfg: SyncConfig):
         if cfg.check_finite:
             return synced, SyncState(all_finite=finite)
         return synced, state
-
-    return init_fn, update_fn
-
-
-def _double_buffer_fns(fn: str, cfg: SyncConfig):
-    """ChainerMN's double buffering: step t applies the mean of step t-1's gradients.
-
-    The state holds the last step's local gradients. ``update`` reduces them
-    (their MPI sums start when the step starts: they depend on the state only,
-    so they travel during this step's forward and backward) and keeps the new
-    gradients, unreduced, for the next step. The first step reduces the zeros
-    ``init`` made: it applies zeros.
-    """
-
-    def init_fn(params):
-        pending = jax.tree_util.tree_map(jnp.zeros_like, params)
-        return DoubleBufferState(pending, jnp.array(True) if cfg.check_finite else None)
-
-    def update_fn(updates, state, params=None):
-        del params
-        if not isinstance(state, DoubleBufferState):
-            raise TypeError(
-                f"{fn}: update got a state of type {type(state).__name__}, expected "
-                "DoubleBufferState from this transform's init (double_buffering=True). "
-                "Make sure you have called init first and pass the state returned by "
-                "this transform."
-            )
-        if _sparse.has_row_sparse(updates):
-            raise TypeError(
-                f"{fn}: double_buffering=True keeps the gradients in the state and "
-                "does not take RowSparse leaves. Fix: densify them (RowSparse."
-                "todense()), or use double_buffering=False."
-            )
-        got = jax.tree_util.tree_structure(updates)
-        want = jax.tree_util.tree_structure(state.pending)
-        if got != want:
-            raise ValueError(
-                f"{fn}: the gradients' tree {got} differs from the tree of the state's "
-                f"pending gradients {want} (made by init from the parameters). Fix: "
-                "pass gradients with the parameters' structure."
-            )
-        synced, finite = sync(state.pending, cfg)
-        # Kept as this replica's share: a gradient autodiff already summed over
-        # the local axes (shard_map, replicated parameters) is typed varying in
-        # the state, so it is kept on local device 0 only (zeros elsewhere) and
-        # the next step's sum counts it once.
-        pending = _invariance.share_invariant(updates, cfg.axes)
-        return synced, DoubleBufferState(pending, finite)
 
     return init_fn, update_fn

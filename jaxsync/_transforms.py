@@ -23,6 +23,7 @@ from ._config import (
     Staging,
     make_config,
 )
+from ._overlap import document_overlap
 from ._sparse import SparseOptions
 from ._sync import transform_fns
 
@@ -36,6 +37,7 @@ def _transform(
     return optax.GradientTransformation(*transform_fns(fn, cfg))
 
 
+@document_overlap
 def naive_mean(
     axis_name: AxisName,
     comm: Comm = AUTO,
@@ -97,30 +99,11 @@ def naive_mean(
         also when a peer is dead or unreachable. Needs ``timeout``.
       sparse: how :class:`jaxsync.RowSparse` leaves are synchronised (a
         :class:`jaxsync.SparseOptions`; ``None``: automatic).
-      overlap: ``True`` sends the gradients in buckets, in the order backward
-        produces them (the tree's leaves last to first), each bucket as soon as
-        it exists; with MPI on CPU the sums run on a communication thread while
-        the step computes on (see "Overlap" in the README). The same bits as
-        ``False``. The buckets' order assumes the tree lists the model's layers
-        first to last.
-      overlap_bucket_bytes: with ``overlap``, about this many bytes per bucket
-        (``"auto"``: 4 MiB; the first bucket 1 MiB).
-      double_buffering: ``True`` applies, at step ``t``, the mean of the
-        gradients of step ``t - 1`` (ChainerMN's ``double_buffering``): step
-        ``t``'s local gradients are kept in the state, and their reduction
-        runs during step ``t + 1``'s forward and backward. The first step
-        applies zeros (the state starts from zero gradients; ChainerMN skips
-        its first update): plain SGD leaves the parameters unchanged, an
-        optimizer after this transform sees one zero gradient. The gradients
-        of the last step are in the state and never applied. A checkpoint of
-        the state taken between steps resumes the same run bit for bit.
-
     Returns:
       an ``optax.GradientTransformation`` whose ``update`` returns the reduced
       gradients, the same on every replica. Its state is
       ``optax.EmptyState()``, or :class:`jaxsync.SyncState` with
-      ``check_finite``; with ``double_buffering``,
-      :class:`jaxsync.DoubleBufferState`.
+      ``check_finite``.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxsync
@@ -132,6 +115,7 @@ def naive_mean(
     return _transform("naive_mean", "naive", **locals())
 
 
+@document_overlap
 def flat_mean(
     axis_name: AxisName,
     comm: Comm = AUTO,
@@ -198,30 +182,11 @@ def flat_mean(
         also when a peer is dead or unreachable. Needs ``timeout``.
       sparse: how :class:`jaxsync.RowSparse` leaves are synchronised (a
         :class:`jaxsync.SparseOptions`; ``None``: automatic).
-      overlap: ``True`` sends the gradients in buckets, in the order backward
-        produces them (the tree's leaves last to first), each bucket as soon as
-        it exists; with MPI on CPU the sums run on a communication thread while
-        the step computes on (see "Overlap" in the README). The same bits as
-        ``False``. The buckets' order assumes the tree lists the model's layers
-        first to last.
-      overlap_bucket_bytes: with ``overlap``, about this many bytes per bucket
-        (``"auto"``: 4 MiB; the first bucket 1 MiB).
-      double_buffering: ``True`` applies, at step ``t``, the mean of the
-        gradients of step ``t - 1`` (ChainerMN's ``double_buffering``): step
-        ``t``'s local gradients are kept in the state, and their reduction
-        runs during step ``t + 1``'s forward and backward. The first step
-        applies zeros (the state starts from zero gradients; ChainerMN skips
-        its first update): plain SGD leaves the parameters unchanged, an
-        optimizer after this transform sees one zero gradient. The gradients
-        of the last step are in the state and never applied. A checkpoint of
-        the state taken between steps resumes the same run bit for bit.
-
     Returns:
       an ``optax.GradientTransformation`` whose ``update`` returns the reduced
       gradients, the same on every replica. Its state is
       ``optax.EmptyState()``, or :class:`jaxsync.SyncState` with
-      ``check_finite``; with ``double_buffering``,
-      :class:`jaxsync.DoubleBufferState`.
+      ``check_finite``.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxsync
@@ -233,6 +198,7 @@ def flat_mean(
     return _transform("flat_mean", "flat", **locals())
 
 
+@document_overlap
 def hierarchical_mean(
     axis_name: AxisName,
     comm: Comm = AUTO,
@@ -296,30 +262,11 @@ def hierarchical_mean(
         also when a peer is dead or unreachable. Needs ``timeout``.
       sparse: how :class:`jaxsync.RowSparse` leaves are synchronised (a
         :class:`jaxsync.SparseOptions`; ``None``: automatic).
-      overlap: ``True`` sends the gradients in buckets, in the order backward
-        produces them (the tree's leaves last to first), each bucket as soon as
-        it exists; with MPI on CPU the sums run on a communication thread while
-        the step computes on (see "Overlap" in the README). The same bits as
-        ``False``. The buckets' order assumes the tree lists the model's layers
-        first to last.
-      overlap_bucket_bytes: with ``overlap``, about this many bytes per bucket
-        (``"auto"``: 4 MiB; the first bucket 1 MiB).
-      double_buffering: ``True`` applies, at step ``t``, the mean of the
-        gradients of step ``t - 1`` (ChainerMN's ``double_buffering``): step
-        ``t``'s local gradients are kept in the state, and their reduction
-        runs during step ``t + 1``'s forward and backward. The first step
-        applies zeros (the state starts from zero gradients; ChainerMN skips
-        its first update): plain SGD leaves the parameters unchanged, an
-        optimizer after this transform sees one zero gradient. The gradients
-        of the last step are in the state and never applied. A checkpoint of
-        the state taken between steps resumes the same run bit for bit.
-
     Returns:
       an ``optax.GradientTransformation`` whose ``update`` returns the reduced
       gradients, the same on every replica. Its state is
       ``optax.EmptyState()``, or :class:`jaxsync.SyncState` with
-      ``check_finite``; with ``double_buffering``,
-      :class:`jaxsync.DoubleBufferState`.
+      ``check_finite``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jaxsync
@@ -332,6 +279,7 @@ def hierarchical_mean(
     return _transform("hierarchical_mean", "hierarchical", **locals())
 
 
+@document_overlap
 def two_dimensional_mean(
     axis_name: AxisName,
     comm: Comm = AUTO,
@@ -396,30 +344,11 @@ def two_dimensional_mean(
         also when a peer is dead or unreachable. Needs ``timeout``.
       sparse: how :class:`jaxsync.RowSparse` leaves are synchronised (a
         :class:`jaxsync.SparseOptions`; ``None``: automatic).
-      overlap: ``True`` sends the gradients in buckets, in the order backward
-        produces them (the tree's leaves last to first), each bucket as soon as
-        it exists; with MPI on CPU the sums run on a communication thread while
-        the step computes on (see "Overlap" in the README). The same bits as
-        ``False``. The buckets' order assumes the tree lists the model's layers
-        first to last.
-      overlap_bucket_bytes: with ``overlap``, about this many bytes per bucket
-        (``"auto"``: 4 MiB; the first bucket 1 MiB).
-      double_buffering: ``True`` applies, at step ``t``, the mean of the
-        gradients of step ``t - 1`` (ChainerMN's ``double_buffering``): step
-        ``t``'s local gradients are kept in the state, and their reduction
-        runs during step ``t + 1``'s forward and backward. The first step
-        applies zeros (the state starts from zero gradients; ChainerMN skips
-        its first update): plain SGD leaves the parameters unchanged, an
-        optimizer after this transform sees one zero gradient. The gradients
-        of the last step are in the state and never applied. A checkpoint of
-        the state taken between steps resumes the same run bit for bit.
-
     Returns:
       an ``optax.GradientTransformation`` whose ``update`` returns the reduced
       gradients, the same on every replica. Its state is
       ``optax.EmptyState()``, or :class:`jaxsync.SyncState` with
-      ``check_finite``; with ``double_buffering``,
-      :class:`jaxsync.DoubleBufferState`.
+      ``check_finite``.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxsync

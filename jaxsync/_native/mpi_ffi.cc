@@ -46,6 +46,7 @@
 #include <deque>
 #include <functional>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstdint>
 #include <atomic>
@@ -166,9 +167,11 @@ constexpr size_t kGroupBytes = 4 << 20;
 // the sums in flight are finished before the arena is reused.
 constexpr size_t kArenaBytes = 64 << 20;
 
-// How a communication thread waits for its sums (see Lane): 0 in XLA's own
-// threads (MPI_Waitall); > 0: MPI_Testall, then sleep this many microseconds,
-// so a thread waiting for a peer does not spin on a core the step computes on.
+// How a communication thread waits for its sums (see Lane): 0 (default, and
+// always in XLA's own threads) MPI_Waitall; > 0: MPI_Testall, then sleep this
+// many microseconds. The private knob JAXSYNC_TESTING_POLL_US sets it for the
+// lanes (read once per lane), to profile how much a spinning wait costs the
+// step's compute; it measured no better on the emulated cluster (README).
 thread_local int64_t t_poll_us = 0;
 
 int WaitAll(std::vector<MPI_Request>& reqs, std::vector<MPI_Status>& st) {
@@ -786,7 +789,7 @@ class Lane {
  private:
   void Loop() {
     t_poll_us = 0;
-    if (const char* v = std::getenv("JAXSYNC_POLL_US")) t_poll_us = std::atoll(v);
+    if (const char* v = std::getenv("JAXSYNC_TESTING_POLL_US")) t_poll_us = std::atoll(v);
     for (;;) {
       std::function<void()> job;
       {
@@ -830,8 +833,22 @@ ffi::Future AllreduceAsyncImpl(ffi::Token, CommArg comm, ActiveArg active,
   }
   const MPI_Fint handle = static_cast<MPI_Fint>(comm.typed_data()[0]);
   g_started.fetch_add(1, std::memory_order_relaxed);
-  LaneOf(handle).Push([promise, handle, group_bytes, parts = std::move(parts)]() mutable {
+  static const bool trace = std::getenv("JAXSYNC_TESTING_TRACE_LANES") != nullptr;
+  const auto queued = std::chrono::steady_clock::now();
+  LaneOf(handle).Push([promise, handle, group_bytes, queued, parts = std::move(parts)]() mutable {
+    const auto began = std::chrono::steady_clock::now();
     ffi::Error e = SumParts(MPI_Comm_f2c(handle), parts, group_bytes);
+    if (trace) {  // private: when each job was queued, began and ended (us)
+      auto us = [](auto t) {
+        return std::chrono::duration_cast<std::chrono::microseconds>(t.time_since_epoch())
+            .count();
+      };
+      size_t bytes = 0;
+      for (const BufRef& b : parts) bytes += b.bytes;
+      std::fprintf(stderr, "jaxsync-lane %lld %lld %lld %zu\n",
+                   static_cast<long long>(us(queued)), static_cast<long long>(us(began)),
+                   static_cast<long long>(us(std::chrono::steady_clock::now())), bytes);
+    }
     g_finished.fetch_add(1, std::memory_order_release);
     if (e.failure()) {
       promise.SetError(std::move(e));
