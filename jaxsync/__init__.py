@@ -19,7 +19,7 @@ from ._sign import sign_mean
 from ._sparse import RowSparse, SparseOptions
 from ._sparse_grad import row_sparse_grad
 from ._sparse_optim import apply_sparse_updates, densify, sparse_adagrad, sparse_sgd
-from ._sync import SyncState, sync_gradients
+from ._sync import DoubleBufferState, SyncState, sync_gradients
 from ._topology import Topology, default_comm, free_communicators, topology
 from ._transforms import (
     flat_mean,
@@ -41,6 +41,7 @@ __all__ = [
     "RowSparse",
     "SignState",
     "SparseOptions",
+    "DoubleBufferState",
     "SyncState",
     "Topology",
     "apply_sparse_updates",

@@ -103,7 +103,9 @@ def state_specs(state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
 
     The compression states are found as :class:`PowerSGDState` and
     :class:`SignState`, and also as the mappings with their field names that
-    flax NNX makes of them (``nnx.state(optimizer)``).
+    flax NNX makes of them (``nnx.state(optimizer)``). The same holds for the
+    gradients a double-buffered transform keeps (``pending`` of
+    :class:`jaxsync.DoubleBufferState`, ``double_buffering=True``).
 
     Args:
       state: an optimizer state, or its ``jax.eval_shape`` structure.
@@ -130,17 +132,22 @@ def state_specs(state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
         # A NamedTuple or (NNX) a mapping with its field names: the subtree under
         # "residual" is per replica, the rest replicated.
         return jax.tree_util.tree_map_with_path(
-            lambda path, _: per_replica if _field(path[0]) == "residual" else replicated, node
+            lambda path, _: per_replica if _field(path[0]) in _PER_REPLICA else replicated, node
         )
 
     return jax.tree_util.tree_map(one, state, is_leaf=_is_compression_state)
 
 
-_STATE_FIELDS = (frozenset(PowerSGDState._fields), frozenset(SignState._fields))
+# DoubleBufferState's fields (jaxsync._sync, which imports this module's users).
+_DOUBLE_FIELDS = frozenset(("pending", "all_finite"))
+_STATE_FIELDS = (frozenset(PowerSGDState._fields), frozenset(SignState._fields), _DOUBLE_FIELDS)
+_PER_REPLICA = ("residual", "pending")  # each replica's own values
 
 
 def _is_compression_state(node) -> bool:
     if isinstance(node, (PowerSGDState, SignState)):
+        return True
+    if isinstance(node, tuple) and frozenset(getattr(node, "_fields", ())) == _DOUBLE_FIELDS:
         return True
     if isinstance(node, Mapping):
         try:

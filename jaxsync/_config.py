@@ -18,6 +18,7 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from . import _axis_backend, _mpi_backend, _sparse, _strategies
+from ._overlap import OVERLAP_BUCKET_BYTES
 from ._plan import DEFAULT_BUCKET_BYTES, DEFAULT_PACK_THRESHOLD, REDUCED_DTYPES, _check_bytes
 from ._topology import default_comm
 
@@ -27,6 +28,7 @@ from ._topology import default_comm
 FLAT_BUCKET_BYTES = 4 * 2**20
 
 AUTO: Final = "auto"
+
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -181,6 +183,9 @@ class SyncConfig:
     check_finite: Any = False
     sparse: Any = None  # _sparse.SparseOptions: how RowSparse leaves travel
     auto: Any = None  # strategy="auto": what it decides from (_auto.AutoSpec)
+    overlap: bool = False  # one async call per bucket, in backward's order
+    overlap_bucket_bytes: int = OVERLAP_BUCKET_BYTES
+    double_buffering: bool = False  # apply step t-1's mean at step t
 
     def describe(self) -> str:
         return (
@@ -195,6 +200,8 @@ class SyncConfig:
                 else ""
             )
             + (f" auto profile {self.auto.profile.digest()}" if self.auto else "")
+            + (f" overlap {self.overlap_bucket_bytes}" if self.overlap else "")
+            + (" double_buffering" if self.double_buffering else "")
         )
 
 
@@ -215,6 +222,9 @@ def make_config(
     on_timeout="report",
     sparse=None,
     profile=None,
+    overlap=False,
+    overlap_bucket_bytes=AUTO,
+    double_buffering=False,
 ) -> SyncConfig:
     """Validate every static option; raise TypeError/ValueError naming it."""
     if isinstance(strategy, str) and strategy == AUTO:
@@ -235,6 +245,9 @@ def make_config(
             timeout=timeout,
             on_timeout=on_timeout,
             sparse=sparse,
+            overlap=overlap,
+            overlap_bucket_bytes=overlap_bucket_bytes,
+            double_buffering=double_buffering,
         )
     if profile is not None:
         raise ValueError(
@@ -320,6 +333,7 @@ def make_config(
             "inter-process stage, e.g. timeout=300.0, on_timeout='abort'."
         )
     sparse = _sparse.check_options(fn, sparse)
+    overlap_bucket_bytes = _check_overlap(fn, overlap, overlap_bucket_bytes, double_buffering)
     if strategy == "single_node":
         # No inter-process stage: a communicator would be silently ignored.
         _check_comm_type(fn, comm)
@@ -343,4 +357,40 @@ def make_config(
         None if predivide is None else float(predivide),
         check_finite,
         sparse=sparse,
+        overlap=overlap,
+        overlap_bucket_bytes=overlap_bucket_bytes,
+        double_buffering=double_buffering,
     )
+
+
+def _check_overlap(fn, overlap, overlap_bucket_bytes, double_buffering) -> int:
+    """Validate ``overlap``, ``overlap_bucket_bytes`` and ``double_buffering``."""
+    for name, value in (("overlap", overlap), ("double_buffering", double_buffering)):
+        if not isinstance(value, bool):
+            raise _bad_type(
+                fn, name, "a bool", value, f"pass {name}=True or {name}=False (the default)"
+            )
+    if isinstance(overlap_bucket_bytes, str) and overlap_bucket_bytes == AUTO:
+        return OVERLAP_BUCKET_BYTES
+    if isinstance(overlap_bucket_bytes, bool) or not isinstance(
+        overlap_bucket_bytes, (int, np.integer)
+    ):
+        raise _bad_type(
+            fn,
+            "overlap_bucket_bytes",
+            "a positive int or 'auto'",
+            overlap_bucket_bytes,
+            f"pass e.g. overlap_bucket_bytes={OVERLAP_BUCKET_BYTES} ('auto': 4 MiB)",
+        )
+    if overlap_bucket_bytes < 1:
+        raise ValueError(
+            f"{fn}: overlap_bucket_bytes must be >= 1, got {overlap_bucket_bytes}. "
+            f"Fix: overlap_bucket_bytes='auto' ({OVERLAP_BUCKET_BYTES} bytes)."
+        )
+    if not overlap:
+        raise ValueError(
+            f"{fn}: overlap_bucket_bytes={overlap_bucket_bytes} sizes overlap's "
+            "buckets, but overlap=False. Fix: pass overlap=True, or drop "
+            "overlap_bucket_bytes."
+        )
+    return int(overlap_bucket_bytes)

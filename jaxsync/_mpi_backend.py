@@ -24,7 +24,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import io_callback
 
-from . import _host_tier, _mpi4jax_prim, _mpi_load, _native_prim, _ordering, _quiet
+from . import _host_tier, _mpi4jax_prim, _mpi_load, _native_prim, _ordering, _overlap, _quiet
 from ._agree import _disagreement, agreement_dep, tie_buffers
 from ._intra import AxisOps, _is_batched, bound_axes
 from ._invariance import _varying, _vma
@@ -53,8 +53,9 @@ class _NativeOps:
         self.size = size
         self.invariant = tuple(invariant)
         self.group = group
+        self.mode = _overlap.ASYNC.get()  # (inplace,) inside asynchronous(), else None
 
-    def _call(self, kind, xs):
+    def _call(self, kind, xs, inplace=True):
         token, ys = _native_prim.native_call(
             kind,
             xs,
@@ -64,12 +65,17 @@ class _NativeOps:
             self.size,
             self.invariant,
             group=self.group,
+            inplace=inplace,
         )
         _ordering.set_chain_token(token)
         return ys
 
     def allreduce(self, bufs):
-        return self._call("allreduce", list(bufs)) if bufs else []
+        if not bufs:
+            return []
+        if self.mode is not None:
+            return self._call("allreduce_async", list(bufs), inplace=self.mode[0])
+        return self._call("allreduce", list(bufs))
 
     def alltoall(self, x):
         return self._call("alltoall", [x])[0]
@@ -469,7 +475,9 @@ class MPIBackend:
                 agree=(*key, devices),
             )  # (comm, id, instance, devices)
             _ordering.set_chain_token(token)
-            return list(lax.optimization_barrier((dep, *bufs))[1:])
+            # One barrier per buffer: each waits for the check, none for the
+            # others (a bucket of an overlapped step travels as soon as it exists).
+            return [lax.optimization_barrier((dep, b))[1] for b in bufs]
         after = None if self.timeout is None else start
         dep = agreement_dep(self.comms.agreement, text, what, _disagreement, after=after)
         return tie_buffers(bufs, dep)

@@ -28,6 +28,7 @@ SUPPORTED_JAX = ("0.10",)
 
 _NATIVE_KINDS = (
     "allreduce",
+    "allreduce_async",
     "allgather",
     "alltoall",
     "agree",

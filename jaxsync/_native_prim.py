@@ -4,6 +4,9 @@
 
 * ``jaxsync_allreduce`` sums any number of buffers in one call, in place
   (results aliased to inputs, ``MPI_IN_PLACE``);
+* ``jaxsync_allreduce_async`` is the same sum on the communicator's own thread:
+  it returns a future at once and XLA runs the rest of the step meanwhile
+  (overlap);
 * ``jaxsync_allgather`` and ``jaxsync_alltoall`` move one buffer each;
 * ``jaxsync_reduce``, ``jaxsync_bcast`` (in place, any number of buffers) and
   ``jaxsync_reduce_scatter`` (buffer -> this rank's slice): the host tier's
@@ -55,8 +58,10 @@ def _drop_varying(aval, axes):
     )
 
 
-def _native_abstract_eval(token, comm, active, *xs, kind, size, invariant, agree, group):
-    del agree, group
+def _native_abstract_eval(
+    token, comm, active, *xs, kind, size, invariant, agree, group, inplace=True
+):
+    del agree, group, inplace
     del token, comm, active
     outs = []
     for x in xs:
@@ -80,14 +85,17 @@ def _native_abstract_eval(token, comm, active, *xs, kind, size, invariant, agree
 
 native_p.def_abstract_eval(_native_abstract_eval)
 
-# Kinds whose results are aliased to their inputs (and take ``group_bytes``).
-_IN_PLACE = ("allreduce", "reduce", "bcast")
+# Kinds whose results are aliased to their inputs (unless ``inplace=False``) and
+# that take ``group_bytes``.
+_IN_PLACE = ("allreduce", "allreduce_async", "reduce", "bcast")
 native_p.def_impl(functools.partial(_dispatch.apply_primitive, native_p))
 
 
-def _native_lowering(ctx, token, comm, active, *xs, kind, size, invariant, agree, group):
+def _native_lowering(
+    ctx, token, comm, active, *xs, kind, size, invariant, agree, group, inplace=True
+):
     del size, invariant
-    if kind in _IN_PLACE:  # result i is operand 3 + i
+    if kind in _IN_PLACE and inplace:  # in place: result i is operand 3 + i
         aliases = {3 + i: 1 + i for i in range(len(xs))}
     else:
         aliases = None
@@ -112,7 +120,7 @@ def _native_lowering(ctx, token, comm, active, *xs, kind, size, invariant, agree
 mlir.register_lowering(native_p, _native_lowering, platform="cpu")
 
 
-def _native_batching(args, dims, *, kind, size, invariant, agree, group):
+def _native_batching(args, dims, *, kind, size, invariant, agree, group, inplace=True):
     # Under vmap every mapped replica takes part as a slice of one larger message.
     token, comm, active, *xs = args
     nm = None  # not mapped
@@ -140,6 +148,7 @@ def _native_batching(args, dims, *, kind, size, invariant, agree, group):
         invariant=invariant,
         agree=agree,
         group=group,
+        inplace=inplace,
     )
     if kind == "allgather":
         xdims = [d if d is nm else d + 1 for d in xdims]
@@ -154,12 +163,23 @@ GROUP_BYTES = 64 * 2**10
 
 
 def native_call(
-    kind, xs, token, comm, active, size, invariant=(), agree=(0, 0, 1), group=GROUP_BYTES
+    kind,
+    xs,
+    token,
+    comm,
+    active,
+    size,
+    invariant=(),
+    agree=(0, 0, 1),
+    group=GROUP_BYTES,
+    inplace=True,
 ):
     """Bind one native collective: returns ``(token, [results])``.
 
     Args:
       kind: ``"allreduce"`` (sum of every buffer of ``xs``, in place),
+        ``"allreduce_async"`` (the same sum on the communicator's thread: XLA
+        runs on until a result is used),
         ``"allgather"`` (one buffer; stacks along a new leading axis of size
         ``size``), ``"alltoall"`` (one buffer whose leading axis has size
         ``size``), ``"reduce"`` (sums onto rank 0, in place there; other ranks'
@@ -178,11 +198,14 @@ def native_call(
       agree: for ``kind="agree"``, ``(communicator handle, digest id, instance,
         devices of this process that run the check)`` (see
         ``_mpi_load.register_agreement``).
-      group: for ``kind="allreduce"`` (``"reduce"``, ``"bcast"`` alike),
-        buffers (of one dtype, in order) under this many bytes are copied into
-        one scratch buffer of at most ``max(group, 4 MiB)`` bytes and summed
-        by one MPI call (``flat`` passes its ``bucket_bytes``: one message per
-        bucket, packed by the target).
+      group: for ``kind="allreduce"`` (``"allreduce_async"``, ``"reduce"``,
+        ``"bcast"`` alike), buffers (of one dtype, in order) under this many
+        bytes are copied into one scratch buffer of at most ``max(group, 4 MiB)``
+        bytes and summed by one MPI call (``flat`` passes its ``bucket_bytes``:
+        one message per bucket, packed by the target).
+      inplace: for these kinds, results aliased to the inputs (``MPI_IN_PLACE``);
+        ``False`` writes fresh results (an input XLA must keep, such as a
+        parameter of the step, is then read where it is instead of copied).
     """
     assert kind in _NATIVE_KINDS, kind
     require_native()
@@ -196,5 +219,6 @@ def native_call(
         invariant=tuple(invariant),
         agree=tuple(int(a) for a in agree),
         group=int(group),
+        inplace=bool(inplace),
     )
     return token, ys

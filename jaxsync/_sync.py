@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from . import _intra, _invariance, _mpi_backend, _sparse, _sparse_sync, _strategies
+from . import _intra, _invariance, _mpi_backend, _overlap, _sparse, _sparse_sync, _strategies
 from ._config import (
     AUTO,
     AxisName,
@@ -29,6 +29,7 @@ from ._config import (
     SyncConfig,
     make_config,
 )
+from ._overlap import DoubleBufferState, overlap_groups  # noqa: F401 (re-exported)
 from ._plan import make_plan
 from ._sparse import SparseOptions
 
@@ -85,7 +86,10 @@ def sync(tree: PyTree, cfg: SyncConfig):
     # Checked by every process the first time the compiled step runs, before
     # any buffer travels (never while tracing: a process may trace alone).
     bufs = cfg.backend.agree(agreed, "gradient tree", bufs)
-    bufs = _strategies.run(cfg.strategy, bufs, intra, cfg.backend, group_bytes=group)
+    if cfg.overlap or cfg.double_buffering:
+        bufs = _overlap.run_async(cfg, bufs, intra, group)
+    else:
+        bufs = _strategies.run(cfg.strategy, bufs, intra, cfg.backend, group_bytes=group)
     posts = [(n / pre) if cfg.reduce == "mean" else (1.0 / pre) for pre in pres]
 
     def finish(k, piece):
@@ -290,6 +294,8 @@ class SyncState(NamedTuple):
 
 def transform_fns(fn: str, cfg: SyncConfig):
     """``(init_fn, update_fn)`` of a transform that synchronises with ``cfg``."""
+    if cfg.double_buffering:
+        return _overlap.double_buffer_fns(fn, cfg, sync)
     expected = SyncState if cfg.check_finite else optax.EmptyState
 
     def init_fn(params):

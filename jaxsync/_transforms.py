@@ -7,6 +7,8 @@ Imports: ``_config`` and ``_sync`` only (and ``_sparse`` for a type).
 
 from __future__ import annotations
 
+from typing import Literal
+
 import optax
 
 from ._config import (
@@ -21,6 +23,7 @@ from ._config import (
     Staging,
     make_config,
 )
+from ._overlap import document_overlap
 from ._sparse import SparseOptions
 from ._sync import transform_fns
 
@@ -34,6 +37,7 @@ def _transform(
     return optax.GradientTransformation(*transform_fns(fn, cfg))
 
 
+@document_overlap
 def naive_mean(
     axis_name: AxisName,
     comm: Comm = AUTO,
@@ -48,6 +52,9 @@ def naive_mean(
     timeout: float | None = None,
     on_timeout: OnTimeout = "report",
     sparse: SparseOptions | None = None,
+    overlap: bool = False,
+    overlap_bucket_bytes: int | Literal["auto"] = AUTO,
+    double_buffering: bool = False,
 ) -> optax.GradientTransformation:
     """Average gradients leaf by leaf.
 
@@ -92,7 +99,6 @@ def naive_mean(
         also when a peer is dead or unreachable. Needs ``timeout``.
       sparse: how :class:`jaxsync.RowSparse` leaves are synchronised (a
         :class:`jaxsync.SparseOptions`; ``None``: automatic).
-
     Returns:
       an ``optax.GradientTransformation`` whose ``update`` returns the reduced
       gradients, the same on every replica. Its state is
@@ -109,6 +115,7 @@ def naive_mean(
     return _transform("naive_mean", "naive", **locals())
 
 
+@document_overlap
 def flat_mean(
     axis_name: AxisName,
     comm: Comm = AUTO,
@@ -123,6 +130,9 @@ def flat_mean(
     timeout: float | None = None,
     on_timeout: OnTimeout = "report",
     sparse: SparseOptions | None = None,
+    overlap: bool = False,
+    overlap_bucket_bytes: int | Literal["auto"] = AUTO,
+    double_buffering: bool = False,
 ) -> optax.GradientTransformation:
     """Average gradients packed into a few buffers.
 
@@ -172,7 +182,6 @@ def flat_mean(
         also when a peer is dead or unreachable. Needs ``timeout``.
       sparse: how :class:`jaxsync.RowSparse` leaves are synchronised (a
         :class:`jaxsync.SparseOptions`; ``None``: automatic).
-
     Returns:
       an ``optax.GradientTransformation`` whose ``update`` returns the reduced
       gradients, the same on every replica. Its state is
@@ -189,6 +198,7 @@ def flat_mean(
     return _transform("flat_mean", "flat", **locals())
 
 
+@document_overlap
 def hierarchical_mean(
     axis_name: AxisName,
     comm: Comm = AUTO,
@@ -203,6 +213,9 @@ def hierarchical_mean(
     timeout: float | None = None,
     on_timeout: OnTimeout = "report",
     sparse: SparseOptions | None = None,
+    overlap: bool = False,
+    overlap_bucket_bytes: int | Literal["auto"] = AUTO,
+    double_buffering: bool = False,
 ) -> optax.GradientTransformation:
     """Average gradients hierarchically.
 
@@ -249,7 +262,6 @@ def hierarchical_mean(
         also when a peer is dead or unreachable. Needs ``timeout``.
       sparse: how :class:`jaxsync.RowSparse` leaves are synchronised (a
         :class:`jaxsync.SparseOptions`; ``None``: automatic).
-
     Returns:
       an ``optax.GradientTransformation`` whose ``update`` returns the reduced
       gradients, the same on every replica. Its state is
@@ -267,6 +279,7 @@ def hierarchical_mean(
     return _transform("hierarchical_mean", "hierarchical", **locals())
 
 
+@document_overlap
 def two_dimensional_mean(
     axis_name: AxisName,
     comm: Comm = AUTO,
@@ -281,6 +294,9 @@ def two_dimensional_mean(
     timeout: float | None = None,
     on_timeout: OnTimeout = "report",
     sparse: SparseOptions | None = None,
+    overlap: bool = False,
+    overlap_bucket_bytes: int | Literal["auto"] = AUTO,
+    double_buffering: bool = False,
 ) -> optax.GradientTransformation:
     """Average gradients two-dimensionally.
 
@@ -328,7 +344,6 @@ def two_dimensional_mean(
         also when a peer is dead or unreachable. Needs ``timeout``.
       sparse: how :class:`jaxsync.RowSparse` leaves are synchronised (a
         :class:`jaxsync.SparseOptions`; ``None``: automatic).
-
     Returns:
       an ``optax.GradientTransformation`` whose ``update`` returns the reduced
       gradients, the same on every replica. Its state is

@@ -27,6 +27,8 @@
 // process's data in float32 in rank order (((r0 + r1) + r2) + ...) and rounds
 // once to nearest even, one MPI_Allgather of the rounded slices. The bits are
 // those of jaxsync's XLA path for 16-bit data (_strategies._sum_low).
+// jaxsync_allreduce_async is the same sum, done on a communication thread of
+// the communicator while XLA runs on (overlap; see "Overlap" below).
 // jaxsync_allgather / jaxsync_alltoall move one buffer each.
 // MPI's counts are int: every call is given at most MaxCount() (INT_MAX)
 // elements, longer buffers are split into several calls, so a buffer of any
@@ -40,8 +42,13 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
+#include <condition_variable>
+#include <deque>
+#include <functional>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstdint>
 #include <atomic>
@@ -51,6 +58,7 @@
 #include <utility>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -161,6 +169,24 @@ constexpr size_t kGroupBytes = 4 << 20;
 // the sums in flight are finished before the arena is reused.
 constexpr size_t kArenaBytes = 64 << 20;
 
+// How a communication thread waits for its sums (see Lane): 0 (default, and
+// always in XLA's own threads) MPI_Waitall; > 0: MPI_Testall, then sleep this
+// many microseconds. The private knob JAXSYNC_TESTING_POLL_US sets it for the
+// lanes (read once per lane), to profile how much a spinning wait costs the
+// step's compute; it measured no better on the emulated cluster (README).
+thread_local int64_t t_poll_us = 0;
+
+int WaitAll(std::vector<MPI_Request>& reqs, std::vector<MPI_Status>& st) {
+  const int n = static_cast<int>(reqs.size());
+  if (t_poll_us <= 0) return MPI_Waitall(n, reqs.data(), st.data());
+  for (;;) {
+    int done = 0;
+    int rc = MPI_Testall(n, reqs.data(), &done, st.data());
+    if (rc != MPI_SUCCESS || done) return rc;
+    std::this_thread::sleep_for(std::chrono::microseconds(t_poll_us));
+  }
+}
+
 // The 32/64-bit sums of one call. Every MPI_Iallreduce is started before any
 // is waited for, so MPI overlaps their latencies (one blocking call per
 // buffer waits for the slowest process once per buffer); grouped buffers are
@@ -265,7 +291,7 @@ class Sums {
   ffi::Error Drain() {
     if (!reqs_.empty()) {
       std::vector<MPI_Status> st(reqs_.size());
-      int rc = MPI_Waitall(static_cast<int>(reqs_.size()), reqs_.data(), st.data());
+      int rc = WaitAll(reqs_, st);
       reqs_.clear();
       if (rc != MPI_SUCCESS) {
         sent_.clear();
@@ -644,28 +670,46 @@ ffi::Error AgreeImpl(ffi::Token, CommArg, ActiveArg, ffi::AnyBuffer,
   return Agree(agree_comm, agree_id, agree_instance, agree_devices);
 }
 
-ffi::Error AllreduceImpl(ffi::Token, CommArg comm,
-                         ActiveArg active, ffi::RemainingArgs args,
-                         ffi::Result<ffi::Token>, ffi::RemainingRets rets,
-                         int64_t group_bytes) {
-  Counted counted;
+// One buffer of an allreduce: what SumParts needs, copied out of XLA's
+// argument structures (which live only for the handler call), so the work can
+// run later on a communication thread.
+struct BufRef {
+  ffi::DataType type;
+  void* src;
+  void* dst;
+  size_t bytes;
+  size_t count;
+};
+
+// The buffers of an allreduce call, checked (as many results as buffers).
+ffi::Error Collect(ffi::RemainingArgs& args, ffi::RemainingRets& rets,
+                   std::vector<BufRef>* out) {
   if (args.size() != rets.size()) {
     return ffi::Error::InvalidArgument(
         "jaxsync_allreduce: as many results as buffers expected");
   }
-  if (active.typed_data()[0] == 0) {  // results alias the inputs: untouched
-    for (size_t i = 0; i < args.size(); ++i) {
-      auto in = args.get<ffi::AnyBuffer>(i);
-      auto out = rets.get<ffi::AnyBuffer>(i);
-      if (!in.has_value()) return in.error();
-      if (!out.has_value()) return out.error();
-      if (in->untyped_data() != (*out)->untyped_data()) {  // not aliased after all
-        std::memcpy((*out)->untyped_data(), in->untyped_data(), in->size_bytes());
-      }
-    }
-    return ffi::Error::Success();
+  out->reserve(args.size());
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto in = args.get<ffi::AnyBuffer>(i);
+    auto res = rets.get<ffi::AnyBuffer>(i);
+    if (!in.has_value()) return in.error();
+    if (!res.has_value()) return res.error();
+    out->push_back({in->element_type(), in->untyped_data(), (*res)->untyped_data(),
+                    in->size_bytes(), in->element_count()});
   }
-  MPI_Comm c = CommOf(comm);
+  return ffi::Error::Success();
+}
+
+// active == 0: results alias the inputs and stay untouched (copied where XLA
+// did not alias them).
+void Untouched(const std::vector<BufRef>& parts) {
+  for (const BufRef& b : parts) {
+    if (b.src != b.dst) std::memcpy(b.dst, b.src, b.bytes);
+  }
+}
+
+// Sums every buffer of `parts` over `c` (see the top of this file).
+ffi::Error SumParts(MPI_Comm c, const std::vector<BufRef>& parts, int64_t group_bytes) {
   // Small buffers of one dtype are summed together: copied into a scratch
   // arena, one MPI call in place, copied back (memcpy of a few KiB costs far
   // less than an MPI call each, or than packing them in XLA).
@@ -675,45 +719,146 @@ ffi::Error AllreduceImpl(ffi::Token, CommArg comm,
     return MpiError(rc, "MPI_Comm_size");
   }
   size_t grouped = 0;
-  for (size_t i = 0; i < args.size(); ++i) {
-    auto in = args.get<ffi::AnyBuffer>(i);
-    if (!in.has_value()) return in.error();
-    if ((procs == 2 || !IsLow(in->element_type())) && in->size_bytes() < small) {
-      grouped += in->size_bytes();
-    }
+  for (const BufRef& b : parts) {
+    if ((procs == 2 || !IsLow(b.type)) && b.bytes < small) grouped += b.bytes;
   }
   Sums sums(c, small, grouped);
   Low16 bf16, f16;
-  for (size_t i = 0; i < args.size(); ++i) {
-    auto in = args.get<ffi::AnyBuffer>(i);
-    auto out = rets.get<ffi::AnyBuffer>(i);
-    if (!in.has_value()) return in.error();
-    if (!out.has_value()) return out.error();
-    ffi::DataType t = in->element_type();
-    size_t bytes = in->size_bytes();
-    void* src = in->untyped_data();
-    void* dst = (*out)->untyped_data();
+  for (const BufRef& b : parts) {
+    const ffi::DataType t = b.type;
     if (IsLow(t) && procs == 2) {
-      if (bytes == 0) continue;
+      if (b.bytes == 0) continue;
       MPI_Op op;
       if (auto e = Sum16Op(t == ffi::DataType::BF16, &op); e.failure()) return e;
-      if (auto e = sums.Add(MPI_UINT16_T, 2, src, dst, bytes, op); e.failure()) return e;
+      if (auto e = sums.Add(MPI_UINT16_T, 2, b.src, b.dst, b.bytes, op); e.failure()) return e;
       continue;
     }
     if (IsLow(t)) {
       (t == ffi::DataType::BF16 ? bf16 : f16)
-          .Add(static_cast<uint16_t*>(src), static_cast<uint16_t*>(dst),
-               in->element_count());
+          .Add(static_cast<uint16_t*>(b.src), static_cast<uint16_t*>(b.dst), b.count);
       continue;
     }
     MPI_Datatype dtype;
     if (!SumType(t, &dtype)) return Unsupported("MPI_Allreduce", t);
-    if (bytes == 0) continue;
-    if (auto e = sums.Add(dtype, ffi::ByteWidth(t), src, dst, bytes); e.failure()) return e;
+    if (b.bytes == 0) continue;
+    if (auto e = sums.Add(dtype, ffi::ByteWidth(t), b.src, b.dst, b.bytes); e.failure()) {
+      return e;
+    }
   }
   if (auto e = sums.Finish(); e.failure()) return e;
   if (auto e = bf16.Run(c, true); e.failure()) return e;
   return f16.Run(c, false);
+}
+
+ffi::Error AllreduceImpl(ffi::Token, CommArg comm,
+                         ActiveArg active, ffi::RemainingArgs args,
+                         ffi::Result<ffi::Token>, ffi::RemainingRets rets,
+                         int64_t group_bytes) {
+  Counted counted;
+  std::vector<BufRef> parts;
+  if (auto e = Collect(args, rets, &parts); e.failure()) return e;
+  if (active.typed_data()[0] == 0) {
+    Untouched(parts);
+    return ffi::Error::Success();
+  }
+  return SumParts(CommOf(comm), parts, group_bytes);
+}
+
+// ---- Overlap: the allreduce on a communication thread ---------------------
+// jaxsync_allreduce_async does what jaxsync_allreduce does, but returns a
+// future at once: the sums run on the communicator's own thread (a Lane) and
+// complete the future, so XLA keeps running the rest of the step meanwhile
+// (XLA:CPU holds back only the thunks that read the results or reuse their
+// memory). One lane per communicator runs its jobs in the order they were
+// queued, and calls are queued in the order of the step's token chain (the
+// token result, like every result, is ready once the job is done), so every
+// process issues the same collectives in the same order; no two threads ever
+// call collectives on one communicator at once. Lanes live until the process
+// ends (their threads are detached, idle on a condition variable); at exit
+// Python waits for the counted calls to finish before MPI_Finalize.
+class Lane {
+ public:
+  Lane() { std::thread([this] { Loop(); }).detach(); }
+
+  void Push(std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      jobs_.push_back(std::move(job));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void Loop() {
+    t_poll_us = 0;
+    if (const char* v = std::getenv("JAXSYNC_TESTING_POLL_US")) t_poll_us = std::atoll(v);
+    for (;;) {
+      std::function<void()> job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return !jobs_.empty(); });
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      job();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> jobs_;
+};
+
+Lane& LaneOf(MPI_Fint handle) {
+  static std::mutex mu;
+  static auto* lanes = new std::map<MPI_Fint, std::unique_ptr<Lane>>();  // never freed
+  std::lock_guard<std::mutex> lock(mu);
+  auto& lane = (*lanes)[handle];
+  if (!lane) lane = std::make_unique<Lane>();
+  return *lane;
+}
+
+ffi::Future AllreduceAsyncImpl(ffi::Token, CommArg comm, ActiveArg active,
+                               ffi::RemainingArgs args, ffi::Result<ffi::Token>,
+                               ffi::RemainingRets rets, int64_t group_bytes) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  std::vector<BufRef> parts;
+  if (auto e = Collect(args, rets, &parts); e.failure()) {
+    promise.SetError(std::move(e));
+    return future;
+  }
+  if (active.typed_data()[0] == 0) {
+    Untouched(parts);
+    promise.SetAvailable();
+    return future;
+  }
+  const MPI_Fint handle = static_cast<MPI_Fint>(comm.typed_data()[0]);
+  g_started.fetch_add(1, std::memory_order_relaxed);
+  static const bool trace = std::getenv("JAXSYNC_TESTING_TRACE_LANES") != nullptr;
+  const auto queued = std::chrono::steady_clock::now();
+  LaneOf(handle).Push([promise, handle, group_bytes, queued, parts = std::move(parts)]() mutable {
+    const auto began = std::chrono::steady_clock::now();
+    ffi::Error e = SumParts(MPI_Comm_f2c(handle), parts, group_bytes);
+    if (trace) {  // private: when each job was queued, began and ended (us)
+      auto us = [](auto t) {
+        return std::chrono::duration_cast<std::chrono::microseconds>(t.time_since_epoch())
+            .count();
+      };
+      size_t bytes = 0;
+      for (const BufRef& b : parts) bytes += b.bytes;
+      std::fprintf(stderr, "jaxsync-lane %lld %lld %lld %zu\n",
+                   static_cast<long long>(us(queued)), static_cast<long long>(us(began)),
+                   static_cast<long long>(us(std::chrono::steady_clock::now())), bytes);
+    }
+    g_finished.fetch_add(1, std::memory_order_release);
+    if (e.failure()) {
+      promise.SetError(std::move(e));
+    } else {
+      promise.SetAvailable();
+    }
+  });
+  return future;
 }
 
 // The shape of `x` as "(a, b, ...)", for error messages.
@@ -1133,6 +1278,16 @@ ffi::Error ReduceScatterImpl(ffi::Token, CommArg comm, ActiveArg active, ffi::Re
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_allreduce, AllreduceImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Token>()
+                                  .Arg<CommArg>()
+                                  .Arg<ActiveArg>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Token>()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("group_bytes"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_allreduce_async, AllreduceAsyncImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Token>()
                                   .Arg<CommArg>()

@@ -33,6 +33,7 @@ SUITES = {
     "compress": "jaxsync.bench.compress",
     "model": "jaxsync.bench.model",
     "cluster": "jaxsync.bench.cluster",
+    "overlap": "jaxsync.bench.overlap",
 }
 """``--suite NAME``: the module whose ``main(argv)`` runs it."""
 
@@ -42,6 +43,8 @@ SUITE_HELP = {
     "model": "the cost model behind strategy='auto': predicted against measured",
     "cluster": "the MPI and compression suites inside the emulated cluster, beside the "
     "link's limit (hosts x processes x devices, 1 and 10 Gb/s)",
+    "overlap": "a whole train step with overlap=True / double_buffering=True against "
+    "the blocking sync, the step without sync and the bare allreduce",
 }
 
 

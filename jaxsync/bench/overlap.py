@@ -1,0 +1,337 @@
+"""Benchmark of overlap and double buffering: ``python -m jaxsync bench --suite overlap``.
+
+A whole training step (forward, backward, synchronisation, SGD update) of a
+stack of dense ``tanh`` layers (``--layers`` x ``--width``, batch ``--batch``:
+its compute of the order of the communication of its gradients), one device per
+process, jitted with the parameters and the optimizer state donated. Timed, in
+interleaved rounds (every sample the median of ``--iters`` calls, the slowest
+rank's; the figure the median over rounds):
+
+* ``nosync``: the step without synchronisation;
+* ``blocking``: with ``hierarchical_mean`` as it was (one blocking call after
+  the whole gradient exists);
+* ``overlap``: ``hierarchical_mean(overlap=True)`` for each ``--buckets`` size;
+* ``double``: ``hierarchical_mean(double_buffering=True)``;
+* ``bare``: ``mpi4py`` ``Allreduce`` of the gradients' bytes (float32,
+  preallocated, out of place).
+
+Targets (the issue's): with overlap the step at most 1.25 x max(nosync, bare)
+and below blocking by at least a third of bare; with double buffering at most
+1.1 x that max; in shared memory (one host) neither slower than blocking by
+more than 5%. Run it under ``mpirun -n 2`` (shared memory) and on the emulated
+cluster (``python -m jaxsync cluster --hosts 2 --procs-per-host 1 --link 1gbit
+-- python -m jaxsync bench --suite overlap``). Writes ``overlap-<mode>.json``
+and ``overlap-<mode>.png`` (matplotlib, if installed) to ``--out``.
+
+Figures on a shared machine are noisy: read ratios from one run.
+
+What it may import: numpy, jax, optax, mpi4py, ``jaxsync`` (public API) and the
+other ``jaxsync.bench`` modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+MiB = 2**20
+
+
+def make_params(layers: int, width: int):
+    """The layer stack's parameters: a list of ``{"w", "b"}``, first layer first."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    key = jax.random.PRNGKey(0)
+    return [
+        {
+            "w": jax.random.normal(jax.random.fold_in(key, i), (width, width)) / np.sqrt(width),
+            "b": jnp.zeros((width,)),
+        }
+        for i in range(layers)
+    ]
+
+
+def loss(params, x):
+    import jax.numpy as jnp
+
+    h = x
+    for layer in params:
+        h = jnp.tanh(h @ layer["w"] + layer["b"])
+    return jnp.mean(h**2)
+
+
+def make_step(tx, lr: float = 1e-2):
+    """A jitted train step ``(params, state, x) -> (params, state)``, both donated."""
+    import jax
+    import optax
+
+    opt = optax.sgd(lr) if tx is None else optax.chain(tx, optax.sgd(lr))
+
+    def step(p, s, x):
+        g = jax.grad(loss)(p, x)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    return jax.jit(step, donate_argnums=(0, 1)), opt
+
+
+def _cases(comm, buckets):
+    import jaxsync
+
+    cases = {"nosync": None, "blocking": jaxsync.hierarchical_mean(None, comm)}
+    for b in buckets:
+        cases[f"overlap {b / MiB:g}MiB"] = jaxsync.hierarchical_mean(
+            None, comm, overlap=True, overlap_bucket_bytes=b
+        )
+    cases["double"] = jaxsync.hierarchical_mean(None, comm, double_buffering=True)
+    return cases
+
+
+def _time(fn, iters, comm):
+    """Median seconds per call over ``iters`` calls, the slowest rank's."""
+    from mpi4py import MPI
+
+    comm.Barrier()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return comm.allreduce(statistics.median(times), op=MPI.MAX)
+
+
+def measure(comm, layers, width, batch, buckets, rounds, iters):
+    """Median step seconds per case (interleaved rounds) and the bare allreduce."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from mpi4py import MPI
+
+    params = make_params(layers, width)
+    x = jax.random.normal(jax.random.PRNGKey(1 + comm.Get_rank()), (batch, width))
+    nbytes = sum(int(a.size) * 4 for a in jax.tree.leaves(params))
+    carry, steps = {}, {}
+    for name, tx in _cases(comm, buckets).items():
+        step, opt = make_step(tx)
+        p = jax.tree.map(jnp.copy, params)
+        steps[name] = step
+        carry[name] = (p, opt.init(p))
+
+    def runner(name):
+        def go():
+            p, s = steps[name](*carry[name], x)
+            jax.block_until_ready((p, s))
+            carry[name] = (p, s)
+
+        return go
+
+    send = np.ones(nbytes // 4, np.float32)
+    recv = np.empty_like(send)
+
+    def bare():
+        comm.Allreduce(send, recv, op=MPI.SUM)
+
+    fns = {name: runner(name) for name in steps}
+    fns["bare"] = bare
+    for fn in fns.values():  # compile and warm up
+        for _ in range(2):
+            fn()
+    samples: dict = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            samples[k].append(_time(fn, iters, comm))
+    return {k: statistics.median(v) for k, v in samples.items()}, samples, nbytes
+
+
+def targets(med: dict, shared_memory: bool) -> list[dict]:
+    """The issue's targets, each ``{"what", "value", "limit", "ok"}``."""
+    floor = max(med["nosync"], med["bare"])
+    out = []
+    for k in (k for k in med if k.startswith("overlap")):
+        out.append(
+            {
+                "what": f"{k} / max(nosync, bare)",
+                "value": med[k] / floor,
+                "limit": 1.25,
+                "ok": med[k] / floor <= 1.25,
+            }
+        )
+        saved = (med["blocking"] - med[k]) / med["bare"]
+        out.append(
+            {
+                "what": f"(blocking - {k}) / bare",
+                "value": saved,
+                "limit": 1 / 3,
+                "ok": saved >= 1 / 3,
+                "at_least": True,
+            }
+        )
+    out.append(
+        {
+            "what": "double / max(nosync, bare)",
+            "value": med["double"] / floor,
+            "limit": 1.1,
+            "ok": med["double"] / floor <= 1.1,
+        }
+    )
+    if shared_memory:
+        for k in (k for k in med if k.startswith("overlap") or k == "double"):
+            r = med[k] / med["blocking"]
+            out.append(
+                {
+                    "what": f"{k} / blocking (shared memory)",
+                    "value": r,
+                    "limit": 1.05,
+                    "ok": r <= 1.05,
+                }
+            )
+    return out
+
+
+def plot(med: dict, meta: dict, path: Path) -> None:
+    """Bars of the median step time per case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(med)
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.bar(range(len(names)), [med[n] * 1e3 for n in names], color="tab:blue")
+    ax.set_xticks(range(len(names)), names, rotation=20)
+    ax.set_ylabel("ms per step (median)")
+    ax.set_title(
+        f"overlap suite ({meta['mode']}: {meta['processes']} processes on "
+        f"{meta['hosts']} host(s)); {meta['gradient_bytes'] / 1e6:.1f} MB of gradients"
+    )
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _bytes_list(text: str) -> list[int]:
+    try:
+        out = [int(float(v) * MiB) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--buckets takes MiB values separated by commas, e.g. 1,4,25; got {text!r}"
+        ) from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"--buckets needs positive sizes, got {text!r}")
+    return out
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(
+        prog="python -m jaxsync bench --suite overlap",
+        description="Train-step time with overlap=True and double_buffering=True "
+        "against the step without sync, the blocking sync and the bare allreduce. "
+        "Run under mpirun -n 2 (shared memory) or on the emulated cluster.",
+    )
+    p.add_argument("--quick", action="store_true", help="a tiny model, 2 rounds (smoke test)")
+    p.add_argument("--layers", type=int, default=None, help="dense layers (default 10)")
+    p.add_argument("--width", type=int, default=None, help="layer width (default 724: 21 MB)")
+    p.add_argument("--batch", type=int, default=None, help="batch per process (default 128)")
+    p.add_argument(
+        "--buckets",
+        type=_bytes_list,
+        default=None,
+        help="overlap_bucket_bytes to time, MiB, comma-separated (default: 4)",
+    )
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7)")
+    p.add_argument("--iters", type=int, default=None, help="calls per sample (default 5)")
+    p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
+    args = p.parse_args(argv)
+    q = args.quick
+    args.layers = args.layers or (3 if q else 10)
+    args.width = args.width or (64 if q else 724)
+    args.batch = args.batch or (16 if q else 128)
+    args.buckets = args.buckets or ([1024] if q else [4 * MiB])
+    args.rounds = args.rounds or (2 if q else 7)
+    args.iters = args.iters or (2 if q else 5)
+    if min(args.layers, args.width, args.batch, args.rounds, args.iters) < 1:
+        p.error("--layers, --width, --batch, --rounds and --iters must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    from .world import mpi_world
+
+    comm = mpi_world()
+    if comm is None:
+        raise SystemExit(
+            "jaxsync bench --suite overlap measures MPI between processes: run it under "
+            "`mpirun -n 2`, or on the emulated cluster (`python -m jaxsync cluster "
+            "--hosts 2 --procs-per-host 1 --link 1gbit -- python -m jaxsync bench "
+            "--suite overlap`)."
+        )
+    import jax
+
+    import jaxsync
+
+    tuned = jaxsync.tune_host_allocator()
+    hosts = jaxsync.topology(comm).hosts
+    med, samples, nbytes = measure(
+        comm, args.layers, args.width, args.batch, args.buckets, args.rounds, args.iters
+    )
+    if comm.Get_rank() != 0:
+        return 0
+    mode = "cluster" if hosts > 1 else "shm"
+    checks = targets(med, shared_memory=hosts == 1)
+    floor = max(med["nosync"], med["bare"])
+    print(
+        f"\noverlap suite, {mode}: {comm.Get_size()} processes on {hosts} host(s), "
+        f"{args.layers} layers x {args.width}, batch {args.batch}, "
+        f"{nbytes / 1e6:.1f} MB of gradients; median of {args.rounds} rounds x "
+        f"{args.iters} calls, slowest rank; load average {os.getloadavg()[0]:.1f}"
+    )
+    print(f"{'case':<16} {'ms/step':>9} {'/max(nosync,bare)':>18} {'/blocking':>10}")
+    for k, v in med.items():
+        print(f"{k:<16} {v * 1e3:>9.1f} {v / floor:>18.2f} {v / med['blocking']:>10.2f}")
+    print("targets:")
+    for t in checks:
+        op = ">=" if t.get("at_least") else "<="
+        print(
+            f"  {t['what']:<44} {t['value']:6.2f} {op} {t['limit']:.2f}  "
+            + ("ok" if t["ok"] else "MISSED")
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "mode": mode,
+        "processes": comm.Get_size(),
+        "hosts": hosts,
+        "devices": jax.local_device_count(),
+        "layers": args.layers,
+        "width": args.width,
+        "batch": args.batch,
+        "gradient_bytes": nbytes,
+        "rounds": args.rounds,
+        "iters": args.iters,
+        "quick": args.quick,
+        "host_allocator_tuned": bool(tuned),
+        "loadavg": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    path = args.out / f"overlap-{mode}.json"
+    record = {"meta": meta, "median_s": med, "samples_s": samples, "targets": checks}
+    path.write_text(json.dumps(record, indent=1))
+    print(f"wrote {path}")
+    try:
+        plot(med, meta, args.out / f"overlap-{mode}.png")
+        print(f"wrote {args.out / f'overlap-{mode}.png'}")
+    except ImportError:
+        print("matplotlib not installed: no plot")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""overlap= and double_buffering= in one process: validation and semantics.
+
+The multi-process behaviour (exact bits against the blocking sync, ordering,
+donation, checkpoints, exit) is in tests/mpi/test_overlap_mpi.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxsync
+from jaxsync._sync import overlap_groups
+
+
+@pytest.mark.parametrize(
+    "kw, err, words",
+    [
+        (dict(overlap=1), TypeError, "'overlap'"),
+        (dict(double_buffering="yes"), TypeError, "'double_buffering'"),
+        (dict(overlap=True, overlap_bucket_bytes=0), ValueError, "overlap_bucket_bytes"),
+        (dict(overlap=True, overlap_bucket_bytes=1.5), TypeError, "overlap_bucket_bytes"),
+        (dict(overlap_bucket_bytes=2**20), ValueError, "overlap=True"),
+    ],
+)
+def test_options_are_validated_at_factory_time(kw, err, words):
+    with pytest.raises(err, match=words):
+        jaxsync.hierarchical_mean("i", comm=None, **kw)
+
+
+def test_groups_follow_backward_order_first_small():
+    assert overlap_groups([4, 4, 4, 4, 4], bucket_bytes=8, first_bytes=4) == [[4], [3, 2], [1, 0]]
+    assert overlap_groups([100], bucket_bytes=8) == [[0]]
+    got = overlap_groups([1] * 10, bucket_bytes=3, first_bytes=1)
+    assert sorted(i for g in got for i in g) == list(range(10))
+
+
+def _tree(r):
+    return [{"w": jnp.full((3, 2), 1.0) * (r + k), "b": jnp.arange(2.0) * r} for k in range(4)]
+
+
+@pytest.mark.parametrize("factory", ["flat_mean", "hierarchical_mean", "two_dimensional_mean"])
+def test_overlap_gives_the_same_bits_in_one_process(factory):
+    make = getattr(jaxsync, factory)
+    plain, over = make("i", comm=None), make("i", comm=None, overlap=True, overlap_bucket_bytes=8)
+    f = lambda tx: jax.vmap(lambda r: tx.update(_tree(r), tx.init(_tree(r)))[0], axis_name="i")  # noqa: E731
+    r = jnp.arange(4.0)
+    a, b = f(plain)(r), f(over)(r)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_double_buffering_applies_last_steps_mean():
+    tx = optax.chain(
+        jaxsync.hierarchical_mean("i", comm=None, double_buffering=True), optax.sgd(1.0)
+    )
+    grads = [jax.vmap(_tree)(jnp.arange(4.0) + 10 * t) for t in range(3)]
+
+    def run():
+        state = jax.vmap(tx.init, axis_name="i")(grads[0])
+        outs = []
+        for g in grads:
+            u, state = jax.vmap(tx.update, axis_name="i")(g, state)
+            outs.append(u)
+        return outs, state
+
+    outs, state = run()
+    assert isinstance(state[0], jaxsync.DoubleBufferState)
+    for x in jax.tree.leaves(outs[0]):  # the first step applies zeros
+        assert not np.asarray(x).any()
+    for t in (1, 2):
+        want = jax.tree.map(lambda g: -jnp.mean(g, axis=0, keepdims=True) + 0 * g, grads[t - 1])
+        for x, y in zip(jax.tree.leaves(outs[t]), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    for x, y in zip(jax.tree.leaves(state[0].pending), jax.tree.leaves(grads[-1])):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # kept unreduced
+
+
+def test_double_buffering_rejects_a_state_of_another_transform():
+    tx = jaxsync.flat_mean("i", comm=None, double_buffering=True)
+    with pytest.raises(TypeError, match="DoubleBufferState"):
+        jax.vmap(lambda g: tx.update(g, optax.EmptyState()), axis_name="i")(jnp.ones((2, 3)))
