@@ -1,0 +1,169 @@
+"""The ops an inter-process stage hands to a strategy, one class per transport.
+
+``_NativeOps``: jaxsync's native FFI targets on CPU (``_native_prim``; inside
+``_overlap.asynchronous()`` the asynchronous allreduce); ``_MPIOps``: mpi4jax's
+(GPUs); ``_HostOps``: host staging through mpi4py in ``io_callback``s. Each call
+takes the token (or host dependency) of the previous one (``_ordering``), so
+every process issues them in one order. Made by ``_mpi_backend.MPIBackend``.
+
+Imports: ``_native_prim``, ``_mpi4jax_prim``, ``_ordering``, ``_overlap``; none of
+them imports it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+from . import _mpi4jax_prim, _native_prim, _ordering, _overlap
+
+
+class _NativeOps:
+    """MPI collectives through jaxsync's native FFI targets, in one token chain.
+
+    ``comm`` and ``active`` are traced int32 scalars: the communicator's
+    Fortran handle and whether this device talks to the other processes (0: the
+    calls return at once, buffers untouched).
+    """
+
+    # The allreduce sums float16/bfloat16 buffers itself: all-to-all of the
+    # 16-bit payload, float32 sums in rank order, one rounding, all-gather.
+    sum16 = True
+
+    def __init__(self, comm, active, size, invariant=(), group=_native_prim.GROUP_BYTES):
+        self.comm = comm
+        self.active = active
+        self.size = size
+        self.invariant = tuple(invariant)
+        self.group = group
+        self.mode = _overlap.ASYNC.get()  # (inplace,) inside asynchronous(), else None
+
+    def _call(self, kind, xs, inplace=True):
+        token, ys = _native_prim.native_call(
+            kind,
+            xs,
+            _ordering.chain_token(),
+            self.comm,
+            self.active,
+            self.size,
+            self.invariant,
+            group=self.group,
+            inplace=inplace,
+        )
+        _ordering.set_chain_token(token)
+        return ys
+
+    def allreduce(self, bufs):
+        if not bufs:
+            return []
+        if self.mode is not None:
+            return self._call("allreduce_async", list(bufs), inplace=self.mode[0])
+        return self._call("allreduce", list(bufs))
+
+    def alltoall(self, x):
+        return self._call("alltoall", [x])[0]
+
+    def allgather(self, x):
+        return self._call("allgather", [x])[0]
+
+    # The host tier's steps (comm: this host's processes; rank 0 the leader).
+    def reduce(self, bufs):
+        return self._call("reduce", list(bufs)) if bufs else []
+
+    def bcast(self, bufs):
+        return self._call("bcast", list(bufs)) if bufs else []
+
+    def reduce_scatter(self, bufs):
+        return self._call("reduce_scatter", list(bufs)) if bufs else []
+
+
+class _MPIOps:
+    """mpi4jax's collectives (non-CPU platforms), one call per buffer, chained."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.size = comm.Get_size()
+
+    def _call(self, kind, x):
+        y, token = _mpi4jax_prim.call(kind, x, _ordering.chain_token(), self.comm)
+        _ordering.set_chain_token(token)
+        return y
+
+    def allreduce(self, bufs):
+        return [self._call("allreduce", b) for b in bufs]
+
+    def alltoall(self, x):
+        return self._call("alltoall", x)
+
+    def allgather(self, x):
+        return self._call("allgather", x)
+
+
+class _HostOps:
+    """Host-staged collectives: device -> host numpy -> mpi4py -> device.
+
+    Every callback takes and returns a one-byte dependency, so the callbacks of
+    one program run in program order on every process (independent callbacks
+    may otherwise run in any order and MPI would match the wrong buffers). They
+    are ``io_callback``s: MPI calls are side effects that JAX must neither drop
+    nor repeat (it may do both with a ``pure_callback``); unordered, since JAX
+    refuses ordered effects in multi-device computations - the dependency
+    chain orders them.
+    """
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.size = comm.Get_size()
+
+    def _call(self, fn, xs, out_structs):
+        def host(dep, *xs):
+            del dep
+            outs = fn(*[np.ascontiguousarray(x) for x in xs])
+            return (*outs, np.zeros((), np.uint8))
+
+        # One dependency chain per traced step, across synchronisations too.
+        dep = _ordering.chain_value("host", lambda: jnp.zeros((), jnp.uint8))
+        structs = (*out_structs, jax.ShapeDtypeStruct((), jnp.uint8))
+        *ys, dep = io_callback(host, structs, dep, *xs, ordered=False)
+        _ordering.set_chain_value("host", dep)
+        return ys
+
+    def allreduce(self, bufs):
+        from mpi4py import MPI
+
+        comm = self.comm
+
+        def host_allreduce(*xs):
+            outs = [np.empty_like(x) for x in xs]
+            for x, out in zip(xs, outs):
+                comm.Allreduce(x, out, op=MPI.SUM)
+            return outs
+
+        if not bufs:
+            return []
+        return self._call(
+            host_allreduce, bufs, [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in bufs]
+        )
+
+    def alltoall(self, x):
+        comm = self.comm
+
+        def host_alltoall(x):
+            out = np.empty_like(x)
+            comm.Alltoall(x.view(np.uint8), out.view(np.uint8))
+            return [out]
+
+        return self._call(host_alltoall, [x], [jax.ShapeDtypeStruct(x.shape, x.dtype)])[0]
+
+    def allgather(self, x):
+        comm = self.comm
+        size = self.size
+
+        def host_allgather(x):
+            out = np.empty((size, *x.shape), x.dtype)
+            comm.Allgather(x.view(np.uint8), out.view(np.uint8))
+            return [out]
+
+        return self._call(host_allgather, [x], [jax.ShapeDtypeStruct((size, *x.shape), x.dtype)])[0]
