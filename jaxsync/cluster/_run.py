@@ -78,11 +78,11 @@ def _probe() -> str | None:
             f"the emulated cluster needs Linux network namespaces; this is "
             f"{platform.system()}. Fix: run it on Linux (a VM or container will do)."
         )
-    missing = [t for t in ("unshare", "ip", "tc") if shutil.which(t) is None]
+    missing = [t for t in ("unshare", "setpriv", "ip", "tc") if shutil.which(t) is None]
     if missing:
         return (
-            f"missing {', '.join(missing)} on PATH. Fix: install util-linux (unshare) and "
-            "iproute2 (ip, tc), e.g. apt-get install util-linux iproute2."
+            f"missing {', '.join(missing)} on PATH. Fix: install util-linux (unshare, "
+            "setpriv) and iproute2 (ip, tc), e.g. apt-get install util-linux iproute2."
         )
     try:
         mpirun = find_mpirun()
@@ -121,7 +121,7 @@ def _probe() -> str | None:
 def check() -> None:
     """Raise :class:`ClusterUnavailable` if this machine cannot run the cluster.
 
-    It needs Linux, ``unshare`` (util-linux), ``ip`` and ``tc`` (iproute2), user
+    It needs Linux, ``unshare`` and ``setpriv`` (util-linux), ``ip`` and ``tc`` (iproute2), user
     and network namespaces (root, or unprivileged user namespaces), the veth and
     tbf kernel modules, and hydra's ``mpirun`` (the mpich wheel's).
 
@@ -233,11 +233,14 @@ def _supervise(wd: Path, timeout: float, env: dict, echo) -> ClusterResult:
         f"import sys; sys.path.insert(0, {root!r}); "
         "from jaxsync.cluster._inside import main; sys.exit(main(sys.argv[1:]))"
     )
-    cmd = ["unshare", *UNSHARE, "--mount-proc", "--kill-child", sys.executable, "-c", boot, str(wd)]
+    # setpriv: SIGKILL when this process (the thread that starts it) dies, however
+    # it dies; unshare's --kill-child then takes PID 1 and the namespaces along.
+    # (Not preexec_fn: that forks, and JAX warns that fork deadlocks its threads.)
+    cmd = ["setpriv", "--pdeathsig", "KILL", "unshare", *UNSHARE, "--mount-proc", "--kill-child"]
+    cmd += [sys.executable, "-c", boot, str(wd)]
     t0 = time.monotonic()
     proc = subprocess.Popen(
         cmd,
-        preexec_fn=_die_with_parent,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
@@ -278,14 +281,6 @@ def _supervise(wd: Path, timeout: float, env: dict, echo) -> ClusterResult:
         elapsed=time.monotonic() - t0,
         timed_out=timed_out,
     )
-
-
-def _die_with_parent() -> None:
-    """In the child: SIGKILL when this process (the thread that started it) dies,
-    however it dies; ``unshare --kill-child`` then takes the namespaces with it."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _children(pid: int) -> list[int]:

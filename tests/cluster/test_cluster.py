@@ -153,3 +153,16 @@ def test_nothing_is_left_after_a_run_that_is_stopped(cluster, tmp_path, how):
         time.sleep(0.2)
     assert left_over(tmp_path) == []
     assert namespaces() == before
+
+
+def test_run_does_not_fork_a_process_where_jax_runs(cluster):
+    """``run`` from a program whose JAX is started (a notebook, the test suite) must
+    not fork: JAX warns that fork deadlocks its threads (preexec_fn forked)."""
+    code = (
+        "import sys, jax, jaxsync.cluster as c; jax.devices(); "
+        "r = c.run([sys.executable, '-c', 'print(1)'], hosts=2, timeout=60); "
+        "sys.exit(r.returncode)"
+    )
+    r = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "os.fork() was called" not in r.stderr, r.stderr[-2000:]
