@@ -14,13 +14,14 @@ Example:
   >>> from jaxsync.bench import jaxdist
   >>> jaxdist.coordinator_host(["a", "a"], {})
   '127.0.0.1'
-  >>> jaxdist.coordinator_host(["host0", "host1"], {"JAXSYNC_CLUSTER": '{"hosts": 2}'})
+  >>> from jaxsync.cluster._spec import Spec
+  >>> cluster = Spec(hosts=2, procs_per_host=1, link="1gbit").to_json()
+  >>> jaxdist.coordinator_host(["host0", "host1"], {"JAXSYNC_CLUSTER": cluster})
   '10.233.0.10'
 """
 
 from __future__ import annotations
 
-import json
 import socket
 from collections.abc import Mapping
 from typing import Any
@@ -41,10 +42,9 @@ def coordinator_host(hostnames: list[str], env: Mapping[str, str]) -> str:
     if len(set(hostnames)) == 1:
         return "127.0.0.1"
     if env.get("JAXSYNC_CLUSTER"):
-        from jaxsync.cluster._spec import SUBNET
+        from jaxsync.cluster._spec import Spec
 
-        json.loads(env["JAXSYNC_CLUSTER"])  # the cluster's own: host 0 is .10
-        return f"{SUBNET}.10"
+        return Spec.from_json(env["JAXSYNC_CLUSTER"]).address(0)
     return socket.gethostbyname(hostnames[0])
 
 
