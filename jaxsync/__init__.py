@@ -19,6 +19,7 @@ from ._sign import sign_mean
 from ._sparse import RowSparse, SparseOptions
 from ._sparse_grad import row_sparse_grad
 from ._sparse_optim import apply_sparse_updates, densify, sparse_adagrad, sparse_sgd
+from ._sparse_sync import sync_mixed as _sync_mixed  # noqa: F401 (registers RowSparse)
 from ._sync import DoubleBufferState, SyncState, sync_gradients
 from ._topology import Topology, default_comm, free_communicators, topology
 from ._transforms import (

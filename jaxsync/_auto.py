@@ -10,7 +10,7 @@ choice is part of the text the processes compare before their first reduction.
 
 May import: optax, the standard library, ``jaxsync._cost``/``_cost_ops`` at the
 top; JAX and the rest of jaxsync (``_plan``, ``_config``, ``_sync``, ``_intra``,
-``_mpi_backend``, ``_axis_backend``, ``_topology``, ``jaxsync.bench.trees``, ``_project``) inside
+``_mpi_backend``, ``_axis_backend``, ``_topology``) inside
 functions, as ``_config`` and ``_sync`` import this module.
 """
 
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import optax
 
-from . import _cost
+from . import _cost, _plugins
 from ._auto_choose import (
     AUTO,
     CANDIDATE_BUCKETS,
@@ -57,10 +57,8 @@ __all__ = [
     "buckets_of",
     "choose",
     "default_profile_path",
-    "explain_tree",
     "load_profile",
     "make_auto_config",
-    "named_trees",
     "resolve",
 ]
 
@@ -245,37 +243,6 @@ def resolve(tree, cfg):
     )
 
 
-def named_trees() -> dict:
-    """Trees ``info --tree`` knows: the bench's and the projection's."""
-    from . import _project
-    from .bench import trees as _trees
-
-    return {
-        **_trees.make_trees(False),
-        **_trees.make_trees(True),
-        "resnet50": _project.resnet50_tree,
-        "transformer1b": _project.transformer_1b_tree,
-    }
-
-
-def explain_tree(name: str, topo: dict, profile=None) -> str:
-    """What ``strategy="auto"`` would choose for tree ``name`` on ``topo``
-    (``python -m jaxsync info --tree NAME``; ``topo`` as ``Topology.as_dict()``)."""
-    trees = named_trees()
-    if name not in trees:
-        raise SystemExit(f"jaxsync info: unknown tree {name!r}; choose from {sorted(trees)}")
-    prof, note = load_profile(profile)
-    size = int(topo["size"])
-    model = ModelTopology(
-        processes=size,
-        hosts=int(topo["hosts"]),
-        local_devices=int(topo["local_devices"]),
-        native=topo.get("platform") == "cpu" and size > 1,
-        broadcast=size > 1,
-    )
-    return choose(trees[name](), model, prof, profile_note=note).describe()
-
-
 # --------------------------------------------------------------------------
 # The public factory
 # --------------------------------------------------------------------------
@@ -380,3 +347,7 @@ def auto_mean(
     init_fn, update_fn = transform_fns(fn, cfg)
     update_fn.config = cfg
     return AutoTransformation(init_fn, update_fn)
+
+
+# strategy="auto" plugs into the core's factories and sync here.
+_plugins.register_strategy(AUTO, _plugins.Strategy(make_auto_config, resolve))

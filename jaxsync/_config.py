@@ -3,7 +3,8 @@
 ``make_config`` checks every option of ``sync_gradients`` and the factories
 (errors name the argument, what was expected, what was given and the fix) and
 builds the backend; ``SyncConfig`` is the frozen result that ``_sync`` follows.
-Imports: ``_plan``, ``_topology``, the backends and ``_sparse.check_options``;
+Imports: ``_plan``, ``_topology``, the backends and ``_plugins`` (``sparse=`` and
+``strategy="auto"`` are checked by their areas);
 nothing here traces.
 """
 
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from . import _axis_backend, _mpi_backend, _sparse, _strategies
+from . import _axis_backend, _mpi_backend, _plugins, _strategies
 from ._overlap import OVERLAP_BUCKET_BYTES
 from ._plan import DEFAULT_BUCKET_BYTES, DEFAULT_PACK_THRESHOLD, REDUCED_DTYPES, _check_bytes
 from ._topology import default_comm
@@ -227,10 +228,9 @@ def make_config(
     double_buffering=False,
 ) -> SyncConfig:
     """Validate every static option; raise TypeError/ValueError naming it."""
-    if isinstance(strategy, str) and strategy == AUTO:
-        from . import _auto  # the strategy is chosen at trace time (_sync.sync)
-
-        return _auto.make_auto_config(
+    chosen = _plugins.strategy(strategy) if isinstance(strategy, str) else None
+    if chosen is not None:  # "auto": chosen at trace time (jaxsync.auto, _sync.sync)
+        return chosen.make_config(
             fn,
             axis_name,
             comm,
@@ -332,7 +332,7 @@ def make_config(
             "watchdog is off). Fix: pass the seconds a process may wait in one "
             "inter-process stage, e.g. timeout=300.0, on_timeout='abort'."
         )
-    sparse = _sparse.check_options(fn, sparse)
+    sparse = _plugins.check_option("sparse", fn, sparse)
     overlap_bucket_bytes = _check_overlap(fn, overlap, overlap_bucket_bytes, double_buffering)
     if strategy == "single_node":
         # No inter-process stage: a communicator would be silently ignored.

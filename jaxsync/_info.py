@@ -228,7 +228,7 @@ def main(argv: list[str]) -> int:
         )
     con.print(t)
     if args.tree:
-        from ._auto import explain_tree
+        from ._project import explain_tree
 
         con.print(
             explain_tree(args.tree, first["topology"], args.profile), soft_wrap=True, markup=False

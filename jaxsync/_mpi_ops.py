@@ -1,12 +1,12 @@
 """The ops an inter-process stage hands to a strategy, one class per transport.
 
 ``_NativeOps``: jaxsync's native FFI targets on CPU (``_native_prim``; inside
-``_overlap.asynchronous()`` the asynchronous allreduce); ``_MPIOps``: mpi4jax's
+``_async.asynchronous()`` the asynchronous allreduce); ``_MPIOps``: mpi4jax's
 (GPUs); ``_HostOps``: host staging through mpi4py in ``io_callback``s. Each call
 takes the token (or host dependency) of the previous one (``_ordering``), so
 every process issues them in one order. Made by ``_mpi_backend.MPIBackend``.
 
-Imports: ``_native_prim``, ``_mpi4jax_prim``, ``_ordering``, ``_overlap``; none of
+Imports: ``_native_prim``, ``_mpi4jax_prim``, ``_ordering``, ``_async``; none of
 them imports it.
 """
 
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from . import _mpi4jax_prim, _native_prim, _ordering, _overlap
+from . import _async, _mpi4jax_prim, _native_prim, _ordering
 
 
 class _NativeOps:
@@ -38,7 +38,7 @@ class _NativeOps:
         self.size = size
         self.invariant = tuple(invariant)
         self.group = group
-        self.mode = _overlap.ASYNC.get()  # (inplace,) inside asynchronous(), else None
+        self.mode = _async.ASYNC.get()  # (inplace,) inside asynchronous(), else None
 
     def _call(self, kind, xs, inplace=True):
         token, ys = _native_prim.native_call(

@@ -1,27 +1,25 @@
 """Overlap and double buffering: gradients travel while the step computes.
 
-``asynchronous()`` makes the native MPI sums traced inside it
-``jaxsync_allreduce_async`` calls (``_mpi_backend._NativeOps`` reads ``ASYNC``);
 ``run_async`` runs a strategy once per bucket, in the order backward produces
-the gradients (``overlap=True``); ``double_buffer_fns`` is the init/update pair
-of ``double_buffering=True`` (ChainerMN's double-buffering optimizer);
+the gradients, inside ``_async.asynchronous()`` (``overlap=True``);
+``double_buffer_fns`` is the init/update pair of ``double_buffering=True``
+(ChainerMN's double-buffering optimizer);
 ``document_overlap`` adds the three options to a factory's docstring.
 
-Imports: jax, ``_invariance``, ``_sparse`` and ``_strategies``; ``_config``
+Imports: jax, ``_async``, ``_invariance``, ``_plugins`` and ``_strategies``; ``_config``
 (the defaults), ``_sync``, ``_mpi_backend`` and ``_transforms`` import it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _sparse, _strategies
+from . import _plugins, _strategies
+from ._async import asynchronous
 from ._invariance import _vma, share_invariant
 
 # overlap=True: gradients travel in buckets of about this many bytes, issued in
@@ -30,26 +28,6 @@ from ._invariance import _vma, share_invariant
 # the emulated 1 Gb/s cluster and in shared memory (README, "Overlap").
 OVERLAP_BUCKET_BYTES = 4 * 2**20
 OVERLAP_FIRST_BYTES = 1 * 2**20
-
-# Inside ``asynchronous()``: how the native sums run (None: blocking calls).
-ASYNC: contextvars.ContextVar = contextvars.ContextVar("jaxsync_async", default=None)
-
-
-@contextlib.contextmanager
-def asynchronous(inplace: bool = True):
-    """Native sums traced inside run on the communicator's thread (overlap).
-
-    Each ``jaxsync_allreduce_async`` call returns at once; XLA runs the rest of
-    the step until a result is needed. ``inplace=False`` writes fresh results
-    instead of summing in place (for inputs XLA must keep, such as the state a
-    double-buffered step reduces: no copy of it). Other backends ignore it (a
-    mesh axis: XLA's own async collectives; mpi4jax and host staging block).
-    """
-    reset = ASYNC.set((bool(inplace),))
-    try:
-        yield
-    finally:
-        ASYNC.reset(reset)
 
 
 def overlap_groups(nbytes: list, bucket_bytes: int, first_bytes: int | None = None) -> list:
@@ -162,7 +140,7 @@ def double_buffer_fns(fn: str, cfg, sync):
                 "Make sure you have called init first and pass the state returned by "
                 "this transform."
             )
-        if _sparse.has_row_sparse(updates):
+        if _plugins.tree_kind(updates) is not None:
             raise TypeError(
                 f"{fn}: double_buffering=True keeps the gradients in the state and "
                 "does not take RowSparse leaves. Fix: densify them (RowSparse."

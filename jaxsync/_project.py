@@ -7,7 +7,8 @@ hosts), so a user can see where hierarchical and two-dimensional pay off
 before renting the cluster. Nothing is measured.
 
 May import: the standard library, JAX (shapes only) and ``jaxsync._cost``,
-``_cost_ops``, ``_auto``.
+``_cost_ops``, ``_auto_choose``; ``_auto`` (profiles) and ``jaxsync.bench.trees``
+inside ``explain_tree``, for ``info --tree``.
 
 Example:
   >>> from jaxsync import _project
@@ -102,7 +103,7 @@ PROJECT_HOSTS = (8, 64, 512, 1024)
 
 def project(hosts=PROJECT_HOSTS, devices: int = 8) -> list[dict]:
     """Predicted sync time per strategy and auto's choice, hosts x ``devices``."""
-    from . import _auto
+    from ._auto_choose import choose
 
     trees = {
         "ResNet-50 (25.6 M f32, 161 leaves)": resnet50_tree(),
@@ -115,7 +116,7 @@ def project(hosts=PROJECT_HOSTS, devices: int = 8) -> list[dict]:
                 topo = ModelTopology(
                     processes=h, hosts=h, local_devices=devices, native=False, broadcast=True
                 )
-                c = _auto.choose(tree, topo, prof)
+                c = choose(tree, topo, prof)
                 best: dict = {}
                 for s, _b, _t, sec in c.table:
                     best[s] = min(best.get(s, math.inf), sec)
@@ -150,3 +151,36 @@ def projection_table(rows) -> str:
             + f" | `{r['choice']}` |"
         )
     return "\n".join(lines)
+
+
+def named_trees() -> dict:
+    """Trees ``info --tree`` knows: the bench's and the projection's."""
+    from .bench import trees as _trees
+
+    return {
+        **_trees.make_trees(False),
+        **_trees.make_trees(True),
+        "resnet50": resnet50_tree,
+        "transformer1b": transformer_1b_tree,
+    }
+
+
+def explain_tree(name: str, topo: dict, profile=None) -> str:
+    """What ``strategy="auto"`` would choose for tree ``name`` on ``topo``
+    (``python -m jaxsync info --tree NAME``; ``topo`` as ``Topology.as_dict()``)."""
+    trees = named_trees()
+    if name not in trees:
+        raise SystemExit(f"jaxsync info: unknown tree {name!r}; choose from {sorted(trees)}")
+    from ._auto import load_profile
+    from ._auto_choose import choose
+
+    prof, note = load_profile(profile)
+    size = int(topo["size"])
+    model = ModelTopology(
+        processes=size,
+        hosts=int(topo["hosts"]),
+        local_devices=int(topo["local_devices"]),
+        native=topo.get("platform") == "cpu" and size > 1,
+        broadcast=size > 1,
+    )
+    return choose(trees[name](), model, prof, profile_note=note).describe()

@@ -19,8 +19,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _intra, _invariance, _mpi_backend
-from ._sparse import RowSparse, SparseOptions, _coalesce, _is_rs, choose, path_str
+from . import _intra, _invariance, _mpi_backend, _plugins
+from ._sparse import (
+    RowSparse,
+    SparseOptions,
+    _coalesce,
+    _is_rs,
+    check_options,
+    choose,
+    has_row_sparse,
+    path_str,
+)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -220,3 +229,8 @@ def _raise_if_bad(names, ok):
             )
 
     jax.debug.callback(check, ok)
+
+
+# RowSparse leaves plug into the core's sync here (the core never imports this area).
+_plugins.register_tree_kind(_plugins.TreeKind("row_sparse", has_row_sparse, sync_mixed))
+_plugins.register_option("sparse", check_options)

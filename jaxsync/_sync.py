@@ -2,19 +2,19 @@
 function ``sync_gradients`` and the init/update pair every transform shares.
 
 Imports: ``_config`` (a validated ``SyncConfig``), ``_plan``, ``_strategies``,
-the backends, and ``_sparse`` for ``RowSparse`` leaves.
+the backends, and ``_plugins`` (where ``RowSparse`` leaves and ``"auto"`` plug in).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from . import _intra, _invariance, _mpi_backend, _overlap, _sparse, _sparse_sync, _strategies
+from . import _intra, _invariance, _mpi_backend, _overlap, _plugins, _strategies
 from ._config import (
     AUTO,
     AxisName,
@@ -31,20 +31,21 @@ from ._config import (
 )
 from ._overlap import DoubleBufferState, overlap_groups  # noqa: F401 (re-exported)
 from ._plan import make_plan
-from ._sparse import SparseOptions
+
+if TYPE_CHECKING:  # annotations only: the core does not import jaxsync.sparse
+    from ._sparse import SparseOptions
 
 PyTree = Any
 
 
 def sync(tree: PyTree, cfg: SyncConfig):
     """Reduce ``tree`` per ``cfg``; returns (tree, all_finite or None)."""
-    if _sparse.has_row_sparse(tree):  # RowSparse leaves are all-gathered
-        return _sparse_sync.sync_mixed(tree, cfg, sync)
+    kind = _plugins.tree_kind(tree)
+    if kind is not None:  # RowSparse leaves: split off and all-gathered (jaxsync.sparse)
+        return kind.sync(tree, cfg, sync)
     _intra.check_axes(cfg.axes)
-    if cfg.strategy == AUTO:  # chosen now, from the tree (jaxsync._auto)
-        from . import _auto
-
-        cfg = _auto.resolve(tree, cfg)
+    if cfg.auto is not None:  # chosen now, from the tree (jaxsync.auto)
+        cfg = _plugins.strategy(cfg.strategy).resolve(tree, cfg)
     _check_unsynced_devices(cfg)
     intra = _intra.AxisOps(cfg.axes)
     alone = intra.size == 1 and getattr(cfg.backend, "native", False)

@@ -7,7 +7,7 @@ Imports: ``_config`` and ``_sync`` only (and ``_sparse`` for a type).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import optax
 
@@ -24,8 +24,10 @@ from ._config import (
     make_config,
 )
 from ._overlap import document_overlap
-from ._sparse import SparseOptions
 from ._sync import transform_fns
+
+if TYPE_CHECKING:  # annotations only: the core does not import jaxsync.sparse
+    from ._sparse import SparseOptions
 
 
 def _transform(

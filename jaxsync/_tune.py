@@ -37,8 +37,6 @@ import argparse
 import functools
 import json
 import math
-import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -47,48 +45,12 @@ import numpy as np
 from . import _cost, _cost_fit, _cost_ops, _tune_sync
 from ._cost import Profile
 from ._host import host_allocator_state, tune_host_allocator
+from ._rounds import _control, _log, _time_rounds
 from ._topology import default_comm
 
 KiB, MiB = 2**10, 2**20
 SIZES = (16 * KiB, 256 * KiB, 2 * MiB, 8 * MiB)
 QUICK_SIZES = (16 * KiB, 1 * MiB)
-
-
-def _log(rank, msg):
-    if rank == 0:
-        print(f"[tune] {msg}", file=sys.stderr, flush=True)
-
-
-def _time_rounds(fns: dict, base_key, rounds: int, iters: int, comm=None) -> dict:
-    """Marginal seconds of each fn against ``fns[base_key]``: median over rounds
-    of (median of ``iters`` calls); the slowest process's per round."""
-    import jax
-
-    keys = list(fns)
-    samples = np.zeros((rounds, len(keys)))
-    for k in keys:  # warm up
-        jax.block_until_ready(fns[k]())
-    for r in range(rounds):
-        order = keys[r % len(keys) :] + keys[: r % len(keys)]
-        for k in order:
-            if comm is not None:
-                comm.Barrier()
-            ts = []
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fns[k]())
-                ts.append(time.perf_counter() - t0)
-            samples[r, keys.index(k)] = statistics.median(ts)
-    if comm is not None:
-        from mpi4py import MPI
-
-        comm.Allreduce(MPI.IN_PLACE, samples, op=MPI.MAX)
-    b = keys.index(base_key)
-    return {
-        k: float(np.median(samples[:, i] - samples[:, b]))
-        for i, k in enumerate(keys)
-        if k != base_key
-    }
 
 
 MULTI = 8  # buffers in one call, to tell the cost per call from the cost per message
@@ -233,14 +195,6 @@ def measure_copy(devices: int, sizes, rounds: int, iters: int, comm=None) -> lis
         )
         out.append((2 * k * m * 4, got["copy"]))
     return out
-
-
-def _control(comm):
-    if comm is None:
-        return None
-    from ._topology import Comms
-
-    return Comms.of(comm).control
 
 
 def calibrate(

@@ -13,7 +13,7 @@ synthetic bfloat16 tree, each strategy's extra cost per byte of 16-bit data
 (its conversions to float32 and back, the user-defined MPI sum).
 
 May import: the standard library, numpy, JAX, jaxsync's public API and
-``jaxsync._cost``, ``_cost_ops``, ``_cost_fit``, ``_auto``, ``_plan``, ``_tune``.
+``jaxsync._cost``, ``_cost_ops``, ``_cost_fit``, ``_auto``, ``_plan``, ``_rounds``.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def measure_sync(
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from ._tune import _control, _time_rounds
+    from ._rounds import _control, _time_rounds
 
     mesh = Mesh(np.array(jax.local_devices()[:devices]), ("local",))
     sh = NamedSharding(mesh, P("local"))

@@ -742,12 +742,12 @@ def test_model_report_compares_a_repeated_measurement(tmp_path):
 
 def test_info_tree_explains_the_choice():
     topo = {"size": 2, "hosts": 1, "local_devices": 1, "platform": "cpu"}
-    text = _auto.explain_tree("small500", topo, _cost.DEFAULT_PROFILE)
+    text = _project.explain_tree("small500", topo, _cost.DEFAULT_PROFILE)
     assert "2 process(es) on 1 host(s) x 1 device(s), inter link host" in text
     marked = [line for line in text.splitlines() if line.startswith(" * ")]
     assert len(marked) == 1 and text.splitlines()[0].split()[2] in marked[0]
     with pytest.raises(SystemExit, match="unknown tree"):
-        _auto.explain_tree("nope", topo)
+        _project.explain_tree("nope", topo)
 
 
 def test_describe_shows_this_transforms_choices_only():
