@@ -1,4 +1,4 @@
-"""Builds jaxsync's native MPI extension (jaxsync/_native/_jaxsync_mpi*.so).
+"""Builds jaxsync's native MPI extension (jaxsync/_comm/_native/_jaxsync_mpi*.so).
 
 The extension is a plain shared library of XLA FFI handlers, compiled by the
 MPI compiler wrapper so that it links the same MPI as mpi4py. The wrapper is
@@ -105,7 +105,9 @@ class BuildNative(build_ext):
 setup(
     ext_modules=[
         Extension(
-            "jaxsync._native._jaxsync_mpi", sources=["jaxsync/_native/mpi_ffi.cc"], language="c++"
+            "jaxsync._comm._native._jaxsync_mpi",
+            sources=["jaxsync/_comm/_native/mpi_ffi.cc"],
+            language="c++",
         )
     ],
     cmdclass={"build_ext": BuildNative},

@@ -8,26 +8,31 @@ own XLA FFI targets on CPU, mpi4jax's on GPU) or a mesh axis, and unpack. Each s
     tx = optax.chain(jaxsync.hierarchical_mean(axis_name="local"), optax.adam(1e-3))
 """
 
-from ._auto import auto_mean
-from ._axis_backend import AxisComm
-from ._broadcast import broadcast_params
-from ._compress import PowerSGDState, SignState, state_specs
-from ._host import host_allocator_state, tune_host_allocator
-from ._plan import Bucket, LeafSpec, Plan, make_plan
-from ._powersgd import powersgd_mean
-from ._sign import sign_mean
-from ._sparse import RowSparse, SparseOptions
-from ._sparse_grad import row_sparse_grad
-from ._sparse_optim import apply_sparse_updates, densify, sparse_adagrad, sparse_sgd
-from ._sparse_sync import sync_mixed as _sync_mixed  # noqa: F401 (registers RowSparse)
-from ._sync import DoubleBufferState, SyncState, sync_gradients
-from ._topology import Topology, default_comm, free_communicators, topology
-from ._transforms import (
+from jaxsync._comm._axis_backend import AxisComm
+from jaxsync._comm._host import host_allocator_state, tune_host_allocator
+from jaxsync._comm._topology import Topology, default_comm, free_communicators, topology
+from jaxsync._core._broadcast import broadcast_params
+from jaxsync._core._plan import Bucket, LeafSpec, Plan, make_plan
+from jaxsync._core._sync import DoubleBufferState, SyncState, sync_gradients
+from jaxsync._core._transforms import (
     flat_mean,
     hierarchical_mean,
     naive_mean,
     single_node_mean,
     two_dimensional_mean,
+)
+
+# The optional areas (each registers with the core when imported).
+from jaxsync.auto import auto_mean
+from jaxsync.compress import PowerSGDState, SignState, powersgd_mean, sign_mean, state_specs
+from jaxsync.sparse import (
+    RowSparse,
+    SparseOptions,
+    apply_sparse_updates,
+    densify,
+    row_sparse_grad,
+    sparse_adagrad,
+    sparse_sgd,
 )
 
 __version__ = "0.1.0"

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return cli.main(rest)
     if command == "tune":
-        from . import _tune
+        from .auto import _tune
 
         return _tune.main(rest)
     if command == "cluster":
@@ -52,11 +52,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return cluster_cli.main(rest)
     if command == "selftest":
-        from . import _selftest
+        from ._cli import _selftest
 
         return _selftest.main(rest)
     if command == "info":
-        from . import _info
+        from ._cli import _info
 
         return _info.main(rest)
     parser.error(f"unknown command {command!r}; choose from {', '.join(_HELP)}")

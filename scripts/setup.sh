@@ -11,7 +11,7 @@
 #   JAXSYNC_CUDA    12 or 13: GPU build - jax[cudaNN] and mpi4jax's CUDA bridge,
 #                   compiled against the toolkit folder that holds
 #                   include/cuda_runtime.h ($CUDA_HOME, $CUDA_PATH, $CUDA_ROOT,
-#                   /usr/local/cuda, ...; see jaxsync/_toolkit.py). Unset: CPU only,
+#                   /usr/local/cuda, ...; see jaxsync/_cli/_toolkit.py). Unset: CPU only,
 #                   whatever CUDA toolkits the machine has.
 #   JAXSYNC_SETUP_EXTRA_PACKAGES
 #                   more pip requirements (space separated), installed first; also
@@ -31,8 +31,8 @@ esac
 extra="${JAXSYNC_SETUP_EXTRA_PACKAGES:-}"
 
 stamp="$venv/.jaxsync-setup"
-inputs=(pyproject.toml setup.py scripts/setup.sh scripts/verify_install.py jaxsync/_toolkit.py
-        jaxsync/_native/*.cc)
+inputs=(pyproject.toml setup.py scripts/setup.sh scripts/verify_install.py jaxsync/_cli/_toolkit.py
+        jaxsync/_comm/_native/*.cc)
 want="$(for f in "${inputs[@]}"; do if [ -f "$f" ]; then cat "$f"; fi; done | sha256sum | cut -c1-16)"
 want="$want cuda=$cuda extra=$extra"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
@@ -95,7 +95,7 @@ step "install $jax_req, MPI (mpich wheel) and mpi4py" \
 build_mpi4jax() {
   local cuda_root="$venv/.no-cuda"
   if [ -n "$cuda" ]; then
-    cuda_root="$("$venv/bin/python" "$root/jaxsync/_toolkit.py" cuda-root)" || return 1
+    cuda_root="$("$venv/bin/python" "$root/jaxsync/_cli/_toolkit.py" cuda-root)" || return 1
     echo "CUDA toolkit: $cuda_root"
   else
     mkdir -p "$cuda_root"
@@ -118,7 +118,7 @@ if [[ " $have " != *" cpu "* ]] || { [ -n "$cuda" ] && [[ " $have " != *" cuda "
   step "build mpi4jax from source ($what, about 30 s)" build_mpi4jax
 fi
 
-# jaxsync's own native MPI target (jaxsync/_native) is compiled here, with the
+# jaxsync's own native MPI target (jaxsync/_comm/_native) is compiled here, with the
 # environment's MPI compiler wrapper (the MPI that mpi4py loads); a missing wrapper
 # or a failed compile stops set-up.
 MPICC="$venv/bin/mpicc" JAXSYNC_REQUIRE_NATIVE=1 \

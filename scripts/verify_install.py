@@ -56,7 +56,7 @@ def main(checkout: str) -> int:
                 f"{checkout}: reinstall with pip install -e {checkout}"
             )
     if js is not None:
-        from jaxsync import _mpi_load
+        from jaxsync._comm import _mpi_load
 
         status = _mpi_load.native_status()
         if not status["loaded"]:

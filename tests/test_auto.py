@@ -1,4 +1,4 @@
-"""The cost model (jaxsync._cost), its calibration fit and strategy="auto".
+"""The cost model (jaxsync.auto._cost), its calibration fit and strategy="auto".
 
 Closed forms are checked on hand-computed cases with round parameters
 (alpha = 1 s, beta = 1e-3 s/B, gamma = 1e-4 s/B); the fit on synthetic timings
@@ -22,9 +22,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxsync
-from jaxsync import _auto, _cost, _cost_fit, _cost_ops, _project, _tune_sync
-from jaxsync._cost import Link, Profile
-from jaxsync._cost_ops import BucketInfo, ModelTopology, Op
+from jaxsync.auto import _auto, _cost, _cost_fit, _cost_ops, _project, _tune_sync
+from jaxsync.auto._cost import Link, Profile
+from jaxsync.auto._cost_ops import BucketInfo, ModelTopology, Op
 
 ROOT = Path(__file__).resolve().parent.parent
 L = Link(alpha=1.0, beta=1e-3, gamma=1e-4)
@@ -432,7 +432,7 @@ def test_negative_overhead_never_makes_a_sync_free():
 
 
 def test_model_follows_what_sync_plans():
-    from jaxsync._config import make_config
+    from jaxsync._core._config import make_config
 
     for s in ("naive", "flat", "hierarchical", "two_dimensional"):
         cfg = make_config("t", s, None, None)
@@ -606,7 +606,7 @@ def test_profile_for_another_topology_warns_at_trace_time():
 
 @pytest.mark.parametrize("measured", ["tuned", "default"])
 def test_profile_from_the_other_host_allocator_is_noted(measured, monkeypatch):
-    from jaxsync import _host
+    from jaxsync._comm import _host
 
     monkeypatch.setattr(_host, "_tuned", False)
     for k in _host._ENV:

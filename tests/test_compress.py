@@ -19,8 +19,9 @@ from _common import MESH2, bits
 from jax.sharding import PartitionSpec as P
 
 import jaxsync
-from jaxsync import _compress, _sign
 from jaxsync.bench import digits
+from jaxsync.compress import _common as _compress
+from jaxsync.compress import _sign
 
 R = 4  # replicas
 

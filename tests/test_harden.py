@@ -19,9 +19,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxsync
-from jaxsync import _config, _mpi_backend, _sync, _topology
-from jaxsync._plan import make_plan, structure_text
-from jaxsync._reduce16 import UNROLL, rows_sum_f32
+from jaxsync._comm import _mpi_backend, _topology
+from jaxsync._core import _config, _sync
+from jaxsync._core._plan import make_plan, structure_text
+from jaxsync._core._reduce16 import UNROLL, rows_sum_f32
 
 # --------------------------------------------------------------------------
 # Item 2: a launched job must not silently train alone.
@@ -287,7 +288,7 @@ class _WatchComm:
         return 2
 
     def Iprobe(self, source=None, tag=None, status=None):
-        from jaxsync._watchdog import _REPLY
+        from jaxsync._comm._watchdog import _REPLY
 
         if tag == _REPLY and self.replies:
             status.source = 1
@@ -323,7 +324,7 @@ def fake_mpi_status(monkeypatch):
 def _stalled(comm, timeout):
     import io
 
-    from jaxsync._watchdog import Watchdog
+    from jaxsync._comm._watchdog import Watchdog
 
     wd = Watchdog(comm, timeout, stream=io.StringIO())
     wd.enter(None)  # inside a stage...
@@ -365,7 +366,7 @@ def test_watchdog_ignores_replies_of_an_earlier_round(fake_mpi_status):
 
 def test_mpi_side_effects_are_io_callbacks():
     """Host-staged MPI calls and watchdog hooks are effects JAX keeps, once each."""
-    from jaxsync._watchdog import _tie
+    from jaxsync._comm._watchdog import _tie
 
     ops = _mpi_backend._HostOps(_FakeComm(size=2))
     jaxpr = str(jax.make_jaxpr(lambda x: ops.allgather(ops.allreduce([x])[0]))(jnp.ones(3)))
@@ -438,7 +439,7 @@ class _FakeOps:
 
 
 def _sum_low_eqns(size):
-    from jaxsync import _strategies
+    from jaxsync._core import _strategies
 
     ops = _FakeOps(size)
     jaxpr = jax.make_jaxpr(lambda x: _strategies._sum_low(ops, x))(

@@ -1,6 +1,7 @@
-"""The package's layout: the README's "Layout" section lists every module of
-``jaxsync/`` (one line each, nothing that is not there), and no module grows
-past the size the layout is meant to keep readable."""
+"""The package's layout: the docs' layout page (docs/layout.md) lists every module
+of ``jaxsync/`` (one line each, nothing that is not there), every folder of the
+package is a package with a docstring, and no module grows past the size the
+layout is meant to keep readable."""
 
 from __future__ import annotations
 
@@ -20,21 +21,21 @@ def _modules() -> set[str]:
 
 
 def _layout_lines() -> list[str]:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "layout.md").read_text()
     section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
     block = section.split("```", 2)[1]
     return [line for line in block.splitlines() if line.strip()]
 
 
-def test_readme_layout_lists_every_module_once():
+def test_layout_page_lists_every_module_once():
     listed = [
         m.group(0) for line in _layout_lines() for m in [re.match(r"jaxsync/\S+\.py", line)] if m
     ]
     assert len(listed) == len(set(listed)), "a module is listed twice"
     missing = sorted(_modules() - set(listed))
     extra = sorted(set(listed) - _modules())
-    assert not missing, f"README Layout does not list {missing}"
-    assert not extra, f"README Layout lists modules that do not exist: {extra}"
+    assert not missing, f"docs/layout.md does not list {missing}"
+    assert not extra, f"docs/layout.md lists modules that do not exist: {extra}"
 
 
 def test_every_module_opens_with_a_docstring():
@@ -56,3 +57,13 @@ def test_no_module_is_too_long():
         if (n := len((ROOT / m).read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"modules over {MAX_LINES} lines (split them by concern): {long}"
+
+
+def test_every_folder_of_the_package_is_a_package():
+    folders = {
+        p.relative_to(ROOT).as_posix()
+        for p in (ROOT / "jaxsync").rglob("*")
+        if p.is_dir() and "__pycache__" not in p.parts
+    }
+    bare = sorted(f for f in folders if not (ROOT / f / "__init__.py").exists())
+    assert not bare, f"folders without an __init__.py: {bare}"

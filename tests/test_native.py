@@ -3,7 +3,7 @@
 import pytest
 
 import jaxsync
-from jaxsync import _mpi_backend, _mpi_load
+from jaxsync._comm import _mpi_backend, _mpi_load
 
 
 @pytest.fixture
@@ -37,5 +37,5 @@ def test_native_status_reports_missing_library(missing_library):
 
 
 def test_native_error_is_an_import_error_subclass():
-    assert issubclass(_mpi_load.NativeUnavailableError, jaxsync._mpi_load.MPIUnavailableError)
+    assert issubclass(_mpi_load.NativeUnavailableError, jaxsync._comm._mpi_load.MPIUnavailableError)
     assert issubclass(_mpi_load.NativeUnavailableError, ImportError)

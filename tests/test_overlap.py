@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import jaxsync
-from jaxsync._sync import overlap_groups
+from jaxsync._core._sync import overlap_groups
 
 
 @pytest.mark.parametrize(

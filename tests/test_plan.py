@@ -1,4 +1,4 @@
-"""Tests for the static packing plan (jaxsync/_plan.py).
+"""Tests for the static packing plan (jaxsync/_core/_plan.py).
 
 Reliability rows covered: 4 (mixed dtypes, one buffer per dtype, bit-exact
 round trip), 5 (empty tree, None subtrees, int/bool/float0 leaves, scalars,
@@ -536,7 +536,7 @@ def test_flat_default_buckets_stay_small():
     # buffers (16 MiB ones cost 4x more on 8 CPU devices), and a leaf above the
     # cap travels alone (never split, never copied into a bucket)
     MiB = 2**20
-    from jaxsync._config import make_config
+    from jaxsync._core._config import make_config
 
     cfg = make_config("flat_mean", "flat", "i", None)  # what flat_mean(...) validates
     assert cfg.bucket_bytes == 4 * MiB and cfg.pack_threshold is None
@@ -552,7 +552,7 @@ def test_flat_default_buckets_stay_small():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("parts", [1, 2, 3, 4, 9])
 def test_packing_is_a_plain_concatenation(parts, dtype):
-    from jaxsync._plan import concat
+    from jaxsync._core._plan import concat
 
     xs = [jnp.arange(i, i + 2 + i, dtype=dtype) for i in range(parts)]
     got = np.asarray(concat(xs).astype(jnp.float32))

@@ -1,4 +1,4 @@
-"""Set-up (scripts/setup.sh) and the CUDA toolkit choice (jaxsync/_toolkit.py).
+"""Set-up (scripts/setup.sh) and the CUDA toolkit choice (jaxsync/_cli/_toolkit.py).
 
 The from-scratch test is slow (a new virtual environment with no pip cache, mpi4jax
 built from source, then the demo): marked ``slow``, and run by CI like every test.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxsync import _toolkit
+from jaxsync._cli import _toolkit
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = ROOT / "scripts" / "setup.sh"
@@ -127,7 +127,7 @@ def test_no_toolkit_names_every_folder_tried(tmp_path):
 def test_toolkit_script_runs_without_jaxsync_installed(tmp_path):
     # setup.sh runs the file before jaxsync is installed: standard library only.
     r = subprocess.run(
-        [sys.executable, "-S", "-I", str(ROOT / "jaxsync" / "_toolkit.py"), "cuda-root"],
+        [sys.executable, "-S", "-I", str(ROOT / "jaxsync" / "_cli" / "_toolkit.py"), "cuda-root"],
         capture_output=True,
         text=True,
         timeout=30,

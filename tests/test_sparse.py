@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxsync
-from jaxsync import _sparse
+from jaxsync.sparse import _rows as _sparse
 
 R = 8  # replicas (fake devices, tests/conftest.py)
 V, D, K = 256, 3, 3
@@ -284,17 +284,17 @@ def test_agreement_text_names_k_and_num_rows():
     """The text every process compares holds k and num_rows of each sparse leaf."""
     seen = []
 
-    class Recorder(jaxsync._axis_backend.LocalBackend):
+    class Recorder(jaxsync._comm._axis_backend.LocalBackend):
         def agree(self, text, what, bufs):
             seen.append(text)
             return bufs
 
-    cfg = jaxsync._config.make_config("t", "hierarchical", "i", None)
+    cfg = jaxsync._core._config.make_config("t", "hierarchical", "i", None)
     import dataclasses
 
     cfg = dataclasses.replace(cfg, backend=Recorder())
     tree = stacked_tree()
-    jax.vmap(lambda t: jaxsync._sync.sync(t, cfg)[0], axis_name="i")(tree)
+    jax.vmap(lambda t: jaxsync._core._sync.sync(t, cfg)[0], axis_name="i")(tree)
     assert f"row-sparse leaf emb: k {K} num_rows {V} row_shape ({D},)" in seen[0]
     assert "-> sparse" in seen[0]
 

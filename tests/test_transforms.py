@@ -1,4 +1,4 @@
-"""Tests of the public optax factories and ``sync_gradients`` (jaxsync/_transforms.py).
+"""Tests of the public optax factories and ``sync_gradients`` (jaxsync/_core/_transforms.py).
 
 Reliability rows (the table in tests/_common.py) covered: 5 (float0 leaves), 6 (unbound axis,
 outside any mapped

@@ -24,9 +24,9 @@ Figures on a shared machine are noisy: read ratios from one run.
 
 What it may import: numpy, jax, mpi4py, ``jaxsync`` (public API), the other
 ``jaxsync.bench`` modules, and three private pieces of jaxsync for want of a public
-API: ``jaxsync._compress``'s leaf layouts (``_powersgd_layout``, ``_sign_layout``:
+API: ``jaxsync.compress._common``'s leaf layouts (``_powersgd_layout``, ``_sign_layout``:
 the payload is counted by the functions that decide what is compressed) and
-``jaxsync._cost`` (``Link``, ``collective_seconds``: the ring model is jaxsync's
+``jaxsync.auto._cost`` (``Link``, ``collective_seconds``: the ring model is jaxsync's
 cost model).
 """
 
@@ -51,14 +51,14 @@ MODEL_HOSTS = (2, 8, 32)
 def ring_time(kind: str, nbytes: float, members: int, gbps: float, alpha: float = ALPHA_S) -> float:
     """Seconds for one ring collective whose per-member payload is ``nbytes``.
 
-    jaxsync's cost model (:func:`jaxsync._cost.collective_seconds`, ring
+    jaxsync's cost model (:func:`jaxsync.auto._cost.collective_seconds`, ring
     algorithm) on a link of ``gbps`` with ``alpha`` seconds per message and no
     reduction cost (this models the wire; the compute overhead is measured).
     ``allreduce``: reduce-scatter + all-gather, ``2 (P-1)`` steps of ``nbytes/P``.
     ``allgather``: ``P-1`` steps of ``nbytes`` (every member's payload reaches
     every other member).
     """
-    from jaxsync import _cost  # private: see the module docstring
+    from jaxsync.auto import _cost
 
     if members <= 1 or nbytes == 0:
         return 0.0
@@ -74,7 +74,7 @@ def payloads(name: str, tree) -> list[tuple[str, int]]:
     import jax
     import numpy as np
 
-    from jaxsync import _compress  # private: see the module docstring
+    from jaxsync.compress import _common as _compress
 
     leaves = jax.tree.leaves(tree)
     nbytes = [math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in leaves]

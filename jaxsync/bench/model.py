@@ -34,7 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import _cost_ops
+from jaxsync.auto import _cost_ops
+
 from . import cases, trees, world
 from .methods import AXIS, LOCAL
 from .model_report import AUTO_TOL, STRATEGIES, collect
@@ -146,8 +147,8 @@ class ModelMPI(cases.MPIBench):
 
 def predictions(tree, topo: _cost_ops.ModelTopology, profile) -> dict:
     """Predicted seconds of each strategy with the options its factory uses."""
-    from .._auto import buckets_of
-    from .._plan import make_plan
+    from jaxsync._core._plan import make_plan
+    from jaxsync.auto._auto import buckets_of
 
     out = {}
     for s in STRATEGIES:
@@ -198,7 +199,7 @@ def pool_same_programs(rows, methods) -> dict:
 
 def _same_program(tree, topo, choice) -> bool:
     """Whether auto's choice plans ``tree`` as the chosen strategy's factory does."""
-    from .._plan import make_plan
+    from jaxsync._core._plan import make_plan
 
     b, t = _cost_ops.strategy_defaults(choice.strategy)
     per_leaf = _cost_ops.per_leaf_plan(choice.strategy, topo)
@@ -275,8 +276,7 @@ def main(argv: list[str]) -> int:
     import jax
 
     import jaxsync
-
-    from .. import _auto, _tune
+    from jaxsync.auto import _auto, _tune
 
     if args.tune_host_allocator and not jaxsync.tune_host_allocator():
         raise SystemExit("jaxsync bench: --tune-host-allocator needs glibc; run without it.")

@@ -15,7 +15,7 @@ from _worker import Results, init, to_numpy
 
 
 def profile_for(rank):
-    from jaxsync import _cost
+    from jaxsync.auto import _cost
 
     if rank == 0:  # free messages, expensive copies: pack nothing
         link = _cost.Link(alpha=0.0, beta=1e-9, gamma=1e-10)
@@ -39,7 +39,7 @@ def main():
     from jax.sharding import PartitionSpec as P
 
     import jaxsync
-    from jaxsync import _auto, _cost_ops
+    from jaxsync.auto import _auto, _cost_ops
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

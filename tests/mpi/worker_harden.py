@@ -50,7 +50,7 @@ def main():
 
     if ns.mode == "trace_alone":
         tx = jaxsync.hierarchical_mean(axis_name="d")  # comm="auto"
-        from jaxsync._config import make_config
+        from jaxsync._core._config import make_config
 
         res.add("backend", repr(make_config("t", "hierarchical", "d", "auto").backend))
         step = step_of(tx, lambda v: {"w": jnp.full((5,), v)})
@@ -142,7 +142,7 @@ def main():
             for _ in range(5):
                 out = step(x)
             out = np.asarray(jax.block_until_ready(out)["w"])
-            from jaxsync._topology import Comms
+            from jaxsync._comm._topology import Comms
 
             mine = Comms.of(sub)
             handles = [

@@ -36,7 +36,7 @@ def main():
     from jax.sharding import PartitionSpec as P
 
     import jaxsync
-    from jaxsync import _mpi_load, _native_prim
+    from jaxsync._comm import _mpi_load, _native_prim
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

@@ -33,7 +33,7 @@ def main():
     import numpy as np
 
     import jaxsync
-    from jaxsync import _native_prim
+    from jaxsync._comm import _native_prim
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

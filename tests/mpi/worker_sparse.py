@@ -21,7 +21,7 @@ def main():
     from sparse_data import V, rows
 
     import jaxsync
-    from jaxsync._sparse import RowSparse
+    from jaxsync.sparse._rows import RowSparse
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()

@@ -67,7 +67,7 @@ def main():
             fh.write(str(time.time()))
         outs.append(to_numpy(jax.block_until_ready(g(x))["w"]))
     res.add("outs", outs)
-    from jaxsync._topology import Comms
+    from jaxsync._comm._topology import Comms
 
     res.add("reports", [r for w in Comms.of(comm)._watchdogs.values() for r in w.reports])
     res.write()

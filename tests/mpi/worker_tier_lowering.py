@@ -21,7 +21,7 @@ def main():
     from jax.sharding import PartitionSpec as P
 
     import jaxsync
-    from jaxsync import _mpi_backend
+    from jaxsync._comm import _mpi_backend
 
     comm = MPI.COMM_WORLD
     D = jax.local_device_count()

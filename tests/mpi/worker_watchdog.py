@@ -42,7 +42,7 @@ def main():
                 time.sleep(3.0)
             outs.append(to_numpy(jax.block_until_ready(g(x))["w"]))
         res.add(f"straggler-{strategy}", outs)
-    from jaxsync._topology import Comms
+    from jaxsync._comm._topology import Comms
 
     res.add("watchdog-reports", list(Comms.of(comm).watchdog(1.0).reports))
 

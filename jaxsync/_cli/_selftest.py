@@ -1,0 +1,278 @@
+"""``python -m jaxsync selftest``: what to run on a new cluster before training.
+
+Under ``mpirun``/``srun`` (or ``python -m jaxsync cluster``), alone too. Three
+parts, printed by rank 0 in tables:
+
+1. the topology every rank sees (hosts, processes per host, devices), checked
+   for agreement (every host the same size, every process the same devices);
+2. every strategy (and ``comm_dtype=bfloat16``, ``staging="host"``) on small
+   trees of integer-valued leaves, compared bitwise with the closed-form mean,
+   in the README's ``jit(shard_map)`` step over the local devices;
+3. each tier's bandwidth, as nccl-tests reports it: the allreduce of a buffer
+   among the devices of a process (``psum``), the processes of a host (MPI over
+   shared memory) and one process per host (MPI over the network), with the
+   algorithm bandwidth (bytes / time) and the bus bandwidth (times 2(n-1)/n).
+
+The exit status is non-zero on every rank when any check fails anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+# Leaf k of replica r (global index over processes x devices) is r + k: the mean
+# (N - 1)/2 + k is exact in float32 and bfloat16 for the small N and k used here.
+TREE = {
+    "a": ((3, 5), "float32"),
+    "b": ((7,), "bfloat16"),
+    "c": ((1000,), "float32"),
+    "d": ((), "float32"),
+}
+
+
+def _cases(comm) -> dict[str, Any]:
+    import jax.numpy as jnp
+
+    import jaxsync
+
+    mpi = comm is not None
+    out = {}
+    for name in ("naive", "flat", "hierarchical", "two_dimensional"):
+        fac = getattr(jaxsync, f"{name}_mean")
+        out[name] = fac(axis_name="local", comm=comm)
+        if mpi:
+            out[f"{name} bf16"] = fac(axis_name="local", comm=comm, comm_dtype=jnp.bfloat16)
+            out[f"{name} host"] = fac(axis_name="local", comm=comm, staging="host")
+    if not mpi:
+        out["single_node"] = jaxsync.single_node_mean(axis_name="local")
+    return out
+
+
+def check_strategies(comm) -> list[tuple[str, bool, str]]:
+    """(case, passed, detail) for every strategy; collective over ``comm``."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rank = 0 if comm is None else comm.Get_rank()
+    size = 1 if comm is None else comm.Get_size()
+    D = jax.local_device_count()
+    n = D * size
+    mesh = Mesh(np.array(jax.local_devices()), ("local",))
+    sharding = NamedSharding(mesh, P("local"))
+    tree = {
+        k: jax.device_put(
+            jnp.stack([jnp.full(shape, D * rank + d + i, dtype) for d in range(D)]), sharding
+        )
+        for i, (k, (shape, dtype)) in enumerate(sorted(TREE.items()))
+    }
+    want = {
+        k: np.full(shape, (n - 1) / 2 + i, np.float64)
+        for i, (k, (shape, _)) in enumerate(sorted(TREE.items()))
+    }
+    results = []
+    for name, tx in _cases(comm).items():
+
+        def body(t, tx=tx):
+            t = jax.tree.map(lambda x: x[0], t)
+            return jax.tree.map(lambda x: x[None], tx.update(t, tx.init(t))[0])
+
+        try:
+            step = jax.jit(
+                jax.shard_map(body, mesh=mesh, in_specs=P("local"), out_specs=P("local"))
+            )
+            got = jax.tree.map(np.asarray, jax.block_until_ready(step(tree)))
+            bad = [
+                k
+                for k in sorted(TREE)
+                if got[k].dtype != np.dtype(jnp.dtype(TREE[k][1]))
+                or not all(np.array_equal(got[k][d].astype(np.float64), want[k]) for d in range(D))
+            ]
+            results.append((name, not bad, f"wrong leaves: {bad}" if bad else "exact"))
+        except Exception as e:  # noqa: BLE001 - reported as a failed case
+            results.append((name, False, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"))
+    return results
+
+
+def _timed(fn, iters: int) -> float:
+    fn()  # warm-up (connections, first-call costs)
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def bandwidths(comm, nbytes: int, iters: int) -> list[dict]:
+    """The allreduce of ``nbytes`` on each tier present; collective over ``comm``."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rows = []
+
+    def row(tier, n, seconds):
+        alg = nbytes / seconds / 1e9
+        rows.append(
+            dict(
+                tier=tier,
+                ranks=n,
+                bytes=nbytes,
+                ms=seconds * 1e3,
+                algbw=alg,
+                busbw=alg * 2 * (n - 1) / n,
+            )
+        )
+
+    D = jax.local_device_count()
+    if D > 1:
+        mesh = Mesh(np.array(jax.local_devices()), ("local",))
+        x = jax.device_put(jnp.ones((D, nbytes // 4), jnp.float32), NamedSharding(mesh, P("local")))
+        f = jax.jit(
+            jax.shard_map(
+                lambda b: lax.psum(b, "local"), mesh=mesh, in_specs=P("local"), out_specs=P("local")
+            )
+        )
+        seconds = _timed(lambda: jax.block_until_ready(f(x)), iters)
+        if comm is not None:
+            from mpi4py import MPI
+
+            seconds = comm.allreduce(seconds, op=MPI.MAX)
+        row("devices of a process (psum)", D, seconds)
+    if comm is None:
+        return rows
+    from mpi4py import MPI
+
+    send = np.ones(nbytes // 4, np.float32)
+    recv = np.empty_like(send)
+    host = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    leaders = comm.Split(0 if host.Get_rank() == 0 else MPI.UNDEFINED, comm.Get_rank())
+    tiers = [("processes of a host (MPI, shared memory)", host)]
+    tiers.append(("hosts, one process each (MPI, network)", leaders))
+    tiers.append(("all processes (MPI)", comm))
+    for tier, c in tiers:
+        n = c.Get_size() if c != MPI.COMM_NULL else 0
+        n = comm.allreduce(n, op=MPI.MAX)
+        if n < 2:
+            continue
+        seconds = 0.0
+        if c != MPI.COMM_NULL:
+            c.Barrier()
+            seconds = _timed(lambda c=c: c.Allreduce(send, recv, op=MPI.SUM), iters)
+        seconds = comm.allreduce(seconds, op=MPI.MAX)
+        row(tier, n, seconds)
+        comm.Barrier()
+    for c in (host, leaders):
+        if c != MPI.COMM_NULL:
+            c.Free()
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxsync selftest",
+        description="Check jaxsync on this cluster before training: the topology every "
+        "rank sees, every strategy exact on small trees, and each tier's allreduce "
+        "bandwidth (devices of a process, processes of a host, hosts). Run under "
+        "mpirun/srun with the launch you train with. Exit status non-zero on any failure.",
+    )
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="fake CPU devices per process (jax_num_cpu_devices)",
+    )
+    p.add_argument(
+        "--mbytes", type=float, default=16.0, help="buffer of the bandwidth test in MB (default 16)"
+    )
+    p.add_argument(
+        "--iters", type=int, default=5, help="timed allreduces per tier (median; default 5)"
+    )
+    args = p.parse_args(argv)
+    if args.mbytes <= 0 or args.iters < 1:
+        p.error("--mbytes must be > 0 and --iters >= 1")
+    import jax
+
+    if args.devices:
+        jax.config.update("jax_num_cpu_devices", args.devices)
+    from jaxsync._comm._topology import default_comm, topology
+
+    comm = default_comm()
+    topo = topology(comm)
+    tops = [topo] if comm is None else comm.allgather(topo)
+    per_host = {t.host: t.local_size for t in tops}
+    problems = []
+    if len(set(per_host.values())) > 1:
+        problems.append(f"hosts hold different numbers of processes: {per_host}")
+    if len({t.local_devices for t in tops}) > 1:
+        problems.append(
+            f"processes drive different numbers of devices: {[t.local_devices for t in tops]}"
+        )
+    cases: list[tuple[str, bool, str]] = []
+    bws: list[dict] = []
+    if not problems:  # a launch the ranks disagree on: fix that first (syncs would fail)
+        cases = check_strategies(comm)
+        if comm is not None:  # a case passes only where it passed on every rank
+            every = comm.allgather([ok for _, ok, _ in cases])
+            cases = [(n, all(r[i] for r in every), d) for i, (n, _, d) in enumerate(cases)]
+        bws = bandwidths(comm, int(args.mbytes * 1e6) // 4 * 4, args.iters)
+    failed = bool(problems) or not all(ok for _, ok, _ in cases)
+    if topo.rank == 0:
+        _print(tops, problems, cases, bws)
+        print(f"selftest {'FAILED' if failed else 'passed'}", flush=True)
+    return 1 if failed else 0
+
+
+def _print(tops, problems, cases, bws) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=110)
+    t = tops[0]
+    table = Table(
+        title=f"topology: {t.hosts} host(s), {t.size} process(es), {t.local_devices} device(s) each"
+    )
+    for c in ("rank", "host", "local_rank", "local_size", "devices", "platform"):
+        table.add_column(c, justify="right")
+    for x in tops:
+        table.add_row(
+            *(
+                str(v)
+                for v in (x.rank, x.host, x.local_rank, x.local_size, x.local_devices, x.platform)
+            )
+        )
+    console.print(table)
+    for msg in problems:
+        console.print(f"[red]FAIL[/red] {msg}; the strategies were not run (fix the launch)")
+    if not cases:
+        return
+    table = Table(title="every strategy on integer-valued leaves, bitwise against the closed form")
+    for c in ("case", "result", "detail"):
+        table.add_column(c)
+    for name, ok, detail in cases:
+        table.add_row(name, "[green]PASS[/green]" if ok else "[red]FAIL[/red]", detail)
+    console.print(table)
+    if bws:
+        table = Table(title="allreduce bandwidth per tier (median; slowest rank)")
+        for c in ("tier", "ranks", "MB", "ms", "algbw GB/s", "busbw GB/s"):
+            table.add_column(c, justify="right" if c != "tier" else "left")
+        for b in bws:
+            table.add_row(
+                b["tier"],
+                str(b["ranks"]),
+                f"{b['bytes'] / 1e6:.1f}",
+                f"{b['ms']:.2f}",
+                f"{b['algbw']:.3f}",
+                f"{b['busbw']:.3f}",
+            )
+        console.print(table)
+    sys.stdout.flush()

@@ -1,0 +1,212 @@
+"""Overlap and double buffering: gradients travel while the step computes.
+
+``run_async`` runs a strategy once per bucket, in the order backward produces
+the gradients, inside ``_async.asynchronous()`` (``overlap=True``);
+``double_buffer_fns`` is the init/update pair of ``double_buffering=True``
+(ChainerMN's double-buffering optimizer);
+``document_overlap`` adds the three options to a factory's docstring.
+
+Imports: jax, ``_async``, ``_invariance``, ``_plugins`` and ``_strategies``; ``_config``
+(the defaults), ``_sync``, ``_mpi_backend`` and ``_transforms`` import it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxsync._comm._async import asynchronous
+from jaxsync._comm._invariance import _vma, share_invariant
+
+from . import _plugins, _strategies
+
+# overlap=True: gradients travel in buckets of about this many bytes, issued in
+# the order backward produces them; the first (the last layers') is smaller so
+# the network starts early (DDP: 25 MB buckets, the first 1 MB). Measured on
+# the emulated 1 Gb/s cluster and in shared memory (README, "Overlap").
+OVERLAP_BUCKET_BYTES = 4 * 2**20
+OVERLAP_FIRST_BYTES = 1 * 2**20
+
+
+def overlap_groups(nbytes: list, bucket_bytes: int, first_bytes: int | None = None) -> list:
+    """Buffers grouped into overlap buckets, in the order backward produces them.
+
+    Backward produces the gradients of the last layers first: the buffers (in
+    the tree's order, the forward order of most models) are taken last to first;
+    a bucket closes once it holds ``bucket_bytes`` (the first once it holds
+    ``min(first_bytes, bucket_bytes)``: small, so the network starts early, as
+    in DDP). Returns lists of buffer indices.
+
+    Example:
+      >>> from jaxsync._core._overlap import overlap_groups
+      >>> overlap_groups([4, 4, 4, 4, 4], bucket_bytes=8, first_bytes=4)
+      [[4], [3, 2], [1, 0]]
+    """
+    first = OVERLAP_FIRST_BYTES if first_bytes is None else first_bytes
+    groups: list = []
+    cur: list = []
+    held = 0
+    for i in reversed(range(len(nbytes))):
+        cur.append(i)
+        held += nbytes[i]
+        if held >= (min(first, bucket_bytes) if not groups else bucket_bytes):
+            groups.append(cur)
+            cur, held = [], 0
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def run_async(cfg, bufs: list, intra, group) -> list:
+    """The strategy run once per overlap bucket, its MPI sums asynchronous.
+
+    ``overlap``: one call per bucket, issued as backward produces the bucket
+    (the token chain orders them), each summed in place on the communicator's
+    thread while XLA computes on. ``double_buffering`` alone: the buffers come
+    from the state (step t-1's gradients, all there when the step starts), so
+    one call sums them all (in place: the results hold their memory until the
+    update, so the backward's temporaries never reuse it and wait for the
+    network), while this step's forward and backward run.
+    """
+    if cfg.overlap:
+        sizes = [int(b.size) * jnp.dtype(b.dtype).itemsize for b in bufs]
+        groups = overlap_groups(sizes, cfg.overlap_bucket_bytes)
+    else:
+        groups = [list(range(len(bufs)))]
+    out = list(bufs)
+    prev: list = []
+    with asynchronous(inplace=True):
+        for idx in groups:
+            mine = [bufs[i] for i in idx]
+            if prev and len({_vma(x) for x in [*mine, *(out[i] for i in prev)]}) == 1:
+                # (Under shard_map only when all are typed alike: the barrier
+                # would type its results as varying as the most varying one.)
+                # The last bucket's sums pass one barrier with this bucket's
+                # gradients: its optimizer update (which overwrites donated
+                # parameters) comes after the backward that reads those
+                # parameters to make these gradients, so XLA copies no parameter.
+                # This bucket's call reads the barrier's outputs (no copy either).
+                # Nothing waits longer: this bucket's call needs the last one's
+                # token (ready when it is done) and these gradients anyway.
+                done = [out[i] for i in prev]
+                done, mine = lax.optimization_barrier((done, mine))
+                for i, y in zip(prev, done):
+                    out[i] = y
+            got = _strategies.run(cfg.strategy, mine, intra, cfg.backend, group_bytes=group)
+            for i, y in zip(idx, got):
+                out[i] = y
+            prev = idx
+    return out
+
+
+class DoubleBufferState(NamedTuple):
+    """State of a jaxsync transform made with ``double_buffering=True``.
+
+    Attributes:
+      pending: this replica's gradients of the last step, not yet reduced (the
+        next update reduces and applies them); zeros before the first step.
+        Each replica's own: under ``jax.shard_map`` with several local devices,
+        make and pass the state with :func:`jaxsync.state_specs`.
+      all_finite: with ``check_finite``, whether the last applied gradients
+        were all finite (``None`` otherwise).
+    """
+
+    pending: Any
+    all_finite: Any = None
+
+
+def double_buffer_fns(fn: str, cfg, sync):
+    """ChainerMN's double buffering: step t applies the mean of step t-1's gradients.
+
+    The state holds the last step's local gradients. ``update`` reduces them
+    (their MPI sums start when the step starts: they depend on the state only,
+    so they travel during this step's forward and backward) and keeps the new
+    gradients, unreduced, for the next step. The first step reduces the zeros
+    ``init`` made: it applies zeros.
+    """
+
+    def init_fn(params):
+        pending = jax.tree_util.tree_map(jnp.zeros_like, params)
+        return DoubleBufferState(pending, jnp.array(True) if cfg.check_finite else None)
+
+    def update_fn(updates, state, params=None):
+        del params
+        if not isinstance(state, DoubleBufferState):
+            raise TypeError(
+                f"{fn}: update got a state of type {type(state).__name__}, expected "
+                "DoubleBufferState from this transform's init (double_buffering=True). "
+                "Make sure you have called init first and pass the state returned by "
+                "this transform."
+            )
+        if _plugins.tree_kind(updates) is not None:
+            raise TypeError(
+                f"{fn}: double_buffering=True keeps the gradients in the state and "
+                "does not take RowSparse leaves. Fix: densify them (RowSparse."
+                "todense()), or use double_buffering=False."
+            )
+        got = jax.tree_util.tree_structure(updates)
+        want = jax.tree_util.tree_structure(state.pending)
+        if got != want:
+            raise ValueError(
+                f"{fn}: the gradients' tree {got} differs from the tree of the state's "
+                f"pending gradients {want} (made by init from the parameters). Fix: "
+                "pass gradients with the parameters' structure."
+            )
+        synced, finite = sync(state.pending, cfg)
+        # The sums' results pass one barrier with this step's gradients: the
+        # update that reads them (and overwrites donated parameters) comes after
+        # the backward, so XLA copies no parameter, and the summed buffers stay
+        # live through the backward, whose temporaries then never reuse their
+        # memory (such reuse would make the backward wait for the network).
+        leaves = [*jax.tree_util.tree_leaves(synced), *jax.tree_util.tree_leaves(updates)]
+        if len({_vma(x) for x in leaves}) == 1:
+            synced, updates = lax.optimization_barrier((synced, updates))
+        # Kept as this replica's share: a gradient autodiff already summed over
+        # the local axes (shard_map, replicated parameters) is typed varying in
+        # the state, so it is kept on local device 0 only (zeros elsewhere) and
+        # the next step's sum counts it once.
+        pending = share_invariant(updates, cfg.axes)
+        return synced, DoubleBufferState(pending, finite)
+
+    return init_fn, update_fn
+
+
+# The three options, as every MPI factory documents them (``document_overlap``).
+_ARGS = """      overlap: ``True`` sends the gradients in buckets, in the order backward
+        produces them (the tree's leaves last to first), each bucket as soon as
+        it exists; with MPI on CPU the sums run on a communication thread while
+        the step computes on (see "Overlap" in the README). The same bits as
+        ``False``. The buckets' order assumes the tree lists the model's layers
+        first to last.
+      overlap_bucket_bytes: with ``overlap``, about this many bytes per bucket
+        (``"auto"``: 4 MiB; the first bucket 1 MiB).
+      double_buffering: ``True`` applies, at step ``t``, the mean of the
+        gradients of step ``t - 1`` (ChainerMN's ``double_buffering``): step
+        ``t``'s local gradients are kept in the state, and their reduction
+        runs during step ``t + 1``'s forward and backward. The first step
+        applies zeros (the state starts from zero gradients; ChainerMN skips
+        its first update): plain SGD leaves the parameters unchanged, an
+        optimizer after this transform sees one zero gradient. The gradients
+        of the last step are in the state and never applied. A checkpoint of
+        the state taken between steps resumes the same run bit for bit.
+
+"""
+
+
+def document_overlap(factory):
+    """Add ``overlap``, ``overlap_bucket_bytes`` and ``double_buffering`` to a
+    factory's docstring (before ``Returns:``), and the state they make."""
+    doc = factory.__doc__
+    at = doc.index("\n    Returns:")
+    doc = doc[:at] + "\n" + _ARGS.rstrip("\n") + doc[at:]
+    doc = doc.replace(
+        "      ``check_finite``.\n",
+        "      ``check_finite``; with ``double_buffering``,\n"
+        "      :class:`jaxsync.DoubleBufferState`.\n",
+        1,
+    )
+    factory.__doc__ = doc
+    return factory

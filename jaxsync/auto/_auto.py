@@ -1,0 +1,358 @@
+"""``strategy="auto"``: pick strategy, ``bucket_bytes`` and ``pack_threshold``.
+
+The choice is made at trace time (it needs the tree) from the cost model
+(``jaxsync.auto._cost``) and a profile (``python -m jaxsync tune``), deterministically:
+the same tree, topology and profile give the same choice. With MPI the profile is
+read on every process when the transform is made and rank 0's is broadcast (on
+jaxsync's private control communicator), so every process decides alike; the
+choice is part of the text the processes compare before their first reduction.
+``comm_dtype`` is never chosen (a lossy wire dtype is the user's decision).
+
+May import: optax, the standard library, ``jaxsync.auto._cost``/``_cost_ops`` at the
+top; JAX and the rest of jaxsync (``_plan``, ``_config``, ``_sync``, ``_intra``,
+``_mpi_backend``, ``_axis_backend``, ``_topology``) inside
+functions, as ``_config`` and ``_sync`` import this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import optax
+
+from . import _cost
+from ._choose import (
+    AUTO,
+    CANDIDATE_BUCKETS,
+    CANDIDATE_STRATEGIES,
+    CANDIDATE_THRESHOLDS,
+    Choice,
+    buckets_of,
+    choose,
+)
+from ._cost import Profile
+from ._cost_ops import ModelTopology
+
+if TYPE_CHECKING:
+    from jaxsync._core._config import (
+        AxisName,
+        Bytes,
+        CheckFinite,
+        Comm,
+        DTypeLike,
+        OnTimeout,
+        Reduce,
+        Staging,
+    )
+    from jaxsync.sparse._rows import SparseOptions
+
+__all__ = [
+    "AUTO",
+    "CANDIDATE_BUCKETS",
+    "CANDIDATE_STRATEGIES",
+    "CANDIDATE_THRESHOLDS",
+    "AutoSpec",
+    "AutoTransformation",
+    "Choice",
+    "auto_mean",
+    "buckets_of",
+    "choose",
+    "default_profile_path",
+    "load_profile",
+    "make_auto_config",
+    "resolve",
+]
+
+log = logging.getLogger("jaxsync")
+
+PROFILE_ENV = "JAXSYNC_PROFILE"
+DEFAULT_PROFILE_PATH = Path("~/.cache/jaxsync/profile.json")
+
+
+def default_profile_path() -> Path:
+    """``$JAXSYNC_PROFILE``, else ``~/.cache/jaxsync/profile.json``."""
+    env = os.environ.get(PROFILE_ENV)
+    return Path(env).expanduser() if env else DEFAULT_PROFILE_PATH.expanduser()
+
+
+def load_profile(profile=None) -> tuple[Profile, str]:
+    """The profile to use and a note on where it came from (or why not).
+
+    ``profile``: ``None`` (``$JAXSYNC_PROFILE`` or the default path, else the
+    built-in default), a path, a dict (a profile's JSON) or a
+    :class:`jaxsync.auto._cost.Profile`. A missing file given by ``profile`` or
+    ``$JAXSYNC_PROFILE``, an unreadable one, or parameters that are unusable
+    (negative or non-finite times, malformed overheads: checked here, when the
+    profile is read) fall back to the built-in default with a warning.
+    """
+    if isinstance(profile, (Profile, dict)):
+        where = "from a dict" if isinstance(profile, dict) else profile.source
+        try:
+            prof = profile if isinstance(profile, Profile) else Profile.from_json(profile, "<dict>")
+            bad = prof.problems()
+            if bad:
+                raise ValueError(f"{where}: {'; '.join(bad)}")
+        except (ValueError, KeyError, TypeError) as e:
+            note = f"profile {where} unreadable ({e}): using the built-in default"
+            warnings.warn(f"jaxsync auto: {note}", stacklevel=3)
+            return _cost.DEFAULT_PROFILE, note
+        return prof, f"profile {where}"
+    explicit = profile is not None
+    path = Path(profile).expanduser() if explicit else default_profile_path()
+    if not path.exists():
+        note = (
+            f"no profile at {path} (write one with `python -m jaxsync tune --out "
+            f"{path}`): using the built-in default link parameters"
+        )
+        if explicit or os.environ.get(PROFILE_ENV):
+            warnings.warn(f"jaxsync auto: {note}", stacklevel=3)
+        return _cost.DEFAULT_PROFILE, note
+    try:
+        data = json.loads(path.read_text())
+        return Profile.from_json(data, str(path)), f"profile {path}"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        note = f"profile {path} unreadable ({e}): using the built-in default"
+        warnings.warn(f"jaxsync auto: {note}", stacklevel=3)
+        return _cost.DEFAULT_PROFILE, note
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoSpec:
+    """What ``strategy="auto"`` decides from, fixed when the transform is made."""
+
+    profile: Profile
+    note: str
+    hosts: int = 1
+    bucket_bytes: Any = AUTO  # AUTO: chosen; else fixed by the user
+    pack_threshold: Any = AUTO
+    key: int = 0  # this transform's entry in the record of choices
+
+    def __hash__(self):
+        return hash(
+            (self.profile.digest(), self.hosts, self.bucket_bytes, self.pack_threshold, self.key)
+        )
+
+
+# --------------------------------------------------------------------------
+# Hooks called from _config and _sync
+# --------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_recent: dict = {}  # AutoSpec.key -> list of Choice (newest last), for describe()
+_keys = itertools.count(1)
+
+
+def make_auto_config(
+    fn, axis_name, comm, *, profile=None, bucket_bytes=AUTO, pack_threshold=AUTO, **options
+):
+    """A SyncConfig with ``strategy="auto"`` and an :class:`AutoSpec`.
+
+    Every other option is validated as for ``hierarchical_mean``. For an MPI
+    communicator the profile of rank 0 is broadcast and the number of hosts found
+    now (collective: this runs when the factory is called, on every process).
+    """
+    from jaxsync._comm import _mpi_backend
+    from jaxsync._core._config import make_config
+
+    if not (profile is None or isinstance(profile, (str, os.PathLike, dict, Profile))):
+        raise TypeError(
+            f"{fn} got unexpected type for argument 'profile' (expected: a path, a "
+            f"dict, a jaxsync profile or None, got: {type(profile).__name__} "
+            f"{profile!r}). Fix: profile='profile.json' (written by `python -m jaxsync "
+            "tune --out profile.json`) or profile=None (the default path, else built-in)."
+        )
+    base = make_config(
+        fn,
+        "hierarchical",
+        axis_name,
+        comm,
+        bucket_bytes=64 * 2**20 if bucket_bytes == AUTO else bucket_bytes,
+        pack_threshold=256 * 2**10 if pack_threshold == AUTO else pack_threshold,
+        **options,
+    )
+    prof, note = load_profile(profile)
+    hosts = 1
+    if isinstance(base.backend, _mpi_backend.MPIBackend):
+        from jaxsync._comm._topology import topology
+
+        comms = base.backend.comms
+        hosts = topology(base.backend.comm).hosts
+        mine = {"profile": prof.to_json(), "source": prof.source, "note": note}
+        got = comms.control.bcast(mine, root=0)
+        if comms.rank != 0:
+            if Profile.from_json(got["profile"]).digest() != prof.digest():
+                note = f"rank 0's profile ({got['note']}), which differs from this process's"
+            else:
+                note = got["note"]
+            prof = dataclasses.replace(Profile.from_json(got["profile"], got["source"]))
+    spec = AutoSpec(prof, note, hosts, bucket_bytes, pack_threshold, next(_keys))
+    return dataclasses.replace(base, strategy=AUTO, auto=spec)
+
+
+def resolve(tree, cfg):
+    """At trace time: ``cfg`` with the strategy, buckets and threshold chosen."""
+    from jax import lax
+
+    from jaxsync._comm import _axis_backend, _intra, _mpi_backend
+
+    spec = cfg.auto
+    D = _intra.axes_size(cfg.axes) if cfg.axes else 1
+    backend = cfg.backend
+    P = backend.size()
+    inter_link = None
+    if isinstance(backend, _axis_backend.AxisBackend):
+        import jax
+
+        inter_link = "device" if jax.process_count() == 1 else "network"
+    batched = bool(cfg.axes) and _intra._is_batched(lax.axis_index(cfg.axes))
+    topo = ModelTopology(
+        processes=P,
+        hosts=spec.hosts,
+        local_devices=D,
+        native=bool(getattr(backend, "native", False)),
+        broadcast=isinstance(backend, _mpi_backend.MPIBackend) and not batched,
+        inter_link=inter_link,
+        host_tier=isinstance(backend, _mpi_backend.MPIBackend)
+        and not batched
+        and backend.tier(True) is not None,
+    )
+    import jax.numpy as jnp
+
+    itemsize = jnp.dtype(cfg.comm_dtype).itemsize if cfg.comm_dtype else None
+    choice = choose(
+        tree,
+        topo,
+        spec.profile,
+        bucket_bytes=spec.bucket_bytes,
+        pack_threshold=spec.pack_threshold,
+        comm_itemsize=itemsize,
+        profile_note=spec.note,
+    )
+    with _lock:
+        got = _recent.setdefault(spec.key, [])
+        if not got or got[-1] != choice:
+            got.append(choice)
+            del got[:-8]
+            log.info(choice.describe().splitlines()[0])
+            for w in choice.warnings:
+                warnings.warn(f"jaxsync auto: {w}", stacklevel=4)
+    return dataclasses.replace(
+        cfg,
+        strategy=choice.strategy,
+        bucket_bytes=choice.bucket_bytes,
+        pack_threshold=choice.pack_threshold,
+    )
+
+
+# --------------------------------------------------------------------------
+# The public factory
+# --------------------------------------------------------------------------
+
+
+class AutoTransformation(optax.GradientTransformation):
+    """An optax ``GradientTransformation`` that says what ``auto`` chose.
+
+    ``describe()`` returns the choices made so far (one per traced tree and
+    topology), with the predicted time of every strategy.
+    """
+
+    __slots__ = ()
+
+    def describe(self) -> str:
+        cfg = getattr(self.update, "config", None)
+        if cfg is None:
+            return "jaxsync auto: not an auto transformation"
+        with _lock:
+            got = list(_recent.get(cfg.auto.key, []))
+        if not got:
+            return (
+                f"jaxsync auto: nothing chosen yet (the choice is made when the "
+                f"step is first traced, from the tree); {cfg.auto.note}"
+            )
+        return "\n".join(c.describe() for c in got)
+
+
+def auto_mean(
+    axis_name: AxisName,
+    comm: Comm = AUTO,
+    *,
+    profile: str | os.PathLike | dict | Profile | None = None,
+    reduce: Reduce = "mean",
+    bucket_bytes: Bytes = AUTO,
+    pack_threshold: Bytes = AUTO,
+    comm_dtype: DTypeLike | None = None,
+    predivide: float | None = None,
+    check_finite: CheckFinite = False,
+    staging: Staging = "device",
+    timeout: float | None = None,
+    on_timeout: OnTimeout = "report",
+    sparse: SparseOptions | None = None,
+) -> AutoTransformation:
+    """Average gradients with the strategy the cost model predicts fastest.
+
+    When the step is first traced, the transform predicts the time of every
+    strategy (``hierarchical``, ``two_dimensional``, ``flat``, ``naive``) and of
+    a few ``bucket_bytes``/``pack_threshold`` values for this tree and topology
+    (processes, hosts, local devices) from a calibrated profile, and uses the
+    fastest; ``tx.describe()`` shows the choice and the predictions, and it is
+    logged (logger ``"jaxsync"``, level INFO). The same tree, topology and
+    profile always give the same choice. With MPI every process uses rank 0's
+    profile (broadcast when the factory is called, so call it on every process)
+    and the processes compare the choice with the rest of the plan before the
+    first reduction. ``comm_dtype`` is never chosen: pass it to allow a lossy
+    wire dtype.
+
+    Args:
+      axis_name: as for :func:`jaxsync.hierarchical_mean`.
+      comm: as for :func:`jaxsync.hierarchical_mean`.
+      profile: a profile written by ``python -m jaxsync tune --out FILE`` (a
+        path), its JSON as a dict, or ``None``: ``$JAXSYNC_PROFILE``, else
+        ``~/.cache/jaxsync/profile.json`` (where ``tune`` writes by default),
+        else the built-in default parameters (see the README).
+      reduce, comm_dtype, predivide, check_finite, staging, timeout, on_timeout,
+        sparse: as for :func:`jaxsync.hierarchical_mean`.
+      bucket_bytes: ``"auto"`` (chosen) or a fixed value.
+      pack_threshold: ``"auto"`` (chosen) or a fixed value (``None``: pack all).
+
+    Returns:
+      an optax ``GradientTransformation`` with a ``describe()`` method.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxsync
+      >>> tx = jaxsync.auto_mean(axis_name="i", comm=None)
+      >>> f = lambda g: tx.update(g, tx.init(g))[0]
+      >>> jax.vmap(f, axis_name="i")({"w": jnp.arange(4.0)})["w"]
+      Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
+      >>> print(tx.describe().splitlines()[0])  # doctest: +ELLIPSIS
+      jaxsync auto: ... predicted ... 1 process(es) on 1 host(s) x 4 device(s)...
+    """
+    from jaxsync._core._sync import transform_fns
+
+    fn = "auto_mean"
+    cfg = make_auto_config(
+        fn,
+        axis_name,
+        comm,
+        profile=profile,
+        reduce=reduce,
+        bucket_bytes=bucket_bytes,
+        pack_threshold=pack_threshold,
+        comm_dtype=comm_dtype,
+        predivide=predivide,
+        check_finite=check_finite,
+        staging=staging,
+        timeout=timeout,
+        on_timeout=on_timeout,
+        sparse=sparse,
+    )
+    init_fn, update_fn = transform_fns(fn, cfg)
+    update_fn.config = cfg
+    return AutoTransformation(init_fn, update_fn)

@@ -1,0 +1,188 @@
+"""``strategy="auto"``'s choice: the fastest candidate by the cost model.
+
+What it is for: :func:`choose` prices every candidate (strategy x
+``bucket_bytes`` x ``pack_threshold``) for a tree and a topology with
+``jaxsync.auto._cost_ops.predict`` and returns a :class:`Choice` (what was chosen, the
+predictions of all candidates, notes on the profile), deterministically.
+``jaxsync.auto._auto`` calls it at trace time and re-exports it.
+
+May import: the standard library, ``jaxsync.auto._cost``, ``_cost_ops``, ``_host``
+(the allocator's state, for a note) and (inside functions) ``jaxsync._core._plan``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Final
+
+from jaxsync._comm._host import host_allocator_state
+
+from . import _cost, _cost_ops
+from ._cost import Profile
+from ._cost_ops import BucketInfo, ModelTopology
+
+AUTO: Final = "auto"
+CANDIDATE_STRATEGIES = ("hierarchical", "two_dimensional", "flat", "naive")
+"""In order of preference on a tie (within a relative 1e-9)."""
+CANDIDATE_BUCKETS = (16 * 2**20, 64 * 2**20)
+CANDIDATE_THRESHOLDS = (None, 64 * 2**10, 256 * 2**10, 1 * 2**20, 4 * 2**20)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The outcome: what was chosen and the predicted seconds of every candidate."""
+
+    strategy: str
+    bucket_bytes: int | None
+    pack_threshold: int | None
+    seconds: float
+    table: tuple  # ((strategy, bucket_bytes, pack_threshold, seconds), ...)
+    topology: ModelTopology
+    profile_note: str
+    warnings: tuple = ()
+
+    def describe(self) -> str:
+        t = self.topology
+        lines = [
+            f"jaxsync auto: {self.strategy} (bucket_bytes {_fmt(self.bucket_bytes)}, "
+            f"pack_threshold {_fmt(self.pack_threshold)}), predicted "
+            f"{self.seconds * 1e3:.3f} ms; {t.processes} process(es) on {t.hosts} "
+            f"host(s) x {t.local_devices} device(s), inter link "
+            f"{t.link if t.processes > 1 else '-'}; "
+            f"{self.profile_note}"
+        ]
+        lines += [f"  note: {w}" for w in self.warnings]
+        best: dict = {}
+        for s, b, th, sec in self.table:
+            if s not in best or sec < best[s][2]:
+                best[s] = (b, th, sec)
+        for s, (b, th, sec) in best.items():
+            mark = "*" if s == self.strategy else " "
+            lines.append(
+                f" {mark} {s:<16} {sec * 1e3:9.3f} ms  (bucket_bytes {_fmt(b)}, "
+                f"pack_threshold {_fmt(th)})"
+            )
+        return "\n".join(lines)
+
+
+def _fmt(n):
+    if n is None:
+        return "none"
+    return (
+        f"{n // 2**20} MiB"
+        if n >= 2**20 and n % 2**20 == 0
+        else (f"{n // 2**10} KiB" if n % 2**10 == 0 else f"{n} B")
+    )
+
+
+def buckets_of(plan) -> list[BucketInfo]:
+    return [BucketInfo(b.dtype, b.nbytes, len(b.leaves)) for b in plan.buckets]
+
+
+def _check_profile_topology(profile: Profile, topo: ModelTopology) -> tuple:
+    notes = []
+    need = ["device"] if topo.local_devices > 1 else []
+    if topo.processes > 1:
+        need.append(topo.link)
+    for name in need:
+        if not profile.has(name):
+            notes.append(
+                f"the profile has no '{name}' link (not measured on its "
+                f"machine): built-in default used for it"
+            )
+    got = profile.topology
+    if got:
+        here = {
+            "processes": topo.processes,
+            "hosts": topo.hosts,
+            "local_devices": topo.local_devices,
+        }
+        if any(got.get(k) != v for k, v in here.items()):
+            notes.append(
+                f"the profile was measured on {got.get('processes')} process(es) "
+                f"x {got.get('local_devices')} device(s), {got.get('hosts')} host(s); "
+                f"this is {topo.processes} x {topo.local_devices}, {topo.hosts}: its "
+                "link parameters are used as they are"
+            )
+        notes += _check_allocator(got.get("host_allocator"))
+    return tuple(notes)
+
+
+def _check_allocator(measured: str | None) -> list[str]:
+    """A note when the profile's host allocator is not this process's."""
+    here = host_allocator_state()
+    if measured is None or measured == here:
+        return []
+    how = {
+        "tuned": "with jaxsync.tune_host_allocator()",
+        "default": "with glibc's default allocator",
+    }
+    return [
+        f"the profile was measured {how.get(measured, measured)} and this process runs "
+        f"{how.get(here, here)}: large fresh buffers cost page faults in one and not "
+        "the other. Fix: call jaxsync.tune_host_allocator() early in both, or neither "
+        "(python -m jaxsync tune --tune-host-allocator records the first)"
+    ]
+
+
+def choose(
+    tree,
+    topo: ModelTopology,
+    profile: Profile | None = None,
+    *,
+    bucket_bytes=AUTO,
+    pack_threshold=AUTO,
+    comm_itemsize: int | None = None,
+    strategies=CANDIDATE_STRATEGIES,
+    profile_note: str = "",
+) -> Choice:
+    """The fastest (strategy, bucket_bytes, pack_threshold) for ``tree`` by the model.
+
+    ``tree`` is a pytree of arrays or ``jax.ShapeDtypeStruct``. Deterministic:
+    candidates are tried in a fixed order and the first within a relative
+    1e-9 of the fastest wins.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxsync.auto import _auto, _cost_ops
+      >>> tree = {f"w{i}": jax.ShapeDtypeStruct((256,), jnp.float32) for i in range(200)}
+      >>> topo = _cost_ops.ModelTopology(processes=2, hosts=1, local_devices=4)
+      >>> c = _auto.choose(tree, topo)
+      >>> c.strategy != "naive"   # 200 messages would cost 200 latencies
+      True
+      >>> c == _auto.choose(tree, topo)
+      True
+    """
+    from jaxsync._core._plan import make_plan
+
+    profile = profile or _cost.DEFAULT_PROFILE
+    buckets_opts = CANDIDATE_BUCKETS if bucket_bytes == AUTO else (bucket_bytes,)
+    thr_opts = CANDIDATE_THRESHOLDS if pack_threshold == AUTO else (pack_threshold,)
+    table, seen = [], {}
+    for s in strategies:
+        per_leaf = _cost_ops.per_leaf_plan(s, topo)
+        for b in buckets_opts:
+            for t in thr_opts:
+                plan = make_plan(tree, bucket_bytes=b, pack_threshold=t, per_leaf=per_leaf)
+                key = (s, plan.buckets)
+                if key in seen:  # the same program as an earlier candidate
+                    continue
+                seen[key] = True
+                sec = _cost_ops.predict(
+                    s, buckets_of(plan), topo, profile, comm_itemsize, bucket_bytes=b
+                )
+                table.append((s, b, t, float(sec)))
+    if not table:
+        raise ValueError("jaxsync auto: no candidate strategy")
+    best = min(sec for *_, sec in table)
+    pick = next(row for row in table if row[3] <= best * (1 + 1e-9))
+    return Choice(
+        pick[0],
+        pick[1],
+        pick[2],
+        pick[3],
+        tuple(table),
+        topo,
+        profile_note,
+        _check_profile_topology(profile, topo),
+    )

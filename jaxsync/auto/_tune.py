@@ -1,0 +1,372 @@
+"""``python -m jaxsync tune``: calibrate the cost model (``--project``: ``_project``).
+
+What it is for: calibration times a few sizes of each collective on each link
+this run can reach, inside jitted steps the way jaxsync issues them, and fits
+the model (``jaxsync.auto._cost_fit``) by least squares on relative error:
+
+* ``device`` (several local devices): ``psum``, ``psum_scatter``, ``all_gather``
+  and ``all_to_all`` under ``jit(shard_map)`` over the local devices;
+* ``host`` or ``network`` (under ``mpirun``, several processes): jaxsync's native
+  MPI allreduce, all-to-all and all-gather in a jitted step on each process's
+  first device (``host`` when every process is on one host);
+* ``copy``: a concatenation of 16 leaves and its slices back (what packing and
+  unpacking cost), on every local device at once (they share the host's cores
+  and memory bandwidth, as a strategy's copies do);
+* per strategy, its overhead per leaf and per byte beyond what the fitted
+  collectives and copies predict: whole synchronisations (the README's
+  ``jit(shard_map)`` step) of three synthetic float32 trees (few large leaves,
+  many small ones, few big ones; none of the bench's trees), so that what a
+  whole sync does and single collectives do not show (dispatch of many ops,
+  overlapping calls, page faults, oversubscribed cores) is calibrated per
+  strategy on this configuration.
+
+Each time is a marginal cost (the step minus the same step without the
+collective), the median of interleaved rounds, the slowest process's. The
+profile (JSON) goes to ``--out`` (default ``$JAXSYNC_PROFILE`` or
+``~/.cache/jaxsync/profile.json``, where ``strategy="auto"`` looks for it).
+
+May import: the standard library, numpy, JAX, mpi4py and ``jaxsync.auto._cost``,
+``_cost_ops``, ``_cost_fit``, ``_auto``, ``_topology``, ``_mpi_backend`` (the native
+MPI ops), ``_project``, ``_tune_sync`` (the whole-sync part of the calibration),
+``_host`` (``--tune-host-allocator``; the profile records the allocator's state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxsync._comm._host import host_allocator_state, tune_host_allocator
+from jaxsync._comm._topology import default_comm
+
+from . import _cost, _cost_fit, _cost_ops, _tune_sync
+from ._cost import Profile
+from ._rounds import _control, _log, _time_rounds
+
+KiB, MiB = 2**10, 2**20
+SIZES = (16 * KiB, 256 * KiB, 2 * MiB, 8 * MiB)
+QUICK_SIZES = (16 * KiB, 1 * MiB)
+
+
+MULTI = 8  # buffers in one call, to tell the cost per call from the cost per message
+
+
+def measure_device(devices: int, sizes, rounds: int, iters: int) -> list:
+    """``(kind, nbytes, devices, seconds)`` for XLA collectives over local devices."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.local_devices()[:devices]), ("d",))
+    D = devices
+    out: list = []
+    for n in sizes:
+        m = max(D * MULTI, (n // 4) // (D * MULTI) * (D * MULTI))
+        x = jax.device_put(jnp.ones((D, m), jnp.float32), NamedSharding(mesh, P("d")))
+
+        def step(op):
+            def body(xs):
+                y = xs[0] * 1.0001 + 1.0
+                return op(y)[None] if op is not None else y[None]
+
+            return jax.jit(
+                jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"), check_vma=False)
+            )
+
+        # reduce_scatter and allgather compute a slice: their base step too.
+        part = {"reduce_scatter", "allgather"}
+        ops = {
+            "base": None,
+            "base part": lambda y: y[: m // D],  # noqa: B023
+            "allreduce": lambda y: lax.psum(y, "d"),
+            "reduce_scatter": lambda y: lax.psum_scatter(y, "d", tiled=True),
+            "allgather": lambda y: lax.all_gather(y[: m // D], "d", tiled=True),  # noqa: B023
+            "alltoall": lambda y: lax.all_to_all(y.reshape(D, -1), "d", 0, 0, tiled=True).reshape(
+                -1
+            ),
+            # one psum of MULTI buffers (one op, as sum_buffers issues it)
+            "allreduce x": lambda y: jnp.concatenate(lax.psum(list(y.reshape(MULTI, -1)), "d")),
+        }
+        fns = {k: functools.partial(step(op), x) for k, op in ops.items()}
+        got = _time_rounds(fns, "base", rounds, iters)
+        out += [
+            (k, m * 4, D, t - (got["base part"] if k in part else 0.0))
+            for k, t in got.items()
+            if k not in ("base part", "allreduce x")
+        ]
+        out.append(("allreduce", m * 4 // MULTI, D, got["allreduce x"], MULTI))
+    return out
+
+
+def measure_process(comm, sizes, rounds: int, iters: int) -> list:
+    """``(kind, nbytes, processes, seconds)``: jaxsync's native MPI calls in jit."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxsync._comm import _mpi_backend
+    from jaxsync._comm._topology import Comms
+
+    comms = Comms.of(comm)
+    P_ = comms.size
+    handle = comms.world.py2f()
+    dev = jax.local_devices()[0]
+    out: list = []
+    for n in sizes:
+        m = max(P_ * MULTI, (n // 4) // (P_ * MULTI) * (P_ * MULTI))
+        x = jax.device_put(jnp.ones((m,), jnp.float32), dev)
+
+        def step(kind):
+            def body(x):
+                y = x * 1.0001 + 1.0  # noqa: B023
+                ops = _mpi_backend._NativeOps(jnp.int32(handle), jnp.int32(1), P_)
+                if kind == "allreduce":
+                    return ops.allreduce([y])[0]
+                if kind == "alltoall":
+                    return ops.alltoall(y.reshape(P_, -1)).reshape(-1)
+                if kind == "allgather":
+                    return ops.allgather(y[: m // P_]).reshape(-1)  # noqa: B023
+                if kind == "base part":
+                    return y[: m // P_]  # noqa: B023
+                if kind == "allreduce x":  # one native call, MULTI buffers
+                    return jnp.concatenate(ops.allreduce(list(y.reshape(MULTI, -1))))
+                return y
+
+            return jax.jit(body)
+
+        fns = {
+            k: functools.partial(step(k), x)
+            for k in ("base", "base part", "allreduce", "alltoall", "allgather", "allreduce x")
+        }
+        got = _time_rounds(fns, "base", rounds, iters, comms.control)
+        out += [
+            (k, m * 4, P_, t - (got["base part"] if k == "allgather" else 0.0))
+            for k, t in got.items()
+            if k not in ("base part", "allreduce x")
+        ]
+        # the native call sums buffers under 64 KiB together: count its messages
+        msgs, _ = _cost_ops._native_messages([("f32", m * 4 // MULTI)] * MULTI)
+        out.append(("allreduce", msgs[0], P_, got["allreduce x"], len(msgs)))
+    return out
+
+
+def measure_copy(devices: int, sizes, rounds: int, iters: int, comm=None) -> list:
+    """``(bytes copied per device, seconds)``: 16 leaves packed and unpacked in a
+    jitted step on every local device at once (and every process, under MPI)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.local_devices()[:devices]), ("d",))
+    control = _control(comm)
+    out: list = []
+    for n in sizes:
+        k = 16
+        m = max(1, (n // 4) // k)
+        sh = NamedSharding(mesh, P("d"))
+        xs = [jax.device_put(jnp.ones((devices, m), jnp.float32), sh) for _ in range(k)]
+
+        def base(xs):
+            return [x * 1.0001 + 1.0 for x in xs]
+
+        def packed(xs):
+            ys = base(xs)
+            (buf,) = lax.optimization_barrier((jnp.concatenate(ys, axis=1),))
+            return [lax.slice_in_dim(buf, i * m, (i + 1) * m, axis=1) for i in range(k)]  # noqa: B023
+
+        def mapped(f):
+            return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+
+        fb, fp = mapped(base), mapped(packed)
+        got = _time_rounds(
+            {"base": functools.partial(fb, xs), "copy": functools.partial(fp, xs)},
+            "base",
+            rounds,
+            iters,
+            control,
+        )
+        out.append((2 * k * m * 4, got["copy"]))
+    return out
+
+
+def calibrate(
+    comm=None, devices: int | None = None, quick: bool = False, rounds: int | None = None
+) -> Profile:
+    """Measure and fit a profile for this run's links (collective over ``comm``)."""
+    import jax
+
+    from jaxsync._comm._topology import topology
+
+    D = devices or jax.local_device_count()
+    topo = topology(comm)
+    rank = topo.rank
+    sizes = QUICK_SIZES if quick else SIZES
+    rounds = rounds or (3 if quick else 4)
+    iters = 5 if quick else 7
+    links: list = []
+    fit: dict = {}
+    raw: dict = {}
+    t0 = time.perf_counter()
+    if D > 1:
+        _log(rank, f"device link: {D} devices, sizes {[s // KiB for s in sizes]} KiB")
+        s = measure_device(D, sizes, rounds, iters)
+        link, rep = _cost_fit.fit_link(s)
+        links.append(("device", link))
+        fit["device"], raw["device"] = rep, s
+    if topo.size > 1:
+        name = "host" if topo.hosts == 1 else "network"
+        _log(rank, f"{name} link: {topo.size} processes on {topo.hosts} host(s)")
+        s = measure_process(comm, sizes, rounds, iters)
+        link, rep = _cost_fit.fit_link(s)
+        links.append((name, link))
+        fit[name], raw[name] = rep, s
+    _log(rank, f"copy on {D} device(s) at once")
+    c = measure_copy(D, sizes, rounds, iters, comm)
+    copy = _cost_fit.fit_copy(c)
+    fit["copy"] = {"samples": len(c)}
+    links.sort(key=lambda kv: _cost.LINKS.index(kv[0]))
+    hw = {
+        "processes": topo.size,
+        "hosts": topo.hosts,
+        "local_devices": D,
+        "host_allocator": host_allocator_state(),
+    }
+    prof = Profile(tuple(links), copy, hw, "calibrated", fit, 0.0)
+    if D * topo.size > 1:
+        from ._tune_sync import calibrate
+
+        log = functools.partial(_log, rank)
+        prof, reports, samples = calibrate(comm, D, quick, rounds, iters, topo, prof, log)
+        fit |= reports
+        raw |= samples
+    fit["seconds"] = round(time.perf_counter() - t0, 1)
+    fit["raw"] = {k: [list(x) for x in v] for k, v in raw.items()} | {"copy": [list(x) for x in c]}
+    return prof
+
+
+def print_fit(profile: Profile) -> None:
+    fit = profile.fit or {}
+    print(f"profile (measured on {profile.topology}, {fit.get('seconds')} s):")
+    for name, lk in profile.links:
+        rep = fit.get(name, {})
+        gbs = 1 / lk.beta / 1e9 if lk.beta else math.inf
+        print(
+            f"  {name:<8} call {lk.call * 1e6:8.2f} us  alpha {lk.alpha * 1e6:8.2f} us  "
+            f"beta {lk.beta * 1e9:7.4f} ns/B ({gbs:7.2f} GB/s)  gamma "
+            f"{lk.gamma * 1e9:7.4f} ns/B  | fit error median "
+            f"{100 * (rep.get('median_rel_error') or 0):.0f}%, max "
+            f"{100 * (rep.get('max_rel_error') or 0):.0f}% over {rep.get('samples')} "
+            "samples"
+        )
+    print(f"  copy     {profile.copy * 1e9:.4f} ns/B per device (all devices at once)")
+    for name, (per_leaf, per_byte) in profile.overheads:
+        rep = fit.get("overheads", {}).get(name, {})
+        print(
+            f"  {name:<16} overhead {per_leaf * 1e6:+8.2f} us/leaf {per_byte * 1e9:+8.4f} ns/B"
+            f" | whole-sync error median {100 * rep.get('median_rel_error_before', 0):.0f}%"
+            f" -> {100 * rep.get('median_rel_error', 0):.0f}% over {rep.get('samples')} trees"
+        )
+    for line in _tune_sync.format_overheads16(profile):
+        print(line)
+
+
+# --------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------
+
+
+def _set_devices(n: int) -> None:
+    """Ask for ``n`` CPU devices; must happen before JAX initialises its backends."""
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:
+        if jax.local_device_count() != n:
+            raise SystemExit(
+                f"jaxsync tune: JAX is already initialised with {jax.local_device_count()} "
+                f"device(s), --devices asks for {n}. Start a fresh process."
+            ) from None
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxsync tune",
+        description="Calibrate jaxsync's cost model on this machine (a micro-benchmark "
+        "of each collective on each link and whole syncs per strategy; 13-80 s on an "
+        "idle 2-core machine) and write the "
+        "profile that strategy='auto' uses. Run alone (one process, "
+        "--devices fake CPU devices) or under mpirun for the process link.",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="profile file (default: $JAXSYNC_PROFILE or ~/.cache/jaxsync/profile.json)",
+    )
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="fake CPU devices per process (default: 8 alone, 1 under mpirun)",
+    )
+    p.add_argument("--quick", action="store_true", help="two sizes, three rounds")
+    p.add_argument(
+        "--tune-host-allocator",
+        action="store_true",
+        help="call jaxsync.tune_host_allocator() first and calibrate with it (the "
+        "profile records which: use it in processes that call it too)",
+    )
+    p.add_argument(
+        "--project",
+        action="store_true",
+        help="print predicted sync times and auto's choice for 8..1024 hosts x 8 "
+        "devices on ResNet-50 and a 1 B-parameter tree (no measurement)",
+    )
+    p.add_argument("--json", action="store_true", help="with --project: JSON rows")
+    args = p.parse_args(argv)
+    if args.project:
+        from ._project import project, projection_profiles, projection_table
+
+        rows = project()
+        print(json.dumps(rows, indent=1) if args.json else projection_table(rows))
+        if not args.json:
+            for name, prof in projection_profiles().items():
+                print(
+                    f"\n{name}: "
+                    + "; ".join(
+                        f"{k} alpha {lk.alpha * 1e6:g} us, {1 / lk.beta / 1e9:g} GB/s per flow, "
+                        f"{lk.flows} flow(s)"
+                        for k, lk in prof.links
+                    )
+                    + ". GPU: mpi4jax, one "
+                    "MPI call per buffer; one process per host."
+                )
+        return 0
+    if args.tune_host_allocator and not tune_host_allocator():
+        raise SystemExit(
+            "jaxsync tune: --tune-host-allocator needs glibc (mallopt); this C library "
+            "is not glibc. Run without it."
+        )
+    comm = default_comm()  # what comm='auto' resolves to
+    _set_devices(args.devices or (1 if comm is not None else 8))
+    prof = calibrate(comm, quick=args.quick)
+    if comm is not None and comm.Get_rank() != 0:
+        return 0
+    from ._auto import default_profile_path
+
+    out = args.out or default_profile_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(prof.to_json(), indent=1))
+    print_fit(prof)
+    print(f"wrote {out}")
+    return 0
