@@ -20,7 +20,7 @@ def _modules() -> set[str]:
 
 
 def _layout_lines() -> list[str]:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "layout.md").read_text()
     section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
     block = section.split("```", 2)[1]
     return [line for line in block.splitlines() if line.strip()]
