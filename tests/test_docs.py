@@ -186,7 +186,8 @@ def test_docs_name_public_modules_only():
 
 def _anchors(page: Path) -> set[str]:
     # Python-Markdown's toc slugs: lower case, punctuation dropped, spaces to dashes.
-    heads = re.findall(r"^#+ (.+?)\s*$", page.read_text(), re.M)
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)  # not code
+    heads = re.findall(r"^#+ (.+?)\s*$", text, re.M)
     return {re.sub(r"[\s]+", "-", re.sub(r"[^\w\s-]", "", h.lower()).strip()) for h in heads}
 
 
