@@ -204,3 +204,11 @@ def test_readme_links_resolve():
         elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
             bad.append(f"{target}: no heading #{anchor}")
     assert not bad, "README links that lead nowhere:\n" + "\n".join(bad)
+
+
+def test_quickstart_is_the_same_on_both_pages():
+    # The README's quickstart is repeated on the getting-started page; keep them one.
+    def quickstart(page: str) -> str:
+        return next(b.source for b in runnable(ROOT / page) if "broadcast_params" in b.source)
+
+    assert quickstart("README.md") == quickstart("docs/getting-started.md")
