@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or reuse) a virtual environment and install jaxsync with its MPI, test,
-# benchmark and demo extras. Needs only python3 (>= 3.10). A second run skips the
+# benchmark, demo and docs extras. Needs only python3 (>= 3.10). A second run skips the
 # work when nothing changed; a run that stopped half-way is redone.
 #
 # Every step's output goes to $VENV/setup.log. A failed step stops set-up at once
@@ -122,8 +122,8 @@ fi
 # environment's MPI compiler wrapper (the MPI that mpi4py loads); a missing wrapper
 # or a failed compile stops set-up.
 MPICC="$venv/bin/mpicc" JAXSYNC_REQUIRE_NATIVE=1 \
-  step "install jaxsync (editable, with its native MPI target) and the mpi, test, bench and demo extras" \
-  pip install --no-build-isolation -e ".[mpi,test,bench,demo]"
+  step "install jaxsync (editable, with its native MPI target) and the mpi, test, bench, demo and docs extras" \
+  pip install --no-build-isolation -e ".[mpi,test,bench,demo,docs]"
 
 # The stamp means "verified": every extra imports, versions match their pins, and
 # `import jaxsync` resolves to this checkout through the install (run from outside).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the whole test suite (sets everything up first): lint, format and type
-# checks, then pytest. Extra args go to pytest.
+# checks, the docs build, then pytest. Extra args go to pytest.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${JAXSYNC_VENV:-$root/.venv}"
@@ -11,4 +11,11 @@ echo "[test] ruff check, ruff format --check, mypy (config in pyproject.toml)"
 "$venv/bin/ruff" check --no-cache .
 "$venv/bin/ruff" format --no-cache --check .
 "$venv/bin/mypy" --cache-dir "$venv/.mypy_cache"
+# The documentation site (mkdocs.yml), warnings as errors, into a folder of its own
+# (site/ is git-ignored; mkdocs serve for a live preview).
+echo "[test] mkdocs build --strict"
+site="$(mktemp -d)"
+NO_MKDOCS_2_WARNING=1 "$venv/bin/mkdocs" build --strict --quiet --site-dir "$site" \
+  || { rm -rf "$site"; exit 1; }
+rm -rf "$site"
 exec "$venv/bin/python" -m pytest -q "$@"

@@ -36,6 +36,12 @@ def main(checkout: str) -> int:
         "rich",
         "matplotlib",
         "sklearn",
+        "mkdocs",
+        "material",  # mkdocs-material
+        "mkdocstrings",
+        "mkdocstrings_handlers.python",
+        "griffe",
+        "mkdocs_jupyter",
     ):
         try:
             mods[name] = importlib.import_module(name)

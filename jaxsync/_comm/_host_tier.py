@@ -9,7 +9,7 @@ from ``_topology.Comms.prepare``), so every process takes the same path;
 It is off unless ``JAXSYNC_HOST_TIER=1`` (see :func:`enabled`): in the
 emulated cluster (2 cores, links shaped with tc tbf) its sequential host stages
 and the leaders' single TCP flow cost more than MPI's own allreduce over every
-process (README, "Strategies").
+process (docs/strategies.md).
 
 Imports: the standard library (mpi4py inside the functions that need it).
 """

@@ -26,7 +26,7 @@ from . import _plugins, _strategies
 # overlap=True: gradients travel in buckets of about this many bytes, issued in
 # the order backward produces them; the first (the last layers') is smaller so
 # the network starts early (DDP: 25 MB buckets, the first 1 MB). Measured on
-# the emulated 1 Gb/s cluster and in shared memory (README, "Overlap").
+# the emulated 1 Gb/s cluster and in shared memory (docs/benchmarks.md).
 OVERLAP_BUCKET_BYTES = 4 * 2**20
 OVERLAP_FIRST_BYTES = 1 * 2**20
 
@@ -178,7 +178,7 @@ def double_buffer_fns(fn: str, cfg, sync):
 _ARGS = """      overlap: ``True`` sends the gradients in buckets, in the order backward
         produces them (the tree's leaves last to first), each bucket as soon as
         it exists; with MPI on CPU the sums run on a communication thread while
-        the step computes on (see "Overlap" in the README). The same bits as
+        the step computes on (see "Overlap" in docs/strategies.md). The same bits as
         ``False``. The buckets' order assumes the tree lists the model's layers
         first to last.
       overlap_bucket_bytes: with ``overlap``, about this many bytes per bucket

@@ -5,7 +5,7 @@ A :class:`Plan` is computed from a pytree's structure, shapes and dtypes only
 ``jax.ShapeDtypeStruct``s. It is an immutable, hashable value: building the
 same plan twice gives equal plans, so reusing it never recompiles.
 
-Rules (documented in the README, "Sharp bits"):
+Rules (documented in docs/sharp-bits.md):
 
 * Floating leaves (``float16``, ``bfloat16``, ``float32``, ``float64``) are
   reduced. Each dtype gets its own buffers; nothing is ever promoted.

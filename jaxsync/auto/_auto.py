@@ -316,7 +316,7 @@ def auto_mean(
       profile: a profile written by ``python -m jaxsync tune --out FILE`` (a
         path), its JSON as a dict, or ``None``: ``$JAXSYNC_PROFILE``, else
         ``~/.cache/jaxsync/profile.json`` (where ``tune`` writes by default),
-        else the built-in default parameters (see the README).
+        else the built-in default parameters (see docs/choosing.md).
       reduce, comm_dtype, predivide, check_finite, staging, timeout, on_timeout,
         sparse: as for :func:`jaxsync.hierarchical_mean`.
       bucket_bytes: ``"auto"`` (chosen) or a fixed value.

@@ -267,7 +267,7 @@ DEFAULT_PROFILE = Profile(
     ),
     copy=0.3e-9,
 )
-"""Used when no profile is given or found; documented in the README."""
+"""Used when no profile is given or found; documented in docs/choosing.md."""
 
 
 # --------------------------------------------------------------------------
