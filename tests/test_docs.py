@@ -212,3 +212,16 @@ def test_quickstart_is_the_same_on_both_pages():
         return next(b.source for b in runnable(ROOT / page) if "broadcast_params" in b.source)
 
     assert quickstart("README.md") == quickstart("docs/getting-started.md")
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb")))
+def test_notebooks_are_stored_executed(name):
+    """A reader sees the tables and plots without running them (the suite re-runs
+    them through nbmake, without writing back)."""
+    nb = json.loads((ROOT / "notebooks" / name).read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code" and "".join(c["source"]).strip()]
+    unrun = [i for i, c in enumerate(code) if c.get("execution_count") is None]
+    assert not unrun, f"{name}: code cells {unrun} stored without being run"
+    assert any(c.get("outputs") for c in code), f"{name}: stored without any output"
+    errors = [o for c in code for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, f"{name}: stored with an error output"
