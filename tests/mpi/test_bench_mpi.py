@@ -92,3 +92,23 @@ def test_bench_two_devices_per_process(tmp_path):
     )
     # mpi4jax's ordered effects refuse multi-device computations: no such rows.
     assert not any("mpi4jax" in m or m.endswith("(jit)") for m in rows)
+
+
+def test_bench_overlap_suite_smoke(tmp_path):
+    """``bench --suite overlap --quick`` under mpirun -n 2: every case timed, the
+    targets evaluated, the JSON written (the figures themselves are not checked)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(ROOT)
+    cmd = [str(MPIRUN), "-n", "2", sys.executable, "-m", "jaxsync", "bench", "--suite"]
+    cmd += ["overlap", "--quick", "--out", str(tmp_path)]
+    returncode, text, timed_out = run_command(cmd, timeout=300, env=env)
+    if timed_out:
+        pytest.fail("bench --suite overlap under mpirun timed out:\n" + text[-3000:])
+    assert returncode == 0, text[-3000:]
+    record = json.loads((tmp_path / "overlap-shm.json").read_text())
+    assert record["meta"]["processes"] == 2 and record["meta"]["hosts"] == 1
+    cases = set(record["median_s"])
+    assert {"nosync", "blocking", "double", "bare"} <= cases, cases
+    assert any(c.startswith("overlap") for c in cases), cases
+    assert all(v > 0 for v in record["median_s"].values()), record["median_s"]
+    assert record["targets"] and all("ok" in t for t in record["targets"])
