@@ -172,13 +172,13 @@ def test_plain_jit_one_device_axis_name_none():
 
 def test_bad_arguments_name_what_to_do():
     with pytest.raises(TypeError, match=r"replica_mean .*\['count'\].*int32.*astype"):
-        jax.vmap(
-            lambda t: jaxsync.replica_mean(t, axis_name="i", comm=None), axis_name="i"
-        )({"count": jnp.ones(4, jnp.int32)})
+        jax.vmap(lambda t: jaxsync.replica_mean(t, axis_name="i", comm=None), axis_name="i")(
+            {"count": jnp.ones(4, jnp.int32)}
+        )
     with pytest.raises(NameError, match="'j' is not bound"):
-        jax.vmap(
-            lambda t: jaxsync.replica_mean(t, axis_name="j", comm=None), axis_name="i"
-        )(jnp.ones(4))
+        jax.vmap(lambda t: jaxsync.replica_mean(t, axis_name="j", comm=None), axis_name="i")(
+            jnp.ones(4)
+        )
     with pytest.raises(TypeError, match="replica_mean"):
         jaxsync.replica_mean(jnp.ones(2), axis_name=3, comm=None)
     with pytest.raises(TypeError, match="comm"):

@@ -55,12 +55,15 @@ def replica_mean(tree: PyTree, *, axis_name: AxisName, comm: Comm = AUTO) -> PyT
     every device (``jax.typeof(x)``: not varying over an axis). Such a leaf is
     left as it is over those axes, bit for bit (flax's
     ``BatchNorm(axis_name=...)`` statistics, ``lax.pmean`` results); with
-    several processes the processes' values are averaged, each weighted by its
-    number of devices. ``sync_gradients`` would divide it by the replica count
-    again (it reads an invariant leaf as a sum of gradients). Under ``pmap``,
-    ``vmap`` or ``check_vma=False`` values carry no such types: every leaf is
-    averaged (equal values give themselves back, exactly for integer values
-    and power-of-two replica counts).
+    several processes the processes' values are averaged. ``sync_gradients``
+    would divide it by the replica count again (it reads an invariant leaf as a
+    sum of gradients). Under ``pmap``, ``vmap`` or ``check_vma=False`` values
+    carry no such types: every leaf is averaged (equal values give themselves
+    back, exactly for integer values and power-of-two replica counts).
+
+    The mean of the replicas' variances is not the variance of the whole
+    batch: for that average the mean and the mean of squares and take
+    ``E[x^2] - E[x]^2`` (as ChainerMN's ``MultiNodeBatchNormalization`` does).
 
     Args:
       tree: a pytree of floating arrays (bfloat16, float16, float32, float64).
