@@ -141,6 +141,21 @@ def test_axiscomm_leaf_invariant_over_local_is_averaged_over_hosts():
     _assert_bits(out["all"], everywhere, np.float32)
 
 
+def test_invariant_float16_near_its_limit_does_not_overflow():
+    """A float16 leaf invariant over "local" stands for 4 equal values: scaled by 4
+    in float16 it would be inf (4 x 30000 > 65504); the mean over hosts is finite."""
+    v = jnp.float16(30000.0)
+
+    def body(xb):
+        host = lax.axis_index("host").astype(jnp.float32)
+        # pmean'd in float32 (a float16 pmean would overflow itself), then float16
+        local_mean = lax.pmean(xb[0, 0, 0] * 0 + 30000.0 - host * 16, "local").astype(v.dtype)
+        return jaxsync.replica_mean(local_mean, axis_name="local", comm=jaxsync.AxisComm("host"))
+
+    out = _on_mesh(body, MESH2, P(HL), _data())
+    np.testing.assert_array_equal(bits(out), bits(np.float16(30000.0 - 8)))
+
+
 def test_pmap_and_vmap():
     x = _data()
     f = lambda xb: jaxsync.replica_mean(_stats(xb), axis_name="i", comm=None)  # noqa: E731

@@ -112,24 +112,21 @@ def replica_mean(tree: PyTree, *, axis_name: AxisName, comm: Comm = AUTO) -> PyT
     # Equal on every replica there is: nothing to average, the leaf is the mean.
     # (Only without other replicas, so every process's tree is the same.)
     keep = jax.tree.map(lambda w: w == n, sizes)
+
     # Equal on the ``w`` replicas of the axes it is invariant over: it stands for
     # ``w`` equal values. sync keeps an invariant leaf on one of them and zeros on
     # the others (a gradient's reading, share_invariant), so it is scaled by ``w``
     # first: the sum over every replica is then right, and the mean too. A power
-    # of two is exact to multiply by.
-    scaled = jax.tree.map(
-        lambda x, w, k: None if k else (x if w == 1 else x * jnp.asarray(w, x.dtype)),
-        tree,
-        sizes,
-        keep,
-    )
-    out = sync(scaled, cfg)[0]
-    return jax.tree.map(
-        lambda x, k, y: x if k else y,
-        tree,
-        keep,
-        out,
-    )
+    # of two is exact to multiply by. float16 is scaled in float32 (w x may be
+    # above float16's 65504) and rounded back once, after the mean.
+    def scale(x, w, k):
+        if k or w == 1:
+            return None if k else x
+        wide = jnp.float32 if str(x.dtype) == "float16" else x.dtype
+        return x.astype(wide) * jnp.asarray(w, wide)
+
+    out = sync(jax.tree.map(scale, tree, sizes, keep), cfg)[0]
+    return jax.tree.map(lambda x, k, y: x if k else y.astype(x.dtype), tree, keep, out)
 
 
 def _check_leaves(fn: str, tree) -> None:
