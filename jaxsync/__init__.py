@@ -13,6 +13,7 @@ from jaxsync._comm._host import host_allocator_state, tune_host_allocator
 from jaxsync._comm._topology import Topology, default_comm, free_communicators, topology
 from jaxsync._core._broadcast import broadcast_params
 from jaxsync._core._plan import Bucket, LeafSpec, Plan, make_plan
+from jaxsync._core._replica import replica_mean
 from jaxsync._core._sync import DoubleBufferState, SyncState, sync_gradients
 from jaxsync._core._transforms import (
     flat_mean,
@@ -61,6 +62,7 @@ __all__ = [
     "make_plan",
     "naive_mean",
     "powersgd_mean",
+    "replica_mean",
     "row_sparse_grad",
     "sign_mean",
     "single_node_mean",

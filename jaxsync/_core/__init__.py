@@ -5,6 +5,7 @@ packing plan: buffers per dtype, buckets) → ``_strategies`` (the intra and int
 stages of each strategy, over ``jaxsync._comm``'s collectives and backends) →
 ``_sync`` (pack, reduce, unpack; ``sync_gradients``) → ``_transforms`` (the optax
 factories). ``_overlap`` runs a strategy per bucket while backward computes;
-``_broadcast`` sends rank 0's parameters. The optional areas (``jaxsync.sparse``,
+``_broadcast`` sends rank 0's parameters; ``_replica`` averages non-gradient
+values (``replica_mean``). The optional areas (``jaxsync.sparse``,
 ``jaxsync.auto``) plug in through ``_plugins``; nothing here imports them.
 """

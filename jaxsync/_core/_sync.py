@@ -224,6 +224,15 @@ def sync_gradients(
     Call it inside ``shard_map``, ``pmap`` or ``vmap(axis_name=...)``. For use in a
     training loop, prefer the optax factories, which validate options once.
 
+    It is for gradients. Under ``shard_map`` a leaf typed invariant over the
+    axes (equal on every device) is read as a gradient autodiff already summed
+    over them (a parameter that entered replicated, ``in_specs=P()``), so it is
+    counted once and divided by the replica count. A value that is already a
+    mean, such as statistics ``lax.pmean``'d by flax's
+    ``BatchNorm(axis_name=...)``, is then divided again: average non-gradient
+    values (BatchNorm statistics, metrics, the loss) with
+    :func:`jaxsync.replica_mean`.
+
     Args:
       tree: the gradients: a pytree of arrays (:class:`jaxsync.RowSparse` leaves
         too).

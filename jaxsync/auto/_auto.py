@@ -91,7 +91,10 @@ def load_profile(profile=None) -> tuple[Profile, str]:
     :class:`jaxsync.auto._cost.Profile`. A missing file given by ``profile`` or
     ``$JAXSYNC_PROFILE``, an unreadable one, or parameters that are unusable
     (negative or non-finite times, malformed overheads: checked here, when the
-    profile is read) fall back to the built-in default with a warning.
+    profile is read) fall back to the built-in default with a warning. Nothing
+    asked for and no file at the default path: the built-in default, without a
+    warning here (``auto_mean`` and ``strategy="auto"`` warn once per process;
+    ``info --tree`` prints the note).
     """
     if isinstance(profile, (Profile, dict)):
         where = "from a dict" if isinstance(profile, dict) else profile.source
@@ -122,6 +125,28 @@ def load_profile(profile=None) -> tuple[Profile, str]:
         note = f"profile {path} unreadable ({e}): using the built-in default"
         warnings.warn(f"jaxsync auto: {note}", stacklevel=3)
         return _cost.DEFAULT_PROFILE, note
+
+
+_no_profile_warned = False  # the warning below, once per process
+
+
+def _warn_no_profile_once(fn: str) -> None:
+    """Warn (once per process) that the cost model runs on the built-in default."""
+    global _no_profile_warned
+    if _no_profile_warned:
+        return
+    _no_profile_warned = True
+    path = default_profile_path()
+    warnings.warn(
+        f"jaxsync auto: {fn} got no profile and there is none at {path}: strategy "
+        "'auto' chooses from the built-in default link parameters, not this "
+        f"machine's measured ones. Fix: run `python -m jaxsync tune --out {path}` "
+        "once per configuration (processes x devices) and it is found there, or "
+        "pass profile='profile.json' (written by `python -m jaxsync tune --out "
+        "profile.json`). This warning is shown once per process.",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,8 +204,14 @@ def make_auto_config(
         **options,
     )
     prof, note = load_profile(profile)
+    is_mpi = isinstance(base.backend, _mpi_backend.MPIBackend)
+    if profile is None and not os.environ.get(PROFILE_ENV) and not default_profile_path().exists():
+        # Nothing asked for and nothing at the default path. With MPI rank 0's
+        # profile is used by every process: rank 0 alone says so.
+        if not is_mpi or base.backend.comms.rank == 0:
+            _warn_no_profile_once(fn)
     hosts = 1
-    if isinstance(base.backend, _mpi_backend.MPIBackend):
+    if is_mpi:
         from jaxsync._comm._topology import topology
 
         comms = base.backend.comms
@@ -316,7 +347,8 @@ def auto_mean(
       profile: a profile written by ``python -m jaxsync tune --out FILE`` (a
         path), its JSON as a dict, or ``None``: ``$JAXSYNC_PROFILE``, else
         ``~/.cache/jaxsync/profile.json`` (where ``tune`` writes by default),
-        else the built-in default parameters (see docs/choosing.md).
+        else the built-in default parameters (see docs/choosing.md), with a
+        ``UserWarning`` once per process (on rank 0 with MPI) naming the fix.
       reduce, comm_dtype, predivide, check_finite, staging, timeout, on_timeout,
         sparse: as for :func:`jaxsync.hierarchical_mean`.
       bucket_bytes: ``"auto"`` (chosen) or a fixed value.

@@ -1,6 +1,6 @@
 """PowerSGD low-rank compression with error feedback: :func:`powersgd_mean`.
 
-May import: ``_compress`` (state, checks, layout), ``_compress_phase``,
+May import: ``_common`` (state, checks, layout), ``_phase``,
 ``_invariance`` (``share_invariant``), ``_config`` (``make_config``) and
 ``_sync`` (``sync``: the exact hierarchical path the ``P`` and ``Q`` matrices
 travel by).
@@ -101,7 +101,11 @@ def powersgd_mean(
     ``shard_map`` pass it with :func:`jaxsync.state_specs`.
 
     Args:
-      axis_name: the local axis name(s), as for ``hierarchical_mean``.
+      axis_name: the mesh axis name, or tuple of names, of the replicas inside
+        this process, bound where ``update`` runs (``shard_map``, ``pmap`` or
+        ``vmap``); ``None`` when each process has a single device and no
+        mapped axis (plain ``jit``: only ``comm`` averages), as for
+        ``hierarchical_mean``.
       comm: the inter-process stage, as for ``hierarchical_mean``.
       rank: the rank ``r`` of the approximation (>= 1).
       start_step: updates before compression starts (exact averages until then).
@@ -117,9 +121,9 @@ def powersgd_mean(
       timeout, on_timeout: the stall watchdog, as for ``hierarchical_mean``.
 
     Returns:
-      an ``optax.GradientTransformation``; ``update`` must run where
-      ``axis_name`` is bound (``shard_map``, ``pmap`` or ``vmap``), anywhere
-      for ``axis_name=None`` (one device per process: only ``comm`` averages).
+      an ``optax.GradientTransformation``; with a named ``axis_name`` its
+      ``update`` runs where that axis is bound, with ``axis_name=None``
+      anywhere (e.g. under plain ``jax.jit``).
 
     Raises:
       TypeError, ValueError: a static argument is of the wrong type or out of
@@ -138,6 +142,10 @@ def powersgd_mean(
       >>> out, state = jax.vmap(tx.update, axis_name="i")(g, state)
       >>> bool(jnp.allclose(out["w"][0], g["w"].mean(0), rtol=1e-5))
       True
+      >>> one = jaxsync.powersgd_mean(axis_name=None, comm=None)
+      >>> w = {"w": jnp.ones((4, 3))}  # one device per process, plain jit
+      >>> jax.jit(one.update)(w, one.init(w))[0]["w"].shape
+      (4, 3)
     """
     fn = "powersgd_mean"
     rank = _check_int(fn, "rank", rank, 1, "pass e.g. rank=4")

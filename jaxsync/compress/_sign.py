@@ -1,6 +1,6 @@
 """Scaled sign compression with error feedback (EF-SignSGD): :func:`sign_mean`.
 
-May import: ``_compress`` (state, checks, layout), ``_intra`` (collectives),
+May import: ``_common`` (state, checks, layout), ``_intra`` (collectives),
 ``_invariance``, ``_config`` (``make_config``), ``_mpi_backend`` (which MPI
 path pads for ``lax.cond``) and ``_sync`` (``sync`` for the leaves that are
 not compressed).
@@ -118,7 +118,11 @@ def sign_mean(
     :func:`jaxsync.state_specs`.
 
     Args:
-      axis_name: the local axis name(s), as for ``hierarchical_mean``.
+      axis_name: the mesh axis name, or tuple of names, of the replicas inside
+        this process, bound where ``update`` runs (``shard_map``, ``pmap`` or
+        ``vmap``); ``None`` when each process has a single device and no
+        mapped axis (plain ``jit``: only ``comm`` averages), as for
+        ``hierarchical_mean``.
       comm: the inter-process stage, as for ``hierarchical_mean``.
       error_feedback: keep the compression error and add it to the next
         gradient (``False``: plain scaled sign; the residual stays zero).
@@ -127,9 +131,9 @@ def sign_mean(
       timeout, on_timeout: the stall watchdog, as for ``hierarchical_mean``.
 
     Returns:
-      an ``optax.GradientTransformation``; ``update`` must run where
-      ``axis_name`` is bound (``shard_map``, ``pmap`` or ``vmap``), anywhere
-      for ``axis_name=None`` (one device per process: only ``comm`` averages).
+      an ``optax.GradientTransformation``; with a named ``axis_name`` its
+      ``update`` runs where that axis is bound, with ``axis_name=None``
+      anywhere (e.g. under plain ``jax.jit``).
 
     Raises:
       TypeError, ValueError: a static argument is of the wrong type or out of
@@ -149,6 +153,10 @@ def sign_mean(
       >>> state.residual[0]      # what each replica did not send
       Array([[-1., -1.],
              [ 1.,  1.]], dtype=float32)
+      >>> one = jaxsync.sign_mean(axis_name=None, comm=None, min_size=1)
+      >>> w = {"w": jnp.array([1.0, -3.0])}  # one device per process, plain jit
+      >>> jax.jit(one.update)(w, one.init(w))[0]["w"]
+      Array([ 2., -2.], dtype=float32)
     """
     fn = "sign_mean"
     error_feedback = _check_bool(fn, "error_feedback", error_feedback)
