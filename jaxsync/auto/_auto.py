@@ -6,7 +6,8 @@ the same tree, topology and profile give the same choice. With MPI the profile i
 read on every process when the transform is made and rank 0's is broadcast (on
 jaxsync's private control communicator), so every process decides alike; the
 choice is part of the text the processes compare before their first reduction.
-``comm_dtype`` is never chosen (a lossy wire dtype is the user's decision).
+A lossy wire dtype (``comm_dtype`` bfloat16) is chosen only where the user
+allows it (``auto_mean(allow_lossy=...)``, :func:`check_allow_lossy`).
 
 May import: optax, the standard library, ``jaxsync.auto._cost``/``_cost_ops`` at the
 top; JAX and the rest of jaxsync (``_plan``, ``_config``, ``_sync``, ``_intra``,
@@ -34,6 +35,7 @@ from ._choose import (
     CANDIDATE_BUCKETS,
     CANDIDATE_STRATEGIES,
     CANDIDATE_THRESHOLDS,
+    LOSSY_WIRE,
     Choice,
     buckets_of,
     choose,
@@ -64,6 +66,7 @@ __all__ = [
     "Choice",
     "auto_mean",
     "buckets_of",
+    "check_allow_lossy",
     "choose",
     "default_profile_path",
     "load_profile",
@@ -134,11 +137,75 @@ class AutoSpec:
     bucket_bytes: Any = AUTO  # AUTO: chosen; else fixed by the user
     pack_threshold: Any = AUTO
     key: int = 0  # this transform's entry in the record of choices
+    lossy: tuple = ()  # lossy wire dtypes allowed (check_allow_lossy)
 
     def __hash__(self):
         return hash(
-            (self.profile.digest(), self.hosts, self.bucket_bytes, self.pack_threshold, self.key)
+            (
+                self.profile.digest(),
+                self.hosts,
+                self.bucket_bytes,
+                self.pack_threshold,
+                self.key,
+                self.lossy,
+            )
         )
+
+
+LOSSY_TRANSFORMS = ("powersgd", "sign")
+"""Lossy kinds ``auto`` does not choose: they are transforms with state of their own."""
+
+
+def check_allow_lossy(fn: str, allow_lossy, comm_dtype=None) -> tuple:
+    """``allow_lossy`` validated: the lossy wire dtypes ``auto`` may choose.
+
+    ``False`` (default): none; ``True``: ``("bfloat16",)``; a tuple of names from
+    :data:`jaxsync.auto._choose.LOSSY_WIRE` (``"bfloat16"``, ``"float16"``).
+    ``"powersgd"`` and ``"sign"`` are refused: those transforms carry state of
+    their own (error feedback, factors) that ``init`` makes before the tree is
+    seen, so a choice at trace time cannot switch to them.
+
+    Example:
+      >>> check_allow_lossy("auto_mean", True)
+      ('bfloat16',)
+      >>> check_allow_lossy("auto_mean", ["float16", "bfloat16"])
+      ('bfloat16', 'float16')
+      >>> check_allow_lossy("auto_mean", False)
+      ()
+    """
+    kinds = tuple(LOSSY_WIRE)
+    if isinstance(allow_lossy, bool):
+        got = ("bfloat16",) if allow_lossy else ()
+    elif isinstance(allow_lossy, (tuple, list)) and all(isinstance(k, str) for k in allow_lossy):
+        bad = [k for k in allow_lossy if k not in kinds]
+        if any(k in LOSSY_TRANSFORMS for k in bad):
+            raise ValueError(
+                f"{fn}: allow_lossy may name the wire dtypes {kinds}, got {tuple(allow_lossy)!r}; "
+                f"{'/'.join(k for k in bad if k in LOSSY_TRANSFORMS)} cannot be chosen at "
+                "trace time (the transform's state is made by init, before the tree is "
+                "seen). Fix: allow_lossy=('bfloat16',), or use jaxsync.powersgd_mean / "
+                "jaxsync.sign_mean directly."
+            )
+        if bad:
+            raise ValueError(
+                f"{fn}: allow_lossy must name wire dtypes from {kinds}, got {bad!r}. "
+                "Fix: allow_lossy=('bfloat16',) or allow_lossy=True."
+            )
+        got = tuple(sorted(set(allow_lossy), key=kinds.index))
+    else:
+        raise TypeError(
+            f"{fn} got unexpected type for argument 'allow_lossy' (expected: a bool or a "
+            f"tuple of names from {kinds}, got: {type(allow_lossy).__name__} "
+            f"{allow_lossy!r}). Fix: allow_lossy=True (bfloat16 on the wire when faster) "
+            "or allow_lossy=('bfloat16',)."
+        )
+    if got and comm_dtype is not None:
+        raise ValueError(
+            f"{fn}: allow_lossy={allow_lossy!r} lets auto choose the wire dtype, but "
+            f"comm_dtype={comm_dtype!r} fixes it. Fix: pass one of them (drop comm_dtype "
+            "to let auto choose, or allow_lossy=False to keep yours)."
+        )
+    return got
 
 
 # --------------------------------------------------------------------------
@@ -151,7 +218,15 @@ _keys = itertools.count(1)
 
 
 def make_auto_config(
-    fn, axis_name, comm, *, profile=None, bucket_bytes=AUTO, pack_threshold=AUTO, **options
+    fn,
+    axis_name,
+    comm,
+    *,
+    profile=None,
+    bucket_bytes=AUTO,
+    pack_threshold=AUTO,
+    allow_lossy=False,
+    **options,
 ):
     """A SyncConfig with ``strategy="auto"`` and an :class:`AutoSpec`.
 
@@ -169,6 +244,7 @@ def make_auto_config(
             f"{profile!r}). Fix: profile='profile.json' (written by `python -m jaxsync "
             "tune --out profile.json`) or profile=None (the default path, else built-in)."
         )
+    lossy = check_allow_lossy(fn, allow_lossy, options.get("comm_dtype"))
     base = make_config(
         fn,
         "hierarchical",
@@ -193,7 +269,7 @@ def make_auto_config(
             else:
                 note = got["note"]
             prof = dataclasses.replace(Profile.from_json(got["profile"], got["source"]))
-    spec = AutoSpec(prof, note, hosts, bucket_bytes, pack_threshold, next(_keys))
+    spec = AutoSpec(prof, note, hosts, bucket_bytes, pack_threshold, next(_keys), lossy)
     return dataclasses.replace(base, strategy=AUTO, auto=spec)
 
 
@@ -235,6 +311,7 @@ def resolve(tree, cfg):
         pack_threshold=spec.pack_threshold,
         comm_itemsize=itemsize,
         profile_note=spec.note,
+        lossy=spec.lossy,
     )
     with _lock:
         got = _recent.setdefault(spec.key, [])
@@ -249,6 +326,7 @@ def resolve(tree, cfg):
         strategy=choice.strategy,
         bucket_bytes=choice.bucket_bytes,
         pack_threshold=choice.pack_threshold,
+        comm_dtype=choice.comm_dtype or cfg.comm_dtype,
     )
 
 
@@ -295,6 +373,7 @@ def auto_mean(
     timeout: float | None = None,
     on_timeout: OnTimeout = "report",
     sparse: SparseOptions | None = None,
+    allow_lossy: bool | tuple[str, ...] = False,
 ) -> AutoTransformation:
     """Average gradients with the strategy the cost model predicts fastest.
 
@@ -307,8 +386,9 @@ def auto_mean(
     profile always give the same choice. With MPI every process uses rank 0's
     profile (broadcast when the factory is called, so call it on every process)
     and the processes compare the choice with the rest of the plan before the
-    first reduction. ``comm_dtype`` is never chosen: pass it to allow a lossy
-    wire dtype.
+    first reduction. A lossy wire dtype is chosen only where ``allow_lossy``
+    allows it, and only when predicted faster than every lossless candidate;
+    ``describe()`` says what was allowed and what was picked.
 
     Args:
       axis_name: as for :func:`jaxsync.hierarchical_mean`.
@@ -321,6 +401,11 @@ def auto_mean(
         sparse: as for :func:`jaxsync.hierarchical_mean`.
       bucket_bytes: ``"auto"`` (chosen) or a fixed value.
       pack_threshold: ``"auto"`` (chosen) or a fixed value (``None``: pack all).
+      allow_lossy: ``False`` (default: lossless only), ``True`` (bfloat16 on
+        the wire may be chosen) or a tuple of wire dtypes from
+        ``("bfloat16", "float16")``. ``powersgd_mean`` and ``sign_mean`` are
+        not candidates (their state is made by ``init``, before the tree is
+        seen): naming them is an error. Not with ``comm_dtype``.
 
     Returns:
       an optax ``GradientTransformation`` with a ``describe()`` method.
@@ -352,6 +437,7 @@ def auto_mean(
         timeout=timeout,
         on_timeout=on_timeout,
         sparse=sparse,
+        allow_lossy=allow_lossy,
     )
     init_fn, update_fn = transform_fns(fn, cfg)
     update_fn.config = cfg
