@@ -137,8 +137,9 @@ def measured_projection(profile: Profile, where: str) -> tuple[Profile, int, lis
         figures.append((f"{name} link", describe(lk), yes if got else no))
     measured_devices = profile.has("device") and (profile.topology or {}).get("local_devices")
     devices = int(measured_devices) if calibrated and measured_devices else 8
-    figures.append(("devices per host", str(devices), yes if devices != 8 or measured_devices
-                    else no))
+    figures.append(
+        ("devices per host", str(devices), yes if devices != 8 or measured_devices else no)
+    )
     copy = profile.copy if calibrated else stated.copy
     figures.append(("copy", f"{copy * 1e9:.4g} ns/B", yes if calibrated else no))
     over = ", ".join(

@@ -241,10 +241,10 @@ def calibrate(
         from ._tune_tiers import measure_tiers
 
         log = functools.partial(_log, rank)
-        got, rep, s, what = measure_tiers(comm, topo, sizes, rounds, iters, log)
+        got, reports, samples, what = measure_tiers(comm, topo, sizes, rounds, iters, log)
         links += got
-        fit |= rep
-        raw |= s
+        fit |= reports
+        raw |= samples
         measured |= what
     _log(rank, f"copy on {D} device(s) at once")
     c = measure_copy(D, sizes, rounds, iters, comm)

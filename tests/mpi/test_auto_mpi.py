@@ -29,3 +29,23 @@ def test_auto_rank0_profile_wins(devices):
             for name, x in r[key].items():
                 want = np.full(x.shape, (n + 1) / 2, np.float32)
                 np.testing.assert_array_equal(x, want, err_msg=f"{key} {name}")
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_auto_allow_lossy_puts_bfloat16_on_a_slow_wire(devices):
+    run = run_mpi("worker_auto_lossy.py", n=2, devices=devices, timeout=150).check()
+    r0, r1 = run.results
+    for r in (r0, r1):
+        head = r["lossy describe"].splitlines()[0]
+        assert "comm_dtype bfloat16 (lossy)" in head and "lossy allowed: bfloat16" in head
+        plain = r["lossless describe"].splitlines()[0]
+        assert "comm_dtype" not in plain and "lossy allowed: none" in plain
+    # the same choice on both ranks
+    assert [r["lossy describe"].split("; ")[0] for r in (r0, r1)] == [
+        r0["lossy describe"].split("; ")[0]
+    ] * 2
+    n = r0["replicas"]
+    for r in (r0, r1):
+        for key in ("lossy result", "lossless result"):
+            for name, x in r[key].items():
+                np.testing.assert_array_equal(x, np.full(x.shape, (n + 1) / 2), err_msg=key + name)
