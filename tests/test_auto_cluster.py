@@ -197,3 +197,33 @@ def test_tune_project_with_a_profile_cli(tmp_path):
         timeout=240,
     )
     assert r.returncode != 0 and "does not exist" in r.stderr
+
+
+def test_model_report_puts_each_configurations_noise_floor_beside_the_model(tmp_path):
+    from jaxsync.bench.model_report import collect
+
+    def run(folder, cfg, measured, load):
+        strategies = {
+            s: {"measured_ms": m, "predicted_ms": 1.0, "q25_ms": m, "q75_ms": m}
+            for s, m in zip(("naive", "flat", "hierarchical", "two_dimensional"), measured)
+        }
+        auto = {"choice": "flat", "measured_ms": measured[1], "best": "flat", "ok": True}
+        body = {
+            "config": cfg,
+            "meta": {"host_allocator": "tuned", "loadavg": [load, 0.0, 0.0]},
+            "trees": [{"tree": "t", "strategies": strategies, "auto": auto | {"best_ms": 1.0}}],
+        }
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"model-{cfg}.json").write_text(json.dumps(body))
+
+    run(tmp_path, "2x1x1@1gbit", [1.0, 1.0, 1.0, 1.0], 3.0)
+    run(tmp_path, "2x2x1@1gbit", [1.0, 2.0, 1.0, 1.0], 9.0)
+    run(tmp_path / "repeat", "2x1x1@1gbit", [1.0, 1.1, 2.0, 1.0], 3.0)
+    run(tmp_path / "repeat", "2x2x1@1gbit", [1.0, 2.0, 1.0, 1.0], 9.0)
+    rows = {r["config"]: r for r in collect(tmp_path)["per_config"]}
+    a, b = rows["2x1x1@1gbit"], rows["2x2x1@1gbit"]
+    assert (a["model_within_25pct"], a["repeat_within_25pct"]) == (1.0, 0.75)
+    assert (b["model_within_25pct"], b["repeat_within_25pct"]) == (0.75, 1.0)
+    assert a["model_within_25pct_of_repeat"] == 0.75 and a["loadavg"][0] == 3.0
+    text = (tmp_path / "model.md").read_text()
+    assert "| 2x1x1@1gbit | 4 | 100% | 75% | 75% | 100% | 100% | 3.0 |" in text

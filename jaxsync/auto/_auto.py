@@ -38,6 +38,7 @@ from ._choose import (
     LOSSY_WIRE,
     Choice,
     buckets_of,
+    check_allow_lossy,
     choose,
 )
 from ._cost import Profile
@@ -61,6 +62,7 @@ __all__ = [
     "CANDIDATE_BUCKETS",
     "CANDIDATE_STRATEGIES",
     "CANDIDATE_THRESHOLDS",
+    "LOSSY_WIRE",
     "AutoSpec",
     "AutoTransformation",
     "Choice",
@@ -150,62 +152,6 @@ class AutoSpec:
                 self.lossy,
             )
         )
-
-
-LOSSY_TRANSFORMS = ("powersgd", "sign")
-"""Lossy kinds ``auto`` does not choose: they are transforms with state of their own."""
-
-
-def check_allow_lossy(fn: str, allow_lossy, comm_dtype=None) -> tuple:
-    """``allow_lossy`` validated: the lossy wire dtypes ``auto`` may choose.
-
-    ``False`` (default): none; ``True``: ``("bfloat16",)``; a tuple of names from
-    :data:`jaxsync.auto._choose.LOSSY_WIRE` (``"bfloat16"``, ``"float16"``).
-    ``"powersgd"`` and ``"sign"`` are refused: those transforms carry state of
-    their own (error feedback, factors) that ``init`` makes before the tree is
-    seen, so a choice at trace time cannot switch to them.
-
-    Example:
-      >>> check_allow_lossy("auto_mean", True)
-      ('bfloat16',)
-      >>> check_allow_lossy("auto_mean", ["float16", "bfloat16"])
-      ('bfloat16', 'float16')
-      >>> check_allow_lossy("auto_mean", False)
-      ()
-    """
-    kinds = tuple(LOSSY_WIRE)
-    if isinstance(allow_lossy, bool):
-        got = ("bfloat16",) if allow_lossy else ()
-    elif isinstance(allow_lossy, (tuple, list)) and all(isinstance(k, str) for k in allow_lossy):
-        bad = [k for k in allow_lossy if k not in kinds]
-        if any(k in LOSSY_TRANSFORMS for k in bad):
-            raise ValueError(
-                f"{fn}: allow_lossy may name the wire dtypes {kinds}, got {tuple(allow_lossy)!r}; "
-                f"{'/'.join(k for k in bad if k in LOSSY_TRANSFORMS)} cannot be chosen at "
-                "trace time (the transform's state is made by init, before the tree is "
-                "seen). Fix: allow_lossy=('bfloat16',), or use jaxsync.powersgd_mean / "
-                "jaxsync.sign_mean directly."
-            )
-        if bad:
-            raise ValueError(
-                f"{fn}: allow_lossy must name wire dtypes from {kinds}, got {bad!r}. "
-                "Fix: allow_lossy=('bfloat16',) or allow_lossy=True."
-            )
-        got = tuple(sorted(set(allow_lossy), key=kinds.index))
-    else:
-        raise TypeError(
-            f"{fn} got unexpected type for argument 'allow_lossy' (expected: a bool or a "
-            f"tuple of names from {kinds}, got: {type(allow_lossy).__name__} "
-            f"{allow_lossy!r}). Fix: allow_lossy=True (bfloat16 on the wire when faster) "
-            "or allow_lossy=('bfloat16',)."
-        )
-    if got and comm_dtype is not None:
-        raise ValueError(
-            f"{fn}: allow_lossy={allow_lossy!r} lets auto choose the wire dtype, but "
-            f"comm_dtype={comm_dtype!r} fixes it. Fix: pass one of them (drop comm_dtype "
-            "to let auto choose, or allow_lossy=False to keep yours)."
-        )
-    return got
 
 
 # --------------------------------------------------------------------------

@@ -30,10 +30,10 @@ profile (JSON) goes to ``--out`` (default ``$JAXSYNC_PROFILE`` or
 ``~/.cache/jaxsync/profile.json``, where ``strategy="auto"`` looks for it).
 
 May import: the standard library, numpy, JAX, mpi4py and ``jaxsync.auto._cost``,
-``_cost_ops``, ``_cost_fit``, ``_auto``, ``_topology``, ``_mpi_backend`` (the native
-MPI ops), ``_project``, ``_tune_sync`` (the whole-sync part of the calibration),
-``_host`` (``--tune-host-allocator``; the profile records the allocator's state),
-``_tune_tiers`` (the process tiers), ``_host_tier`` (whether it is on).
+``_cost_fit``, ``_auto``, ``_topology``, ``_project``, ``_tune_sync`` (the whole-sync
+part of the calibration), ``_host`` (``--tune-host-allocator``; the profile records
+the allocator's state), ``_tune_tiers`` (the process tiers: shared memory, network),
+``_host_tier`` (whether it is on).
 """
 
 from __future__ import annotations
@@ -50,16 +50,14 @@ import numpy as np
 from jaxsync._comm._host import host_allocator_state, tune_host_allocator
 from jaxsync._comm._topology import default_comm
 
-from . import _cost, _cost_fit, _cost_ops, _tune_sync
+from . import _cost, _cost_fit, _tune_sync
 from ._cost import Profile
 from ._rounds import _control, _log, _time_rounds
+from ._tune_tiers import MULTI  # buffers in one call (the cost per call vs per message)
 
 KiB, MiB = 2**10, 2**20
 SIZES = (16 * KiB, 256 * KiB, 2 * MiB, 8 * MiB)
 QUICK_SIZES = (16 * KiB, 1 * MiB)
-
-
-MULTI = 8  # buffers in one call, to tell the cost per call from the cost per message
 
 
 def measure_device(devices: int, sizes, rounds: int, iters: int) -> list:
@@ -108,57 +106,6 @@ def measure_device(devices: int, sizes, rounds: int, iters: int) -> list:
             if k not in ("base part", "allreduce x")
         ]
         out.append(("allreduce", m * 4 // MULTI, D, got["allreduce x"], MULTI))
-    return out
-
-
-def measure_process(comm, sizes, rounds: int, iters: int) -> list:
-    """``(kind, nbytes, processes, seconds)``: jaxsync's native MPI calls in jit."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxsync._comm import _mpi_backend
-    from jaxsync._comm._topology import Comms
-
-    comms = Comms.of(comm)
-    P_ = comms.size
-    handle = comms.world.py2f()
-    dev = jax.local_devices()[0]
-    out: list = []
-    for n in sizes:
-        m = max(P_ * MULTI, (n // 4) // (P_ * MULTI) * (P_ * MULTI))
-        x = jax.device_put(jnp.ones((m,), jnp.float32), dev)
-
-        def step(kind):
-            def body(x):
-                y = x * 1.0001 + 1.0  # noqa: B023
-                ops = _mpi_backend._NativeOps(jnp.int32(handle), jnp.int32(1), P_)
-                if kind == "allreduce":
-                    return ops.allreduce([y])[0]
-                if kind == "alltoall":
-                    return ops.alltoall(y.reshape(P_, -1)).reshape(-1)
-                if kind == "allgather":
-                    return ops.allgather(y[: m // P_]).reshape(-1)  # noqa: B023
-                if kind == "base part":
-                    return y[: m // P_]  # noqa: B023
-                if kind == "allreduce x":  # one native call, MULTI buffers
-                    return jnp.concatenate(ops.allreduce(list(y.reshape(MULTI, -1))))
-                return y
-
-            return jax.jit(body)
-
-        fns = {
-            k: functools.partial(step(k), x)
-            for k in ("base", "base part", "allreduce", "alltoall", "allgather", "allreduce x")
-        }
-        got = _time_rounds(fns, "base", rounds, iters, comms.control)
-        out += [
-            (k, m * 4, P_, t - (got["base part"] if k == "allgather" else 0.0))
-            for k, t in got.items()
-            if k not in ("base part", "allreduce x")
-        ]
-        # the native call sums buffers under 64 KiB together: count its messages
-        msgs, _ = _cost_ops._native_messages([("f32", m * 4 // MULTI)] * MULTI)
-        out.append(("allreduce", msgs[0], P_, got["allreduce x"], len(msgs)))
     return out
 
 

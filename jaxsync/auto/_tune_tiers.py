@@ -17,18 +17,22 @@ It returns the fitted links and a description per link of what was measured
 emulated cluster's link rate where ``$JAXSYNC_CLUSTER`` names one. Rank 0's
 fits are broadcast, so every process carries the same links.
 
-May import: the standard library, mpi4py (inside functions), ``jaxsync._comm``
-(``_topology``) and ``jaxsync.auto._cost_fit``; ``_tune`` (``measure_process``)
-inside :func:`measure_tiers`.
+May import: the standard library, JAX and mpi4py (inside functions),
+``jaxsync._comm`` (``_topology``, ``_mpi_backend``: the native MPI ops) and
+``jaxsync.auto._cost_fit``, ``_cost_ops``, ``_rounds``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
 
-from . import _cost_fit
+from . import _cost_fit, _cost_ops
+from ._rounds import _time_rounds
+
+MULTI = 8  # buffers in one call, to tell the cost per call from the cost per message
 
 
 def _wait(req, poll: float = 0.005) -> None:
@@ -66,6 +70,57 @@ def cluster_link() -> dict | None:
     return out
 
 
+def measure_process(comm, sizes, rounds: int, iters: int) -> list:
+    """``(kind, nbytes, processes, seconds)``: jaxsync's native MPI calls in jit."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxsync._comm import _mpi_backend
+    from jaxsync._comm._topology import Comms
+
+    comms = Comms.of(comm)
+    P_ = comms.size
+    handle = comms.world.py2f()
+    dev = jax.local_devices()[0]
+    out: list = []
+    for n in sizes:
+        m = max(P_ * MULTI, (n // 4) // (P_ * MULTI) * (P_ * MULTI))
+        x = jax.device_put(jnp.ones((m,), jnp.float32), dev)
+
+        def step(kind):
+            def body(x):
+                y = x * 1.0001 + 1.0  # noqa: B023
+                ops = _mpi_backend._NativeOps(jnp.int32(handle), jnp.int32(1), P_)
+                if kind == "allreduce":
+                    return ops.allreduce([y])[0]
+                if kind == "alltoall":
+                    return ops.alltoall(y.reshape(P_, -1)).reshape(-1)
+                if kind == "allgather":
+                    return ops.allgather(y[: m // P_]).reshape(-1)  # noqa: B023
+                if kind == "base part":
+                    return y[: m // P_]  # noqa: B023
+                if kind == "allreduce x":  # one native call, MULTI buffers
+                    return jnp.concatenate(ops.allreduce(list(y.reshape(MULTI, -1))))
+                return y
+
+            return jax.jit(body)
+
+        fns = {
+            k: functools.partial(step(k), x)
+            for k in ("base", "base part", "allreduce", "alltoall", "allgather", "allreduce x")
+        }
+        got = _time_rounds(fns, "base", rounds, iters, comms.control)
+        out += [
+            (k, m * 4, P_, t - (got["base part"] if k == "allgather" else 0.0))
+            for k, t in got.items()
+            if k not in ("base part", "allreduce x")
+        ]
+        # the native call sums buffers under 64 KiB together: count its messages
+        msgs, _ = _cost_ops._native_messages([("f32", m * 4 // MULTI)] * MULTI)
+        out.append(("allreduce", msgs[0], P_, got["allreduce x"], len(msgs)))
+    return out
+
+
 def measure_tiers(comm, topo, sizes, rounds: int, iters: int, log) -> tuple[list, dict, dict, dict]:
     """Measure and fit each process tier of ``comm``'s job.
 
@@ -78,8 +133,6 @@ def measure_tiers(comm, topo, sizes, rounds: int, iters: int, log) -> tuple[list
     from mpi4py import MPI
 
     from jaxsync._comm._topology import Comms
-
-    from ._tune import measure_process
 
     comms = Comms.of(comm)
     control = comms.control

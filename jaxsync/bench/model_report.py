@@ -187,7 +187,7 @@ def collect(out: Path) -> dict:
     cases, autos = _cases(runs)
     again = [json.loads(p.read_text()) for p in sorted(out.glob("repeat/model-*x*.json"))]
     again_cases = _cases(again)[0] if again else None
-    repro = reproducibility(cases, again_cases) if again else None
+    repro = reproducibility(cases, again_cases) if again_cases is not None else None
     configs = per_config(cases, autos, again_cases, {r["config"]: r["meta"] for r in runs})
     share = float(np.mean([c["ok"] for c in cases])) if cases else float("nan")
     auto_share = float(np.mean([a["ok"] for a in autos])) if autos else float("nan")
