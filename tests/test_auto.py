@@ -672,7 +672,13 @@ def test_tune_quick_writes_a_profile(tmp_path):
     text = _run(args, tmp_path)
     prof = Profile.from_json(json.loads(out.read_text()), str(out))
     want = {"processes": 1, "hosts": 1, "local_devices": 2, "host_allocator": "tuned"}
+    want |= {
+        "per_host": 1,
+        "host_tier": False,
+        "measured": {"device": prof.topology["measured"]["device"]},
+    }
     assert prof.has("device") and prof.topology == want
+    assert "2 devices of one process" in prof.topology["measured"]["device"]
     assert "fit error median" in text and f"wrote {out}" in text
     tx = jaxsync.auto_mean(axis_name="i", comm=None, profile=str(out))
     assert tx.update.config.auto.profile.digest() == prof.digest()

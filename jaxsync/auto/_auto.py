@@ -6,7 +6,8 @@ the same tree, topology and profile give the same choice. With MPI the profile i
 read on every process when the transform is made and rank 0's is broadcast (on
 jaxsync's private control communicator), so every process decides alike; the
 choice is part of the text the processes compare before their first reduction.
-``comm_dtype`` is never chosen (a lossy wire dtype is the user's decision).
+A lossy wire dtype (``comm_dtype`` bfloat16) is chosen only where the user
+allows it (``auto_mean(allow_lossy=...)``, :func:`check_allow_lossy`).
 
 May import: optax, the standard library, ``jaxsync.auto._cost``/``_cost_ops`` at the
 top; JAX and the rest of jaxsync (``_plan``, ``_config``, ``_sync``, ``_intra``,
@@ -34,8 +35,10 @@ from ._choose import (
     CANDIDATE_BUCKETS,
     CANDIDATE_STRATEGIES,
     CANDIDATE_THRESHOLDS,
+    LOSSY_WIRE,
     Choice,
     buckets_of,
+    check_allow_lossy,
     choose,
 )
 from ._cost import Profile
@@ -59,11 +62,13 @@ __all__ = [
     "CANDIDATE_BUCKETS",
     "CANDIDATE_STRATEGIES",
     "CANDIDATE_THRESHOLDS",
+    "LOSSY_WIRE",
     "AutoSpec",
     "AutoTransformation",
     "Choice",
     "auto_mean",
     "buckets_of",
+    "check_allow_lossy",
     "choose",
     "default_profile_path",
     "load_profile",
@@ -159,10 +164,18 @@ class AutoSpec:
     bucket_bytes: Any = AUTO  # AUTO: chosen; else fixed by the user
     pack_threshold: Any = AUTO
     key: int = 0  # this transform's entry in the record of choices
+    lossy: tuple = ()  # lossy wire dtypes allowed (check_allow_lossy)
 
     def __hash__(self):
         return hash(
-            (self.profile.digest(), self.hosts, self.bucket_bytes, self.pack_threshold, self.key)
+            (
+                self.profile.digest(),
+                self.hosts,
+                self.bucket_bytes,
+                self.pack_threshold,
+                self.key,
+                self.lossy,
+            )
         )
 
 
@@ -176,7 +189,15 @@ _keys = itertools.count(1)
 
 
 def make_auto_config(
-    fn, axis_name, comm, *, profile=None, bucket_bytes=AUTO, pack_threshold=AUTO, **options
+    fn,
+    axis_name,
+    comm,
+    *,
+    profile=None,
+    bucket_bytes=AUTO,
+    pack_threshold=AUTO,
+    allow_lossy=False,
+    **options,
 ):
     """A SyncConfig with ``strategy="auto"`` and an :class:`AutoSpec`.
 
@@ -194,6 +215,7 @@ def make_auto_config(
             f"{profile!r}). Fix: profile='profile.json' (written by `python -m jaxsync "
             "tune --out profile.json`) or profile=None (the default path, else built-in)."
         )
+    lossy = check_allow_lossy(fn, allow_lossy, options.get("comm_dtype"))
     base = make_config(
         fn,
         "hierarchical",
@@ -224,7 +246,7 @@ def make_auto_config(
             else:
                 note = got["note"]
             prof = dataclasses.replace(Profile.from_json(got["profile"], got["source"]))
-    spec = AutoSpec(prof, note, hosts, bucket_bytes, pack_threshold, next(_keys))
+    spec = AutoSpec(prof, note, hosts, bucket_bytes, pack_threshold, next(_keys), lossy)
     return dataclasses.replace(base, strategy=AUTO, auto=spec)
 
 
@@ -266,6 +288,7 @@ def resolve(tree, cfg):
         pack_threshold=spec.pack_threshold,
         comm_itemsize=itemsize,
         profile_note=spec.note,
+        lossy=spec.lossy,
     )
     with _lock:
         got = _recent.setdefault(spec.key, [])
@@ -280,6 +303,7 @@ def resolve(tree, cfg):
         strategy=choice.strategy,
         bucket_bytes=choice.bucket_bytes,
         pack_threshold=choice.pack_threshold,
+        comm_dtype=choice.comm_dtype or cfg.comm_dtype,
     )
 
 
@@ -326,6 +350,7 @@ def auto_mean(
     timeout: float | None = None,
     on_timeout: OnTimeout = "report",
     sparse: SparseOptions | None = None,
+    allow_lossy: bool | tuple[str, ...] = False,
 ) -> AutoTransformation:
     """Average gradients with the strategy the cost model predicts fastest.
 
@@ -338,8 +363,9 @@ def auto_mean(
     profile always give the same choice. With MPI every process uses rank 0's
     profile (broadcast when the factory is called, so call it on every process)
     and the processes compare the choice with the rest of the plan before the
-    first reduction. ``comm_dtype`` is never chosen: pass it to allow a lossy
-    wire dtype.
+    first reduction. A lossy wire dtype is chosen only where ``allow_lossy``
+    allows it, and only when predicted faster than every lossless candidate;
+    ``describe()`` says what was allowed and what was picked.
 
     Args:
       axis_name: as for :func:`jaxsync.hierarchical_mean`.
@@ -353,6 +379,11 @@ def auto_mean(
         sparse: as for :func:`jaxsync.hierarchical_mean`.
       bucket_bytes: ``"auto"`` (chosen) or a fixed value.
       pack_threshold: ``"auto"`` (chosen) or a fixed value (``None``: pack all).
+      allow_lossy: ``False`` (default: lossless only), ``True`` (bfloat16 on
+        the wire may be chosen) or a tuple of wire dtypes from
+        ``("bfloat16", "float16")``. ``powersgd_mean`` and ``sign_mean`` are
+        not candidates (their state is made by ``init``, before the tree is
+        seen): naming them is an error. Not with ``comm_dtype``.
 
     Returns:
       an optax ``GradientTransformation`` with a ``describe()`` method.
@@ -384,6 +415,7 @@ def auto_mean(
         timeout=timeout,
         on_timeout=on_timeout,
         sparse=sparse,
+        allow_lossy=allow_lossy,
     )
     init_fn, update_fn = transform_fns(fn, cfg)
     update_fn.config = cfg

@@ -26,6 +26,64 @@ CANDIDATE_STRATEGIES = ("hierarchical", "two_dimensional", "flat", "naive")
 """In order of preference on a tie (within a relative 1e-9)."""
 CANDIDATE_BUCKETS = (16 * 2**20, 64 * 2**20)
 CANDIDATE_THRESHOLDS = (None, 64 * 2**10, 256 * 2**10, 1 * 2**20, 4 * 2**20)
+LOSSY_WIRE = {"bfloat16": 2, "float16": 2}
+"""Lossy wire dtypes ``auto`` may choose when allowed, and their bytes per element."""
+
+
+LOSSY_TRANSFORMS = ("powersgd", "sign")
+"""Lossy kinds ``auto`` does not choose: they are transforms with state of their own."""
+
+
+def check_allow_lossy(fn: str, allow_lossy, comm_dtype=None) -> tuple:
+    """``allow_lossy`` validated: the lossy wire dtypes ``auto`` may choose.
+
+    ``False`` (default): none; ``True``: ``("bfloat16",)``; a tuple of names from
+    :data:`jaxsync.auto._choose.LOSSY_WIRE` (``"bfloat16"``, ``"float16"``).
+    ``"powersgd"`` and ``"sign"`` are refused: those transforms carry state of
+    their own (error feedback, factors) that ``init`` makes before the tree is
+    seen, so a choice at trace time cannot switch to them.
+
+    Example:
+      >>> check_allow_lossy("auto_mean", True)
+      ('bfloat16',)
+      >>> check_allow_lossy("auto_mean", ["float16", "bfloat16"])
+      ('bfloat16', 'float16')
+      >>> check_allow_lossy("auto_mean", False)
+      ()
+    """
+    kinds = tuple(LOSSY_WIRE)
+    if isinstance(allow_lossy, bool):
+        got = ("bfloat16",) if allow_lossy else ()
+    elif isinstance(allow_lossy, (tuple, list)) and all(isinstance(k, str) for k in allow_lossy):
+        bad = [k for k in allow_lossy if k not in kinds]
+        if any(k in LOSSY_TRANSFORMS for k in bad):
+            raise ValueError(
+                f"{fn}: allow_lossy may name the wire dtypes {kinds}, got {tuple(allow_lossy)!r}; "
+                f"{'/'.join(k for k in bad if k in LOSSY_TRANSFORMS)} cannot be chosen at "
+                "trace time (the transform's state is made by init, before the tree is "
+                "seen). Fix: allow_lossy=('bfloat16',), or use jaxsync.powersgd_mean / "
+                "jaxsync.sign_mean directly."
+            )
+        if bad:
+            raise ValueError(
+                f"{fn}: allow_lossy must name wire dtypes from {kinds}, got {bad!r}. "
+                "Fix: allow_lossy=('bfloat16',) or allow_lossy=True."
+            )
+        got = tuple(sorted(set(allow_lossy), key=kinds.index))
+    else:
+        raise TypeError(
+            f"{fn} got unexpected type for argument 'allow_lossy' (expected: a bool or a "
+            f"tuple of names from {kinds}, got: {type(allow_lossy).__name__} "
+            f"{allow_lossy!r}). Fix: allow_lossy=True (bfloat16 on the wire when faster) "
+            "or allow_lossy=('bfloat16',)."
+        )
+    if got and comm_dtype is not None:
+        raise ValueError(
+            f"{fn}: allow_lossy={allow_lossy!r} lets auto choose the wire dtype, but "
+            f"comm_dtype={comm_dtype!r} fixes it. Fix: pass one of them (drop comm_dtype "
+            "to let auto choose, or allow_lossy=False to keep yours)."
+        )
+    return got
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,30 +94,35 @@ class Choice:
     bucket_bytes: int | None
     pack_threshold: int | None
     seconds: float
-    table: tuple  # ((strategy, bucket_bytes, pack_threshold, seconds), ...)
+    table: tuple  # ((strategy, bucket_bytes, pack_threshold, seconds, comm_dtype), ...)
     topology: ModelTopology
     profile_note: str
     warnings: tuple = ()
+    comm_dtype: str | None = None  # a lossy wire dtype chosen (allowed by the user)
+    allow_lossy: tuple = ()  # the lossy wire dtypes the user allowed
 
     def describe(self) -> str:
         t = self.topology
+        wire = f", comm_dtype {self.comm_dtype} (lossy)" if self.comm_dtype else ""
+        allowed = ", ".join(self.allow_lossy) if self.allow_lossy else "none"
         lines = [
             f"jaxsync auto: {self.strategy} (bucket_bytes {_fmt(self.bucket_bytes)}, "
-            f"pack_threshold {_fmt(self.pack_threshold)}), predicted "
+            f"pack_threshold {_fmt(self.pack_threshold)}{wire}), predicted "
             f"{self.seconds * 1e3:.3f} ms; {t.processes} process(es) on {t.hosts} "
             f"host(s) x {t.local_devices} device(s), inter link "
-            f"{t.link if t.processes > 1 else '-'}; "
+            f"{t.link if t.processes > 1 else '-'}; lossy allowed: {allowed}; "
             f"{self.profile_note}"
         ]
         lines += [f"  note: {w}" for w in self.warnings]
         best: dict = {}
-        for s, b, th, sec in self.table:
-            if s not in best or sec < best[s][2]:
-                best[s] = (b, th, sec)
-        for s, (b, th, sec) in best.items():
-            mark = "*" if s == self.strategy else " "
+        for s, b, th, sec, dt in self.table:
+            if (s, dt) not in best or sec < best[s, dt][2]:
+                best[s, dt] = (b, th, sec)
+        for (s, dt), (b, th, sec) in best.items():
+            mark = "*" if (s, dt) == (self.strategy, self.comm_dtype) else " "
+            name = f"{s} {dt}" if dt else s
             lines.append(
-                f" {mark} {s:<16} {sec * 1e3:9.3f} ms  (bucket_bytes {_fmt(b)}, "
+                f" {mark} {name:<16} {sec * 1e3:9.3f} ms  (bucket_bytes {_fmt(b)}, "
                 f"pack_threshold {_fmt(th)})"
             )
         return "\n".join(lines)
@@ -135,12 +198,16 @@ def choose(
     comm_itemsize: int | None = None,
     strategies=CANDIDATE_STRATEGIES,
     profile_note: str = "",
+    lossy: tuple = (),
 ) -> Choice:
     """The fastest (strategy, bucket_bytes, pack_threshold) for ``tree`` by the model.
 
     ``tree`` is a pytree of arrays or ``jax.ShapeDtypeStruct``. Deterministic:
     candidates are tried in a fixed order and the first within a relative
-    1e-9 of the fastest wins.
+    1e-9 of the fastest wins. ``lossy``: wire dtypes (:data:`LOSSY_WIRE`) the
+    user allows (``auto_mean(allow_lossy=...)``): every candidate is priced
+    with each of them too, after all lossless ones, so that a lossy candidate
+    is chosen only when predicted faster than every lossless one.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -159,22 +226,24 @@ def choose(
     buckets_opts = CANDIDATE_BUCKETS if bucket_bytes == AUTO else (bucket_bytes,)
     thr_opts = CANDIDATE_THRESHOLDS if pack_threshold == AUTO else (pack_threshold,)
     table, seen = [], {}
-    for s in strategies:
-        per_leaf = _cost_ops.per_leaf_plan(s, topo)
-        for b in buckets_opts:
-            for t in thr_opts:
-                plan = make_plan(tree, bucket_bytes=b, pack_threshold=t, per_leaf=per_leaf)
-                key = (s, plan.buckets)
-                if key in seen:  # the same program as an earlier candidate
-                    continue
-                seen[key] = True
-                sec = _cost_ops.predict(
-                    s, buckets_of(plan), topo, profile, comm_itemsize, bucket_bytes=b
-                )
-                table.append((s, b, t, float(sec)))
+    wires = [(None, comm_itemsize)] + [(d, LOSSY_WIRE[d]) for d in lossy]
+    for dtype, itemsize in wires:
+        for s in strategies:
+            per_leaf = _cost_ops.per_leaf_plan(s, topo)
+            for b in buckets_opts:
+                for t in thr_opts:
+                    plan = make_plan(tree, bucket_bytes=b, pack_threshold=t, per_leaf=per_leaf)
+                    key = (s, plan.buckets, dtype)
+                    if key in seen:  # the same program as an earlier candidate
+                        continue
+                    seen[key] = True
+                    sec = _cost_ops.predict(
+                        s, buckets_of(plan), topo, profile, itemsize, bucket_bytes=b
+                    )
+                    table.append((s, b, t, float(sec), dtype))
     if not table:
         raise ValueError("jaxsync auto: no candidate strategy")
-    best = min(sec for *_, sec in table)
+    best = min(row[3] for row in table)
     pick = next(row for row in table if row[3] <= best * (1 + 1e-9))
     return Choice(
         pick[0],
@@ -185,4 +254,6 @@ def choose(
         topo,
         profile_note,
         _check_profile_topology(profile, topo),
+        comm_dtype=pick[4],
+        allow_lossy=tuple(lossy),
     )

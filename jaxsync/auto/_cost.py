@@ -103,7 +103,11 @@ class Profile:
         and back, the user-defined MPI sum), fitted by ``tune`` on a whole sync
         of a synthetic bfloat16 tree.
       topology: ``{"processes", "hosts", "local_devices"}`` it was measured on
-        (``None`` for the built-in default).
+        (``None`` for the built-in default); ``tune`` adds ``"per_host"``
+        (processes per host), ``"host_tier"`` (whether it was on),
+        ``"measured"`` (per link: the processes or devices it was measured
+        among) and, inside ``python -m jaxsync cluster``, ``"cluster"`` (the
+        shaped link: ``{"link", "rate_bps", "hosts", "procs_per_host"}``).
       source: where it came from (a path, or ``"built-in default"``).
       fit: the calibration's report (relative errors per link), for display.
     """

@@ -101,8 +101,70 @@ def projection_profiles() -> dict[str, Profile]:
 PROJECT_HOSTS = (8, 64, 512, 1024)
 
 
-def project(hosts=PROJECT_HOSTS, devices: int = 8) -> list[dict]:
-    """Predicted sync time per strategy and auto's choice, hosts x ``devices``."""
+def measured_projection(profile: Profile, where: str) -> tuple[Profile, int, list]:
+    """The projection's profile from a measured one (``tune --project --profile P``).
+
+    Each figure is the measured profile's where it has it, else the stated
+    figure of the 100 Gb/s projection: the device link (and the local
+    devices it was measured with), the network link between hosts, the copy,
+    per-leaf and per-strategy overheads.
+
+    Returns:
+      ``(profile, devices per host, [(figure, value, "measured (profile P)" or
+      "assumed")])``.
+
+    Example:
+      >>> prof = Profile((("network", Link(2e-5, 8e-9, 3e-10)),), 2e-10,
+      ...                {"processes": 2, "hosts": 2, "local_devices": 1})
+      >>> merged, devices, figures = measured_projection(prof, "p.json")
+      >>> [(f, how) for f, _, how in figures][:2]
+      [('device link', 'assumed'), ('network link', 'measured (profile p.json)')]
+      >>> merged.link("network") == prof.link("network"), devices
+      (True, 8)
+    """
+    stated = projection_profiles()["100 Gb/s, 1 NIC/host"]
+    yes, no = f"measured (profile {where})", "assumed"
+    links, figures = [], []
+
+    def describe(lk):
+        return f"alpha {lk.alpha * 1e6:.3g} us, {1 / lk.beta / 1e9:.4g} GB/s per flow"
+
+    calibrated = profile.topology is not None  # written by tune, not the built-in default
+    for name in ("device", "network"):
+        got = calibrated and profile.has(name)
+        lk = profile.link(name) if got else stated.link(name)
+        links.append((name, lk))
+        figures.append((f"{name} link", describe(lk), yes if got else no))
+    measured_devices = profile.has("device") and (profile.topology or {}).get("local_devices")
+    devices = int(measured_devices) if calibrated and measured_devices else 8
+    figures.append(
+        ("devices per host", str(devices), yes if devices != 8 or measured_devices else no)
+    )
+    copy = profile.copy if calibrated else stated.copy
+    figures.append(("copy", f"{copy * 1e9:.4g} ns/B", yes if calibrated else no))
+    over = ", ".join(
+        f"{k} {v[0] * 1e6:+.3g} us/leaf {v[1] * 1e9:+.3g} ns/B" for k, v in profile.overheads
+    )
+    figures.append(("strategy overheads", over or "none", yes if profile.overheads else no))
+    figures.append(("processes per host", "1", no))
+    merged = Profile(
+        tuple(links),
+        copy,
+        None,
+        f"projection from {where}",
+        leaf=profile.leaf,
+        overheads=profile.overheads,
+        overheads16=profile.overheads16,
+    )
+    return merged, devices, figures
+
+
+def project(
+    hosts=PROJECT_HOSTS, devices: int = 8, profiles: dict | None = None, native: bool = False
+) -> list[dict]:
+    """Predicted sync time per strategy and auto's choice, hosts x ``devices``
+    (``profiles``: ``{name: Profile}``, default :func:`projection_profiles`;
+    ``native``: jaxsync's native MPI target, as on CPU, else mpi4jax, as on GPU)."""
     from ._choose import choose
 
     trees = {
@@ -110,15 +172,15 @@ def project(hosts=PROJECT_HOSTS, devices: int = 8) -> list[dict]:
         "1 B-param transformer (f32, 217 leaves)": transformer_1b_tree(),
     }
     rows = []
-    for net, prof in projection_profiles().items():
+    for net, prof in (profiles or projection_profiles()).items():
         for tname, tree in trees.items():
             for h in hosts:
                 topo = ModelTopology(
-                    processes=h, hosts=h, local_devices=devices, native=False, broadcast=True
+                    processes=h, hosts=h, local_devices=devices, native=native, broadcast=True
                 )
                 c = choose(tree, topo, prof)
                 best: dict = {}
-                for s, _b, _t, sec in c.table:
+                for s, _b, _t, sec, _dt in c.table:
                     best[s] = min(best.get(s, math.inf), sec)
                 rows.append(
                     {
@@ -138,7 +200,7 @@ def project(hosts=PROJECT_HOSTS, devices: int = 8) -> list[dict]:
 def projection_table(rows) -> str:
     strategies = list(rows[0]["ms"]) if rows else []
     head = (
-        "| network | tree | hosts x 8 | "
+        f"| network | tree | hosts x {rows[0]['devices'] if rows else 8} | "
         + " | ".join(f"`{s}`" for s in strategies)
         + " | auto picks |"
     )
@@ -184,3 +246,51 @@ def explain_tree(name: str, topo: dict, profile=None) -> str:
         broadcast=size > 1,
     )
     return choose(trees[name](), model, prof, profile_note=note).describe()
+
+
+def run_project(path, as_json: bool) -> int:
+    """``tune --project [--profile P]``: the projection with stated figures, or on
+    P's measured figures where it has them (saying which are which)."""
+    import json
+    from pathlib import Path
+
+    if path is None:
+        rows = project()
+        print(json.dumps(rows, indent=1) if as_json else projection_table(rows))
+        if not as_json:
+            for name, prof in projection_profiles().items():
+                print(
+                    f"\n{name}: "
+                    + "; ".join(
+                        f"{k} alpha {lk.alpha * 1e6:g} us, {1 / lk.beta / 1e9:g} GB/s per flow, "
+                        f"{lk.flows} flow(s)"
+                        for k, lk in prof.links
+                    )
+                    + ". GPU: mpi4jax, one MPI call per buffer; one process per host. "
+                    "All figures assumed (stated); --profile P uses measured ones."
+                )
+        return 0
+    path = Path(path)
+    if not path.exists():
+        raise SystemExit(
+            f"jaxsync tune: --profile {path} does not exist. Fix: write one with "
+            f"`python -m jaxsync tune --out {path}` (inside `python -m jaxsync cluster` "
+            "for a network link)."
+        )
+    try:
+        prof = Profile.from_json(json.loads(path.read_text()), str(path))
+    except ValueError as e:
+        raise SystemExit(f"jaxsync tune: --profile {e}") from None
+    merged, devices, figures = measured_projection(prof, str(path))
+    native = prof.topology is not None  # measured with jaxsync's native target (CPU)
+    rows = project(devices=devices, profiles={f"measured ({path.name})": merged}, native=native)
+    if as_json:
+        figs = [{"figure": f, "value": v, "source": how} for f, v, how in figures]
+        print(json.dumps({"figures": figs, "rows": rows}, indent=1))
+        return 0
+    print(projection_table(rows))
+    width = max(len(h) for *_, h in figures)
+    print(f"\nfigures (one process per host, {devices} device(s) each):")
+    for f, v, how in figures:
+        print(f"  {f:<20} {how:<{width}}  {v}")
+    return 0

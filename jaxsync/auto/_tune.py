@@ -6,9 +6,13 @@ the model (``jaxsync.auto._cost_fit``) by least squares on relative error:
 
 * ``device`` (several local devices): ``psum``, ``psum_scatter``, ``all_gather``
   and ``all_to_all`` under ``jit(shard_map)`` over the local devices;
-* ``host`` or ``network`` (under ``mpirun``, several processes): jaxsync's native
+* ``host`` and ``network`` (under ``mpirun``, several processes): jaxsync's native
   MPI allreduce, all-to-all and all-gather in a jitted step on each process's
-  first device (``host`` when every process is on one host);
+  first device, each tier on its own communicator (``jaxsync.auto._tune_tiers``):
+  ``host`` among the processes of a host (shared memory, every host at once),
+  ``network`` among one process per host (the hosts' leaders); the profile's
+  ``topology`` records the topology, what each link was measured on
+  (``"measured"``) and, inside ``python -m jaxsync cluster``, the shaped rate;
 * ``copy``: a concatenation of 16 leaves and its slices back (what packing and
   unpacking cost), on every local device at once (they share the host's cores
   and memory bandwidth, as a strategy's copies do);
@@ -26,9 +30,10 @@ profile (JSON) goes to ``--out`` (default ``$JAXSYNC_PROFILE`` or
 ``~/.cache/jaxsync/profile.json``, where ``strategy="auto"`` looks for it).
 
 May import: the standard library, numpy, JAX, mpi4py and ``jaxsync.auto._cost``,
-``_cost_ops``, ``_cost_fit``, ``_auto``, ``_topology``, ``_mpi_backend`` (the native
-MPI ops), ``_project``, ``_tune_sync`` (the whole-sync part of the calibration),
-``_host`` (``--tune-host-allocator``; the profile records the allocator's state).
+``_cost_fit``, ``_auto``, ``_topology``, ``_project``, ``_tune_sync`` (the whole-sync
+part of the calibration), ``_host`` (``--tune-host-allocator``; the profile records
+the allocator's state), ``_tune_tiers`` (the process tiers: shared memory, network),
+``_host_tier`` (whether it is on).
 """
 
 from __future__ import annotations
@@ -45,16 +50,14 @@ import numpy as np
 from jaxsync._comm._host import host_allocator_state, tune_host_allocator
 from jaxsync._comm._topology import default_comm
 
-from . import _cost, _cost_fit, _cost_ops, _tune_sync
+from . import _cost, _cost_fit, _tune_sync
 from ._cost import Profile
 from ._rounds import _control, _log, _time_rounds
+from ._tune_tiers import MULTI  # buffers in one call (the cost per call vs per message)
 
 KiB, MiB = 2**10, 2**20
 SIZES = (16 * KiB, 256 * KiB, 2 * MiB, 8 * MiB)
 QUICK_SIZES = (16 * KiB, 1 * MiB)
-
-
-MULTI = 8  # buffers in one call, to tell the cost per call from the cost per message
 
 
 def measure_device(devices: int, sizes, rounds: int, iters: int) -> list:
@@ -106,57 +109,6 @@ def measure_device(devices: int, sizes, rounds: int, iters: int) -> list:
     return out
 
 
-def measure_process(comm, sizes, rounds: int, iters: int) -> list:
-    """``(kind, nbytes, processes, seconds)``: jaxsync's native MPI calls in jit."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxsync._comm import _mpi_backend
-    from jaxsync._comm._topology import Comms
-
-    comms = Comms.of(comm)
-    P_ = comms.size
-    handle = comms.world.py2f()
-    dev = jax.local_devices()[0]
-    out: list = []
-    for n in sizes:
-        m = max(P_ * MULTI, (n // 4) // (P_ * MULTI) * (P_ * MULTI))
-        x = jax.device_put(jnp.ones((m,), jnp.float32), dev)
-
-        def step(kind):
-            def body(x):
-                y = x * 1.0001 + 1.0  # noqa: B023
-                ops = _mpi_backend._NativeOps(jnp.int32(handle), jnp.int32(1), P_)
-                if kind == "allreduce":
-                    return ops.allreduce([y])[0]
-                if kind == "alltoall":
-                    return ops.alltoall(y.reshape(P_, -1)).reshape(-1)
-                if kind == "allgather":
-                    return ops.allgather(y[: m // P_]).reshape(-1)  # noqa: B023
-                if kind == "base part":
-                    return y[: m // P_]  # noqa: B023
-                if kind == "allreduce x":  # one native call, MULTI buffers
-                    return jnp.concatenate(ops.allreduce(list(y.reshape(MULTI, -1))))
-                return y
-
-            return jax.jit(body)
-
-        fns = {
-            k: functools.partial(step(k), x)
-            for k in ("base", "base part", "allreduce", "alltoall", "allgather", "allreduce x")
-        }
-        got = _time_rounds(fns, "base", rounds, iters, comms.control)
-        out += [
-            (k, m * 4, P_, t - (got["base part"] if k == "allgather" else 0.0))
-            for k, t in got.items()
-            if k not in ("base part", "allreduce x")
-        ]
-        # the native call sums buffers under 64 KiB together: count its messages
-        msgs, _ = _cost_ops._native_messages([("f32", m * 4 // MULTI)] * MULTI)
-        out.append(("allreduce", msgs[0], P_, got["allreduce x"], len(msgs)))
-    return out
-
-
 def measure_copy(devices: int, sizes, rounds: int, iters: int, comm=None) -> list:
     """``(bytes copied per device, seconds)``: 16 leaves packed and unpacked in a
     jitted step on every local device at once (and every process, under MPI)."""
@@ -198,6 +150,13 @@ def measure_copy(devices: int, sizes, rounds: int, iters: int, comm=None) -> lis
     return out
 
 
+def _tiers_on(topo) -> bool:
+    """Whether the strategies reduce over the host tier in this job."""
+    from jaxsync._comm._host_tier import enabled
+
+    return enabled() and 1 < topo.hosts < topo.size
+
+
 def calibrate(
     comm=None, devices: int | None = None, quick: bool = False, rounds: int | None = None
 ) -> Profile:
@@ -222,13 +181,18 @@ def calibrate(
         link, rep = _cost_fit.fit_link(s)
         links.append(("device", link))
         fit["device"], raw["device"] = rep, s
-    if topo.size > 1:
-        name = "host" if topo.hosts == 1 else "network"
-        _log(rank, f"{name} link: {topo.size} processes on {topo.hosts} host(s)")
-        s = measure_process(comm, sizes, rounds, iters)
-        link, rep = _cost_fit.fit_link(s)
-        links.append((name, link))
-        fit[name], raw[name] = rep, s
+    measured = {}
+    if D > 1:
+        measured["device"] = f"{D} devices of one process (XLA collectives)"
+    if topo.size > 1:  # shared memory and the network, each on its own
+        from ._tune_tiers import measure_tiers
+
+        log = functools.partial(_log, rank)
+        got, reports, samples, what = measure_tiers(comm, topo, sizes, rounds, iters, log)
+        links += got
+        fit |= reports
+        raw |= samples
+        measured |= what
     _log(rank, f"copy on {D} device(s) at once")
     c = measure_copy(D, sizes, rounds, iters, comm)
     copy = _cost_fit.fit_copy(c)
@@ -239,7 +203,14 @@ def calibrate(
         "hosts": topo.hosts,
         "local_devices": D,
         "host_allocator": host_allocator_state(),
+        "per_host": max(1, -(-topo.size // topo.hosts)),
+        "host_tier": _tiers_on(topo),
+        "measured": measured,
     }
+    from ._tune_tiers import cluster_link
+
+    if cluster_link() is not None:  # inside `python -m jaxsync cluster`
+        hw["cluster"] = cluster_link()
     prof = Profile(tuple(links), copy, hw, "calibrated", fit, 0.0)
     if D * topo.size > 1:
         from ._tune_sync import calibrate
@@ -266,6 +237,16 @@ def print_fit(profile: Profile) -> None:
             f"{100 * (rep.get('median_rel_error') or 0):.0f}%, max "
             f"{100 * (rep.get('max_rel_error') or 0):.0f}% over {rep.get('samples')} "
             "samples"
+        )
+        what = (profile.topology or {}).get("measured", {}).get(name)
+        if what:
+            print(f"           measured on {what}")
+    cl = (profile.topology or {}).get("cluster")
+    if cl and cl.get("rate_bps") and profile.has("network"):
+        gbit = 8 / profile.link("network").beta / 1e9
+        print(
+            f"  emulated cluster: links shaped to {cl['link']}; the network link's fitted "
+            f"bandwidth is {gbit:.3f} Gbit/s, {gbit * 1e9 / cl['rate_bps']:.2f}x the rate"
         )
     print(f"  copy     {profile.copy * 1e9:.4f} ns/B per device (all devices at once)")
     for name, (per_leaf, per_byte) in profile.overheads:
@@ -305,7 +286,9 @@ def main(argv: list[str]) -> int:
         "of each collective on each link and whole syncs per strategy; 13-80 s on an "
         "idle 2-core machine) and write the "
         "profile that strategy='auto' uses. Run alone (one process, "
-        "--devices fake CPU devices) or under mpirun for the process link.",
+        "--devices fake CPU devices) or under mpirun for the process links: shared "
+        "memory among the processes of a host, the network among one process per host "
+        "(across hosts: on a real cluster, or inside `python -m jaxsync cluster`).",
     )
     p.add_argument(
         "--out",
@@ -330,28 +313,25 @@ def main(argv: list[str]) -> int:
         "--project",
         action="store_true",
         help="print predicted sync times and auto's choice for 8..1024 hosts x 8 "
-        "devices on ResNet-50 and a 1 B-parameter tree (no measurement)",
+        "devices on ResNet-50 and a 1 B-parameter tree (no measurement): with stated "
+        "link figures, or with --profile's measured figures where it has them",
+    )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="with --project: a profile written by tune (e.g. inside `python -m jaxsync "
+        "cluster`); its measured links, copy and overheads replace the stated figures, "
+        "and the output says which figures are measured and which assumed",
     )
     p.add_argument("--json", action="store_true", help="with --project: JSON rows")
     args = p.parse_args(argv)
+    if args.profile is not None and not args.project:
+        p.error("--profile goes with --project (to calibrate, use --out)")
     if args.project:
-        from ._project import project, projection_profiles, projection_table
+        from ._project import run_project
 
-        rows = project()
-        print(json.dumps(rows, indent=1) if args.json else projection_table(rows))
-        if not args.json:
-            for name, prof in projection_profiles().items():
-                print(
-                    f"\n{name}: "
-                    + "; ".join(
-                        f"{k} alpha {lk.alpha * 1e6:g} us, {1 / lk.beta / 1e9:g} GB/s per flow, "
-                        f"{lk.flows} flow(s)"
-                        for k, lk in prof.links
-                    )
-                    + ". GPU: mpi4jax, one "
-                    "MPI call per buffer; one process per host."
-                )
-        return 0
+        return run_project(args.profile, args.json)
     if args.tune_host_allocator and not tune_host_allocator():
         raise SystemExit(
             "jaxsync tune: --tune-host-allocator needs glibc (mallopt); this C library "

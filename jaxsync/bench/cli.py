@@ -40,7 +40,8 @@ SUITES = {
 SUITE_HELP = {
     "sparse": "row-sparse gradients (embedding tables): all-gathers against dense syncs",
     "compress": "powersgd_mean and sign_mean: bytes, step cost, ring model",
-    "model": "the cost model behind strategy='auto': predicted against measured",
+    "model": "the cost model behind strategy='auto': predicted against measured (also "
+    "inside `python -m jaxsync cluster`: scripts/model_accuracy_cluster.sh)",
     "cluster": "the MPI and compression suites inside the emulated cluster, beside the "
     "link's limit (hosts x processes x devices, 1 and 10 Gb/s)",
     "overlap": "a whole train step with overlap=True / double_buffering=True against "

@@ -1,7 +1,9 @@
 """``python -m jaxsync bench --suite model``: the cost model against measurements.
 
 Per configuration (one process with ``--devices`` fake devices, or under
-``mpirun -n P`` with ``--devices`` per process): calibrate a profile (as
+``mpirun -n P`` with ``--devices`` per process, also across hosts, e.g. inside
+``python -m jaxsync cluster``, where the model uses the network link between
+hosts and the configuration is named ``HOSTSxPROCSxDEVICES@LINK``): calibrate a profile (as
 ``python -m jaxsync tune`` does, or read ``--profile``), then time every
 strategy and ``auto_mean`` on the bench's trees with the bench's own step and
 statistics (``timing.run_tree``: marginal cost inside the README's
@@ -292,9 +294,10 @@ def main(argv: list[str]) -> int:
     pjson = profile.to_json()
     bench = ModelMPI(comm, devices, pjson) if comm is not None else ModelIntra(pjson)
     procs = 1 if comm is None else comm.Get_size()
+    hosts = jaxsync.topology(comm).hosts  # the network link between hosts, if several
     topo = _cost_ops.ModelTopology(
         processes=procs,
-        hosts=1,
+        hosts=hosts,
         local_devices=devices,
         native=comm is not None,
         broadcast=comm is not None,
@@ -358,9 +361,18 @@ def main(argv: list[str]) -> int:
         return 0
     import os
 
+    from jaxsync.auto._tune_tiers import cluster_link
+
+    link = cluster_link()
+    # on several hosts: HOSTSxPROCS-PER-HOSTxDEVICES[@LINK], as bench --suite cluster names them
     cfg = f"{procs}x{devices}"
+    if hosts > 1:
+        cfg = f"{hosts}x{procs // hosts}x{devices}" + (f"@{link['link']}" if link else "")
     meta = {
         "config": cfg,
+        "hosts": hosts,
+        "cluster": link,
+        "host_tier": topo.tiered,
         "processes": procs,
         "devices": devices,
         "repeats": args.repeats,

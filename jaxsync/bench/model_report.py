@@ -115,6 +115,70 @@ def reproducibility(first: list, repeat: list) -> dict:
     }
 
 
+def per_config(cases: list, autos: list, repeat: list | None, meta: dict) -> list[dict]:
+    """Per configuration: the model's share within 25% and ``auto``'s within 10%
+    beside the noise floor of that configuration, where a repeat was measured
+    (its :func:`reproducibility`: the first run taken as the prediction of the
+    repeat, the first run's fastest strategy as the pick), and the load
+    average at the end of the run (``meta``: ``{config: run meta}``).
+
+    Example:
+      >>> row = lambda m: {"config": "c", "tree": "t", "strategy": "flat",
+      ...                  "measured_ms": m, "predicted_ms": 1.0, "ok": m == 1.0}
+      >>> got = per_config([row(1.0)], [{"config": "c", "ok": True}], [row(2.0)], {})
+      >>> [(g["model_within_25pct"], g["repeat_within_25pct"]) for g in got]
+      [(1.0, 0.0)]
+    """
+    rows = []
+    for cfg in dict.fromkeys(c["config"] for c in cases):
+        mine = [c for c in cases if c["config"] == cfg]
+        picks = [a["ok"] for a in autos if a["config"] == cfg]
+        row = {
+            "config": cfg,
+            "cases": len(mine),
+            "model_within_25pct": float(np.mean([c["ok"] for c in mine])),
+            "auto_within_10pct": float(np.mean(picks)) if picks else None,
+            "loadavg": (meta.get(cfg) or {}).get("loadavg"),
+        }
+        if repeat:
+            r = reproducibility(mine, [c for c in repeat if c["config"] == cfg])
+            row["repeat_within_25pct"] = r.get("first_within_25pct")
+            row["model_within_25pct_of_repeat"] = r.get("model_within_25pct")
+            row["repeat_best_within_10pct"] = r.get("first_best_within_10pct")
+        rows.append(row)
+    return rows
+
+
+def _per_config_lines(rows: list) -> list[str]:
+    def pct(x):
+        return "-" if x is None else f"{100 * x:.0f}%"
+
+    lines = [
+        "",
+        "Per configuration (the repeat's columns are the noise floor: the first "
+        "measurement taken as the prediction of the repeat, its fastest strategy as "
+        "the pick; load: the machine's 1-minute load average at the end of the run):",
+        "",
+        "| config | cases | model within 25% | repeat within 25% of first | model within "
+        "25% of repeat | auto within 10% of best | first's best within 10% in repeat | load |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        load = f"{r['loadavg'][0]:.1f}" if r.get("loadavg") else "-"
+        cells = [
+            r["config"],
+            str(r["cases"]),
+            pct(r["model_within_25pct"]),
+            pct(r.get("repeat_within_25pct")),
+            pct(r.get("model_within_25pct_of_repeat")),
+            pct(r["auto_within_10pct"]),
+            pct(r.get("repeat_best_within_10pct")),
+            load,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def collect(out: Path) -> dict:
     """Merge ``model-*.json`` of ``out``: table, summary, plot. A repeat of the
     measurement in ``out/repeat`` (``scripts/model_accuracy.sh`` with
@@ -122,7 +186,9 @@ def collect(out: Path) -> dict:
     runs = [json.loads(p.read_text()) for p in sorted(out.glob("model-*x*.json"))]
     cases, autos = _cases(runs)
     again = [json.loads(p.read_text()) for p in sorted(out.glob("repeat/model-*x*.json"))]
-    repro = reproducibility(cases, _cases(again)[0]) if again else None
+    again_cases = _cases(again)[0] if again else None
+    repro = reproducibility(cases, again_cases) if again_cases is not None else None
+    configs = per_config(cases, autos, again_cases, {r["config"]: r["meta"] for r in runs})
     share = float(np.mean([c["ok"] for c in cases])) if cases else float("nan")
     auto_share = float(np.mean([a["ok"] for a in autos])) if autos else float("nan")
     # Cases whose own measurement spreads wider than the +-25% band (IQR of the
@@ -166,6 +232,7 @@ def collect(out: Path) -> dict:
         "measurements_wider_than_band": noisy_share,
         "noise": noise,
         "reproducibility": repro,
+        "per_config": configs,
         "cases": cases,
         "auto": autos,
         "configs": [r["config"] for r in runs],
@@ -241,6 +308,8 @@ def collect(out: Path) -> dict:
             f"fastest in {100 * (repro['first_best_within_10pct'] or 0):.0f}% of the "
             "trees (auto's criterion).",
         ]
+    if len(configs) > 1 or again:
+        lines += _per_config_lines(configs)
     allocs = {r["config"]: r["meta"].get("host_allocator", "default") for r in runs}
     lines += [
         "",
