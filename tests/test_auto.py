@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxsync
-from jaxsync.auto import _auto, _cost, _cost_fit, _cost_ops, _project, _tune_sync
+from jaxsync.auto import _auto, _cost, _cost_fit, _cost_ops, _profiles, _project, _tune_sync
 from jaxsync.auto._cost import Link, Profile
 from jaxsync.auto._cost_ops import BucketInfo, ModelTopology, Op
 
@@ -868,7 +868,7 @@ def test_no_profile_anywhere_warns_once_naming_the_fix(tmp_path, monkeypatch):
     rest of the suite, which runs without a profile on purpose.)"""
     monkeypatch.delenv("JAXSYNC_PROFILE", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.setattr(_auto, "_no_profile_warned", False, raising=False)
+    monkeypatch.setattr(_profiles, "_no_profile_warned", False)
     assert not _auto.default_profile_path().exists()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -892,7 +892,7 @@ def test_no_profile_anywhere_warns_once_naming_the_fix(tmp_path, monkeypatch):
 def test_no_warning_with_a_profile_or_a_file_at_the_default_path(tmp_path, monkeypatch):
     monkeypatch.delenv("JAXSYNC_PROFILE", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.setattr(_auto, "_no_profile_warned", False, raising=False)
+    monkeypatch.setattr(_profiles, "_no_profile_warned", False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jaxsync.auto_mean(axis_name="i", comm=None, profile=_cost.DEFAULT_PROFILE)

@@ -26,9 +26,10 @@ from jaxsync._core._sync import overlap_groups
         (dict(overlap_bucket_bytes=2**20), ValueError, "overlap=True"),
     ],
 )
-def test_options_are_validated_at_factory_time(kw, err, words):
+@pytest.mark.parametrize("factory", ["hierarchical_mean", "auto_mean"])
+def test_options_are_validated_at_factory_time(kw, err, words, factory):
     with pytest.raises(err, match=words):
-        jaxsync.hierarchical_mean("i", comm=None, **kw)
+        getattr(jaxsync, factory)("i", comm=None, **kw)
 
 
 def test_groups_follow_backward_order_first_small():
@@ -42,7 +43,9 @@ def _tree(r):
     return [{"w": jnp.full((3, 2), 1.0) * (r + k), "b": jnp.arange(2.0) * r} for k in range(4)]
 
 
-@pytest.mark.parametrize("factory", ["flat_mean", "hierarchical_mean", "two_dimensional_mean"])
+@pytest.mark.parametrize(
+    "factory", ["flat_mean", "hierarchical_mean", "two_dimensional_mean", "auto_mean"]
+)
 def test_overlap_gives_the_same_bits_in_one_process(factory):
     make = getattr(jaxsync, factory)
     plain, over = make("i", comm=None), make("i", comm=None, overlap=True, overlap_bucket_bytes=8)
@@ -53,10 +56,10 @@ def test_overlap_gives_the_same_bits_in_one_process(factory):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_double_buffering_applies_last_steps_mean():
-    tx = optax.chain(
-        jaxsync.hierarchical_mean("i", comm=None, double_buffering=True), optax.sgd(1.0)
-    )
+@pytest.mark.parametrize("factory", ["hierarchical_mean", "auto_mean"])
+def test_double_buffering_applies_last_steps_mean(factory):
+    make = getattr(jaxsync, factory)
+    tx = optax.chain(make("i", comm=None, double_buffering=True), optax.sgd(1.0))
     grads = [jax.vmap(_tree)(jnp.arange(4.0) + 10 * t) for t in range(3)]
 
     def run():

@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import os
 import threading
 import warnings
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import optax
 
-from . import _cost
+from jaxsync._core._overlap import document_overlap
+
 from ._choose import (
     AUTO,
     CANDIDATE_BUCKETS,
@@ -43,6 +42,13 @@ from ._choose import (
 )
 from ._cost import Profile
 from ._cost_ops import ModelTopology
+from ._profiles import (  # noqa: F401 (re-exported: tune, info, bench read profiles here)
+    DEFAULT_PROFILE_PATH,
+    PROFILE_ENV,
+    _warn_no_profile_once,
+    default_profile_path,
+    load_profile,
+)
 
 if TYPE_CHECKING:
     from jaxsync._core._config import (
@@ -77,81 +83,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("jaxsync")
-
-PROFILE_ENV = "JAXSYNC_PROFILE"
-DEFAULT_PROFILE_PATH = Path("~/.cache/jaxsync/profile.json")
-
-
-def default_profile_path() -> Path:
-    """``$JAXSYNC_PROFILE``, else ``~/.cache/jaxsync/profile.json``."""
-    env = os.environ.get(PROFILE_ENV)
-    return Path(env).expanduser() if env else DEFAULT_PROFILE_PATH.expanduser()
-
-
-def load_profile(profile=None) -> tuple[Profile, str]:
-    """The profile to use and a note on where it came from (or why not).
-
-    ``profile``: ``None`` (``$JAXSYNC_PROFILE`` or the default path, else the
-    built-in default), a path, a dict (a profile's JSON) or a
-    :class:`jaxsync.auto._cost.Profile`. A missing file given by ``profile`` or
-    ``$JAXSYNC_PROFILE``, an unreadable one, or parameters that are unusable
-    (negative or non-finite times, malformed overheads: checked here, when the
-    profile is read) fall back to the built-in default with a warning. Nothing
-    asked for and no file at the default path: the built-in default, without a
-    warning here (``auto_mean`` and ``strategy="auto"`` warn once per process;
-    ``info --tree`` prints the note).
-    """
-    if isinstance(profile, (Profile, dict)):
-        where = "from a dict" if isinstance(profile, dict) else profile.source
-        try:
-            prof = profile if isinstance(profile, Profile) else Profile.from_json(profile, "<dict>")
-            bad = prof.problems()
-            if bad:
-                raise ValueError(f"{where}: {'; '.join(bad)}")
-        except (ValueError, KeyError, TypeError) as e:
-            note = f"profile {where} unreadable ({e}): using the built-in default"
-            warnings.warn(f"jaxsync auto: {note}", stacklevel=3)
-            return _cost.DEFAULT_PROFILE, note
-        return prof, f"profile {where}"
-    explicit = profile is not None
-    path = Path(profile).expanduser() if explicit else default_profile_path()
-    if not path.exists():
-        note = (
-            f"no profile at {path} (write one with `python -m jaxsync tune --out "
-            f"{path}`): using the built-in default link parameters"
-        )
-        if explicit or os.environ.get(PROFILE_ENV):
-            warnings.warn(f"jaxsync auto: {note}", stacklevel=3)
-        return _cost.DEFAULT_PROFILE, note
-    try:
-        data = json.loads(path.read_text())
-        return Profile.from_json(data, str(path)), f"profile {path}"
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        note = f"profile {path} unreadable ({e}): using the built-in default"
-        warnings.warn(f"jaxsync auto: {note}", stacklevel=3)
-        return _cost.DEFAULT_PROFILE, note
-
-
-_no_profile_warned = False  # the warning below, once per process
-
-
-def _warn_no_profile_once(fn: str) -> None:
-    """Warn (once per process) that the cost model runs on the built-in default."""
-    global _no_profile_warned
-    if _no_profile_warned:
-        return
-    _no_profile_warned = True
-    path = default_profile_path()
-    warnings.warn(
-        f"jaxsync auto: {fn} got no profile and there is none at {path}: strategy "
-        "'auto' chooses from the built-in default link parameters, not this "
-        f"machine's measured ones. Fix: run `python -m jaxsync tune --out {path}` "
-        "once per configuration (processes x devices) and it is found there, or "
-        "pass profile='profile.json' (written by `python -m jaxsync tune --out "
-        "profile.json`). This warning is shown once per process.",
-        UserWarning,
-        stacklevel=4,
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,6 +266,7 @@ class AutoTransformation(optax.GradientTransformation):
         return "\n".join(c.describe() for c in got)
 
 
+@document_overlap
 def auto_mean(
     axis_name: AxisName,
     comm: Comm = AUTO,
@@ -351,6 +283,9 @@ def auto_mean(
     on_timeout: OnTimeout = "report",
     sparse: SparseOptions | None = None,
     allow_lossy: bool | tuple[str, ...] = False,
+    overlap: bool = False,
+    overlap_bucket_bytes: Bytes = AUTO,
+    double_buffering: bool = False,
 ) -> AutoTransformation:
     """Average gradients with the strategy the cost model predicts fastest.
 
@@ -416,6 +351,9 @@ def auto_mean(
         on_timeout=on_timeout,
         sparse=sparse,
         allow_lossy=allow_lossy,
+        overlap=overlap,
+        overlap_bucket_bytes=overlap_bucket_bytes,
+        double_buffering=double_buffering,
     )
     init_fn, update_fn = transform_fns(fn, cfg)
     update_fn.config = cfg
