@@ -97,6 +97,7 @@ _PRIVATE_ALLOWED = {
     ("model.py", "jaxsync.auto._auto"),
     ("model.py", "jaxsync._core._plan"),
     ("model.py", "jaxsync.auto._tune"),
+    ("model.py", "jaxsync.auto._tune_tiers"),  # the cluster's shaped link, as tune reads it
     # host 0's address inside the emulated cluster (Spec.address)
     ("jaxdist.py", "jaxsync.cluster._spec"),
 }
