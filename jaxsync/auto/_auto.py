@@ -317,8 +317,8 @@ def auto_mean(
       allow_lossy: ``False`` (default: lossless only), ``True`` (bfloat16 on
         the wire may be chosen) or a tuple of wire dtypes from
         ``("bfloat16", "float16")``. ``powersgd_mean`` and ``sign_mean`` are
-        not candidates (their state is made by ``init``, before the tree is
-        seen): naming them is an error. Not with ``comm_dtype``.
+        not candidates (their state is of another kind, made by ``init``
+        before the choice at trace time): naming them is an error. Not with ``comm_dtype``.
 
     Returns:
       an optax ``GradientTransformation`` with a ``describe()`` method.

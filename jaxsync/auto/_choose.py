@@ -39,9 +39,10 @@ def check_allow_lossy(fn: str, allow_lossy, comm_dtype=None) -> tuple:
 
     ``False`` (default): none; ``True``: ``("bfloat16",)``; a tuple of names from
     :data:`jaxsync.auto._choose.LOSSY_WIRE` (``"bfloat16"``, ``"float16"``).
-    ``"powersgd"`` and ``"sign"`` are refused: those transforms carry state of
-    their own (error feedback, factors) that ``init`` makes before the tree is
-    seen, so a choice at trace time cannot switch to them.
+    ``"powersgd"`` and ``"sign"`` are refused: ``auto`` chooses when the step
+    is traced, after ``init`` has made the state, and those transforms carry
+    state of their own (error feedback, factors); choosing them would make the
+    optimizer state's kind depend on the profile (checkpoints, ``state_specs``).
 
     Example:
       >>> check_allow_lossy("auto_mean", True)
@@ -60,9 +61,9 @@ def check_allow_lossy(fn: str, allow_lossy, comm_dtype=None) -> tuple:
             raise ValueError(
                 f"{fn}: allow_lossy may name the wire dtypes {kinds}, got {tuple(allow_lossy)!r}; "
                 f"{'/'.join(k for k in bad if k in LOSSY_TRANSFORMS)} cannot be chosen at "
-                "trace time (the transform's state is made by init, before the tree is "
-                "seen). Fix: allow_lossy=('bfloat16',), or use jaxsync.powersgd_mean / "
-                "jaxsync.sign_mean directly."
+                "trace time (their state, made by init, is of another kind; it would "
+                "then depend on the profile). Fix: allow_lossy=('bfloat16',), or use "
+                "jaxsync.powersgd_mean / jaxsync.sign_mean directly."
             )
         if bad:
             raise ValueError(

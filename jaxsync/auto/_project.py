@@ -233,8 +233,8 @@ def explain_tree(name: str, topo: dict, profile=None) -> str:
     trees = named_trees()
     if name not in trees:
         raise SystemExit(f"jaxsync info: unknown tree {name!r}; choose from {sorted(trees)}")
-    from ._auto import load_profile
     from ._choose import choose
+    from ._profiles import load_profile
 
     prof, note = load_profile(profile)
     size = int(topo["size"])

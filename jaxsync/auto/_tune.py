@@ -342,7 +342,7 @@ def main(argv: list[str]) -> int:
     prof = calibrate(comm, quick=args.quick)
     if comm is not None and comm.Get_rank() != 0:
         return 0
-    from ._auto import default_profile_path
+    from ._profiles import default_profile_path
 
     out = args.out or default_profile_path()
     out.parent.mkdir(parents=True, exist_ok=True)
