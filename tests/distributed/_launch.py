@@ -6,6 +6,7 @@ import json
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -16,29 +17,33 @@ def _free_port() -> int:
 
 
 def run_workers(worker: Path, n: int = 2, timeout: float = 180) -> list[dict]:
-    """Run ``python WORKER I PORT`` for I in 0..n-1; the JSON lines they print.
+    """Run ``python WORKER I PORT RESULTS`` for I in 0..n-1; the JSON lines they
+    write to their RESULTS file.
 
-    A worker that fails, or runs past ``timeout`` seconds, fails the test (the
-    others are killed): a hang never blocks the suite.
+    Results go to a file, not stdout: gloo's C++ threads print to the same
+    stdout ("[Gloo] Rank 0 is connected ..."), unsynchronised with Python's
+    writes, and one such line once split a result line in two. A worker that
+    fails, or runs past ``timeout`` seconds, fails the test (the others are
+    killed): a hang never blocks the suite.
     """
     port = str(_free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(worker), str(i), port],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(n)
-    ]
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=timeout)
-            assert p.returncode == 0, f"worker failed ({p.returncode}):\n{err[-4000:]}"
-            outs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return [json.loads(line) for out in outs for line in out.splitlines() if line.startswith("{")]
+    with tempfile.TemporaryDirectory() as tmp:
+        files = [Path(tmp) / f"worker{i}.jsonl" for i in range(n)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(worker), str(i), port, str(files[i])],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(n)
+        ]
+        try:
+            for p in procs:
+                _, err = p.communicate(timeout=timeout)
+                assert p.returncode == 0, f"worker failed ({p.returncode}):\n{err[-4000:]}"
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        return [json.loads(line) for f in files for line in f.read_text().splitlines()]

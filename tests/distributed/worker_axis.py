@@ -1,13 +1,14 @@
 """Worker: jaxsync over JAX's own multi-process runtime (jax.distributed + gloo).
 
-Run as ``python worker_axis.py PROCESS_ID PORT`` twice; prints one JSON line of
-results per strategy.
+Run as ``python worker_axis.py PROCESS_ID PORT RESULTS`` twice; writes one JSON
+line of results per strategy to the file RESULTS.
 """
 
 import json
 import sys
 
 pid, port = int(sys.argv[1]), sys.argv[2]
+results = open(sys.argv[3], "w")  # noqa: SIM115 (closed at exit)
 import jax
 
 jax.config.update("jax_num_cpu_devices", 2)
@@ -48,9 +49,12 @@ for strategy in ["naive", "flat", "hierarchical", "two_dimensional"]:
                 "b_dtype": str(out["b"].dtype),
             }
         ),
+        file=results,
         flush=True,
     )
 p = jaxsync.broadcast_params({"w": jnp.full((3,), float(pid) + 7)}, comm=jaxsync.AxisComm("host"))
 print(
-    json.dumps({"pid": pid, "strategy": "broadcast", "w": np.asarray(p["w"]).tolist()}), flush=True
+    json.dumps({"pid": pid, "strategy": "broadcast", "w": np.asarray(p["w"]).tolist()}),
+    file=results,
+    flush=True,
 )

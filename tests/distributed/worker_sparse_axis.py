@@ -1,15 +1,16 @@
 """Worker: row-sparse sync over jax.distributed (gloo), comm=AxisComm("host").
 
-Run as ``python worker_sparse_axis.py PROCESS_ID PORT`` twice (2 processes x 2
+Run as ``python worker_sparse_axis.py PROCESS_ID PORT RESULTS`` twice (2 processes x 2
 devices, 4 replicas). Replica ``r`` holds rows ``[r, r+1, r]`` (a duplicate)
-of a 16 x 2 table with values ``r + 1``; prints the synced ``todense()`` per
-option as JSON lines.
+of a 16 x 2 table with values ``r + 1``; writes the synced ``todense()``
+per option as JSON lines to the file RESULTS.
 """
 
 import json
 import sys
 
 pid, port = int(sys.argv[1]), sys.argv[2]
+results = open(sys.argv[3], "w")  # noqa: SIM115 (closed at exit)
 import jax
 
 jax.config.update("jax_num_cpu_devices", 2)
@@ -60,5 +61,6 @@ for name, opts in (
                 "w": np.asarray(w.addressable_data(0)).tolist(),
             }
         ),
+        file=results,
         flush=True,
     )
