@@ -169,15 +169,26 @@ def test_api_page_names_every_public_name():
         assert not any(part.startswith("_") for part in entry.split(".")), entry
 
 
+# A private module or name of the package: jaxsync._core, jaxsync.sparse._rows,
+# jaxsync/_comm/..., from jaxsync.sparse import _rows.
+PRIVATE = re.compile(r"jaxsync(?:[./]\w+)*[./]_[a-z]|from jaxsync[\w.]* import .*\b_[a-z]")
+
+
 def test_docs_name_public_modules_only():
-    # The package's internal modules move; the pages (but the layout) name public
-    # names. No page names a commit either: the JSON files carry their provenance.
+    # The package's internal modules move; the pages (but the layout) and the
+    # notebooks name public names. No page names a commit either: the JSON files
+    # carry their provenance.
     bad = []
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for i, cell in enumerate(json.loads(nb.read_text())["cells"]):
+            for line in "".join(cell["source"]).splitlines():
+                if PRIVATE.search(line):
+                    bad.append(f"{nb.name}: cell {i}: {line.strip()}")
     for page in PAGES:
         if page.name == "layout.md":
             continue
         for n, line in enumerate(page.read_text().splitlines(), 1):
-            if re.search(r"jaxsync[./]_[a-z]", line) or "DESIGN.md" in line:
+            if PRIVATE.search(line) or "DESIGN.md" in line:
                 bad.append(f"{page.name}:{n}: {line.strip()}")
             if re.search(r"commit `[0-9a-f]{7,}`", line):
                 bad.append(f"{page.name}:{n}: names a commit: {line.strip()}")
