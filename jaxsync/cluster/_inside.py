@@ -198,9 +198,12 @@ def failed_rank(exits: Path) -> tuple[str, int] | None:
             text = status.read_text()
             if text and int(text) != 0:
                 return rank, int(text)
-        elif not alive(int(pidfile.read_text() or 0)):
-            if not status.exists():  # it may have written its status meanwhile
-                return rank, 137
+            continue
+        pid = pidfile.read_text().strip()
+        if not pid.isdigit():  # being written (the tagger renames it into place)
+            continue
+        if not alive(int(pid)) and not status.exists():  # status written meanwhile?
+            return rank, 137
     return None
 
 

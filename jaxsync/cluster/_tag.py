@@ -30,8 +30,7 @@ def main(argv: list[str]) -> int:
     tag = f"[host{os.environ.get('JAXSYNC_CLUSTER_HOST', '?')} r{rank}] "
     report = os.environ.get("JAXSYNC_CLUSTER_EXITS")
     if report:  # the supervisor watches this process: gone without a status = killed
-        with open(os.path.join(report, f"rank{rank}.pid"), "w") as f:
-            f.write(str(os.getpid()))
+        _write(os.path.join(report, f"rank{rank}.pid"), str(os.getpid()))
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,
@@ -49,9 +48,17 @@ def main(argv: list[str]) -> int:
     rc = proc.wait()
     rc = 128 - rc if rc < 0 else rc
     if report:
-        with open(os.path.join(report, f"rank{rank}.exit"), "w") as f:
-            f.write(str(rc))
+        _write(os.path.join(report, f"rank{rank}.exit"), str(rc))
     return rc
+
+
+def _write(path: str, text: str) -> None:
+    """Write ``path`` whole or not at all: the supervisor reads it at any moment
+    (an empty pid file once read as a dead rank, and ended a healthy job)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

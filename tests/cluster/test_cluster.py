@@ -166,3 +166,22 @@ def test_run_does_not_fork_a_process_where_jax_runs(cluster):
     r = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "os.fork() was called" not in r.stderr, r.stderr[-2000:]
+
+
+def test_a_rank_file_being_written_is_not_a_dead_rank(tmp_path):
+    # The supervisor reads rank{R}.pid and rank{R}.exit at any moment: a pid file
+    # still empty once read as pid 0, "gone without a status", and the healthy job
+    # was ended with status 137 (a full run of the suite, ranks starting slowly).
+    from jaxsync.cluster import _inside, _tag
+
+    (tmp_path / "rank0.pid").write_text("")  # created, not yet written
+    assert _inside.failed_rank(tmp_path) is None
+    _tag._write(str(tmp_path / "rank0.pid"), str(os.getpid()))  # whole or not at all
+    assert _inside.failed_rank(tmp_path) is None  # alive
+    assert [p.name for p in tmp_path.iterdir()] == ["rank0.pid"]
+    dead = subprocess.Popen([PY, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "rank1.pid").write_text(str(dead.pid))
+    assert _inside.failed_rank(tmp_path) == ("rank1", 137)  # gone without a status
+    (tmp_path / "rank1.exit").write_text("3")
+    assert _inside.failed_rank(tmp_path) == ("rank1", 3)
