@@ -452,8 +452,10 @@ def test_process_death_ends_the_job(tmp_path, mode):
         out=tmp_path,
         args=("--mode", mode),
     )
-    assert not run.timed_out, "the job hung after rank 1 died:\n" + run.describe()
-    assert run.elapsed < DEATH_BOUND_S, run.describe()
+    # How far each rank got (rank0.calling, rank1.exiting, ...), for a failure.
+    marks = sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".pkl")
+    assert not run.timed_out, f"the job hung after rank 1 died ({marks}):\n" + run.describe()
+    assert run.elapsed < DEATH_BOUND_S, f"{marks}\n" + run.describe()
     assert run.returncode != 0, run.describe()
     assert (tmp_path / "rank0.calling").exists(), (
         "rank 0 never reached the sync:\n" + run.describe()

@@ -51,6 +51,7 @@ def main():
         while not os.path.exists(marker) and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)
+        mark("exiting" if os.path.exists(marker) else "exiting-without-rank0")
         os._exit(3)
 
     mesh = Mesh(np.array(jax.devices()), ("d",))
