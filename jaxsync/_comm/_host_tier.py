@@ -56,9 +56,10 @@ class HostTier:
     cross: tuple = ()
 
 
-def decide(control: Any, rank: int) -> tuple[HostTier | None, tuple]:
+def decide(control: Any, rank: int) -> tuple[HostTier | None, tuple, int]:
     """Whether this job has a host tier: ``(tier without device pairs, (host,
-    cross) communicators)`` or ``(None, ())``. Collective over ``control``."""
+    cross) communicators, hosts)`` or ``(None, (), hosts)``. Collective over
+    ``control``."""
     from mpi4py import MPI
 
     on = enabled()
@@ -68,10 +69,10 @@ def decide(control: Any, rank: int) -> tuple[HostTier | None, tuple]:
     hosts = sum(1 for first, _, _ in seen if first)
     if not all(o for _, _, o in seen) or hosts < 2 or max(k for _, k, _ in seen) < 2:
         host.Free()
-        return None, ()
+        return None, (), hosts
     cross = control.Split(local_rank, key=rank)
     uniform = len({k for _, k, _ in seen}) == 1
-    return HostTier(hosts, local_rank, local_size, uniform), (host, cross)
+    return HostTier(hosts, local_rank, local_size, uniform), (host, cross), hosts
 
 
 def extend(tier: HostTier, base: tuple, n: int) -> HostTier:

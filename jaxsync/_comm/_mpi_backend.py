@@ -195,6 +195,9 @@ class MPIBackend:
         size = comms.size
         one = jnp.int32(1)
         world = jnp.int32(comms.world.py2f())
+        # The world's communicators (and their per-device splits) span hosts
+        # when the job does; a tier's host communicator never, its cross one always.
+        span = functools.partial(_NativeOps, spans_hosts=comms.hosts > 1)
 
         if tier is not None and intra.size > len(tier.host):
             comms.per_device(intra.size)  # more replicas than devices: made now
@@ -206,13 +209,15 @@ class MPIBackend:
             pick = lambda cs: jnp.asarray(np.array([c.py2f() for c in cs], np.int32))[comm_index]
             host = _NativeOps(pick(tier.host), active, tier.local_size, invariant, group)
             lead = active * jnp.int32(tier.local_rank == 0) if leader_only else active
-            cross = _NativeOps(pick(tier.cross), lead, tier.hosts, invariant, group)
+            cross = _NativeOps(
+                pick(tier.cross), lead, tier.hosts, invariant, group, spans_hosts=True
+            )
             return _host_tier.program(program, host, cross, leader_only)
 
         if not intra.axes:
             # One device per process: no leader choice, no broadcast; results
             # typed invariant over the local axes of size 1 (if any).
-            ops = _NativeOps(world, one, size, intra.unit_axes, group)
+            ops = span(world, one, size, intra.unit_axes, group)
             if tier is not None:
                 return self._watched(tiered(0, one, intra.unit_axes), True, None, entered)(
                     ops, bufs
@@ -222,7 +227,7 @@ class MPIBackend:
         if _is_batched(idx):
             # Under vmap all replicas live in one program: one ordered chain on
             # the world communicator, every replica a row of the same message.
-            ops = _NativeOps(world, one, size, group=group)
+            ops = span(world, one, size, group=group)
             return self._watched(program, True, None, entered)(ops, bufs)
         leader = idx == 0
         if leader_only:
@@ -231,7 +236,7 @@ class MPIBackend:
             # the local axes, as it is; the broadcast makes it invariant again.
             active = leader.astype(jnp.int32)
             bufs = [_varying(b, _vma(active)) for b in bufs]
-            ops = _NativeOps(world, active, size, group=group)
+            ops = span(world, active, size, group=group)
             run = program if tier is None else tiered(0, active)
             out = self._watched(run, True, leader, entered)(ops, bufs)
             return intra.broadcast(list(out), root=0)
@@ -241,7 +246,7 @@ class MPIBackend:
         # picked at run time: no lax.switch.
         handles = np.array([c.py2f() for c in comms.per_device(intra.size)], np.int32)
         comm = jnp.asarray(handles)[idx]
-        ops = _NativeOps(comm, one, size, group=group)
+        ops = span(comm, one, size, group=group)
         return self._watched(program, True, leader, entered)(ops, bufs)
 
     def _run(self, program, bufs, intra: AxisOps, leader_only: bool, entered=None):

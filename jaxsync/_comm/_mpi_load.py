@@ -129,7 +129,7 @@ def _native():
             f"jaxsync could not load its native MPI library {path}: {e}. It must be "
             f"built against the MPI that mpi4py uses. {_BUILD_FIX}"
         ) from e
-    for kind in _NATIVE_KINDS:
+    for kind in (*_NATIVE_KINDS, "tie"):
         name = f"jaxsync_{kind}"
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
     lib.jaxsync_mpi_header_version.restype = ctypes.c_char_p
@@ -138,6 +138,11 @@ def _native():
     lib.jaxsync_calls_finished.restype = ctypes.c_int64
     _quiet.count_native_calls(lib)
     return lib
+
+
+def native_loaded() -> bool:
+    """Whether the native library is loaded (and its targets registered); never loads it."""
+    return _native.cache_info().currsize > 0
 
 
 def require_native() -> None:

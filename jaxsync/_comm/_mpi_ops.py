@@ -19,21 +19,35 @@ from jax.experimental import io_callback
 
 from . import _async, _mpi4jax_prim, _native_prim, _ordering
 
+# How the communication thread waits for an asynchronous sum over a
+# communicator that spans hosts: test, then sleep this many microseconds,
+# instead of spinning. The network sets the pace there, and a spinning thread
+# takes a core from the step's compute it overlaps: on the emulated cluster
+# (2 hosts at 1 Gb/s, 2 cores) overlap=True took 285 ms a step polling and 343
+# spinning, double_buffering=True 226 and 260 (docs/benchmarks.md). Within a
+# host (shared memory) the thread spins: the copies need the CPU.
+LANE_POLL_US = 100
+
 
 class _NativeOps:
     """MPI collectives through jaxsync's native FFI targets, in one token chain.
 
     ``comm`` and ``active`` are traced int32 scalars: the communicator's
     Fortran handle and whether this device talks to the other processes (0: the
-    calls return at once, buffers untouched).
+    calls return at once, buffers untouched). ``spans_hosts``: the communicator
+    joins processes of several hosts (its asynchronous sums poll, see
+    ``LANE_POLL_US``).
     """
 
     # The allreduce sums float16/bfloat16 buffers itself: all-to-all of the
     # 16-bit payload, float32 sums in rank order, one rounding, all-gather.
     sum16 = True
 
-    def __init__(self, comm, active, size, invariant=(), group=_native_prim.GROUP_BYTES):
+    def __init__(
+        self, comm, active, size, invariant=(), group=_native_prim.GROUP_BYTES, spans_hosts=False
+    ):
         self.comm = comm
+        self.poll = LANE_POLL_US if spans_hosts else 0
         self.active = active
         self.size = size
         self.invariant = tuple(invariant)
@@ -51,6 +65,7 @@ class _NativeOps:
             self.invariant,
             group=self.group,
             inplace=inplace,
+            poll=self.poll,
         )
         _ordering.set_chain_token(token)
         return ys

@@ -59,9 +59,9 @@ def _drop_varying(aval, axes):
 
 
 def _native_abstract_eval(
-    token, comm, active, *xs, kind, size, invariant, agree, group, inplace=True
+    token, comm, active, *xs, kind, size, invariant, agree, group, inplace=True, poll=0
 ):
-    del agree, group, inplace
+    del agree, group, inplace, poll
     del token, comm, active
     outs = []
     for x in xs:
@@ -92,7 +92,7 @@ native_p.def_impl(functools.partial(_dispatch.apply_primitive, native_p))
 
 
 def _native_lowering(
-    ctx, token, comm, active, *xs, kind, size, invariant, agree, group, inplace=True
+    ctx, token, comm, active, *xs, kind, size, invariant, agree, group, inplace=True, poll=0
 ):
     del size, invariant
     if kind in _IN_PLACE and inplace:  # in place: result i is operand 3 + i
@@ -100,6 +100,10 @@ def _native_lowering(
     else:
         aliases = None
     rule = jax.ffi.ffi_lowering(f"jaxsync_{kind}", operand_output_aliases=aliases)
+    if kind == "allreduce_async":
+        return rule(
+            ctx, token, comm, active, *xs, group_bytes=np.int64(group), poll_us=np.int64(poll)
+        )
     if kind in _IN_PLACE:
         return rule(ctx, token, comm, active, *xs, group_bytes=np.int64(group))
     if kind != "agree":
@@ -120,7 +124,7 @@ def _native_lowering(
 mlir.register_lowering(native_p, _native_lowering, platform="cpu")
 
 
-def _native_batching(args, dims, *, kind, size, invariant, agree, group, inplace=True):
+def _native_batching(args, dims, *, kind, size, invariant, agree, group, inplace=True, poll=0):
     # Under vmap every mapped replica takes part as a slice of one larger message.
     token, comm, active, *xs = args
     nm = None  # not mapped
@@ -149,6 +153,7 @@ def _native_batching(args, dims, *, kind, size, invariant, agree, group, inplace
         agree=agree,
         group=group,
         inplace=inplace,
+        poll=poll,
     )
     if kind == "allgather":
         xdims = [d if d is nm else d + 1 for d in xdims]
@@ -173,6 +178,7 @@ def native_call(
     agree=(0, 0, 1),
     group=GROUP_BYTES,
     inplace=True,
+    poll=0,
 ):
     """Bind one native collective: returns ``(token, [results])``.
 
@@ -206,6 +212,9 @@ def native_call(
       inplace: for these kinds, results aliased to the inputs (``MPI_IN_PLACE``);
         ``False`` writes fresh results (an input XLA must keep, such as a
         parameter of the step, is then read where it is instead of copied).
+      poll: for ``kind="allreduce_async"``, how the communicator's thread waits
+        for its sums: 0 spins in ``MPI_Waitall``; ``> 0`` tests, then sleeps
+        this many microseconds (the cores stay with the step's compute).
     """
     assert kind in _NATIVE_KINDS, kind
     require_native()
@@ -220,5 +229,6 @@ def native_call(
         agree=tuple(int(a) for a in agree),
         group=int(group),
         inplace=bool(inplace),
+        poll=int(poll),
     )
     return token, ys

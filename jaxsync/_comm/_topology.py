@@ -199,6 +199,7 @@ class Comms:
         self._tier: _host_tier.HostTier | None = None
         self._tier_base: tuple = ()  # (host, cross) communicators, once decided
         self._tier_decided = False
+        self.hosts = 0  # hosts the communicator spans (set by prepare, collectively)
         self.freed = False
         _register_atexit()
 
@@ -230,7 +231,7 @@ class Comms:
         """Decide the host tier (collectively, once) and make its ``n`` device pairs."""
         if not self._tier_decided:
             self._tier_decided = True
-            self._tier, self._tier_base = _host_tier.decide(self.control, self.rank)
+            self._tier, self._tier_base, self.hosts = _host_tier.decide(self.control, self.rank)
         if self._tier is not None:
             self._tier = _host_tier.extend(self._tier, self._tier_base, n)
 

@@ -6,20 +6,21 @@ the gradients, inside ``_async.asynchronous()`` (``overlap=True``);
 (ChainerMN's double-buffering optimizer);
 ``document_overlap`` adds the three options to a factory's docstring.
 
-Imports: jax, ``_async``, ``_invariance``, ``_plugins`` and ``_strategies``; ``_config``
+Imports: jax, ``_async``, ``_invariance``, ``_tie``, ``_plugins`` and ``_strategies``; ``_config``
 (the defaults), ``_sync``, ``_mpi_backend`` and ``_transforms`` import it.
 """
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jaxsync._comm._async import asynchronous
-from jaxsync._comm._invariance import _vma, share_invariant
+from jaxsync._comm._invariance import share_invariant
+from jaxsync._comm._tie import tie
 
 from . import _plugins, _strategies
 
@@ -81,25 +82,33 @@ def run_async(cfg, bufs: list, intra, group) -> list:
     with asynchronous(inplace=True):
         for idx in groups:
             mine = [bufs[i] for i in idx]
-            if prev and len({_vma(x) for x in [*mine, *(out[i] for i in prev)]}) == 1:
-                # (Under shard_map only when all are typed alike: the barrier
-                # would type its results as varying as the most varying one.)
-                # The last bucket's sums pass one barrier with this bucket's
-                # gradients: its optimizer update (which overwrites donated
-                # parameters) comes after the backward that reads those
-                # parameters to make these gradients, so XLA copies no parameter.
-                # This bucket's call reads the barrier's outputs (no copy either).
-                # Nothing waits longer: this bucket's call needs the last one's
-                # token (ready when it is done) and these gradients anyway.
+            if prev:
+                # The last bucket's sums are tied to this bucket's gradients
+                # (``tie``: an optimization barrier XLA:CPU keeps): its optimizer
+                # update (which overwrites donated parameters) comes after the
+                # backward that reads those parameters to make these gradients,
+                # so XLA copies no parameter, and its summed buffers stay live
+                # until then, so no backward temporary reuses their memory (which
+                # would make the backward wait for the network). This bucket's
+                # call reads the tie's outputs (no copy either). Nothing waits
+                # longer: this bucket's call needs the last one's token (ready
+                # when it is done) and these gradients anyway.
                 done = [out[i] for i in prev]
-                done, mine = lax.optimization_barrier((done, mine))
+                done, mine = tie((done, mine))
                 for i, y in zip(prev, done):
                     out[i] = y
             got = _strategies.run(cfg.strategy, mine, intra, cfg.backend, group_bytes=group)
             for i, y in zip(idx, got):
                 out[i] = y
             prev = idx
-    return out
+    # Double buffering: the results (the buffers the sums wrote, before any
+    # reshape, which would be a copy) wait for this step's gradients.
+    return tie(out, after=_AFTER.get())
+
+
+# Inside a double-buffered update: this step's gradients, which the reduced
+# buffers of the last step's must wait for (read by ``run_async``).
+_AFTER: contextvars.ContextVar = contextvars.ContextVar("jaxsync_after", default=())
 
 
 class DoubleBufferState(NamedTuple):
@@ -155,15 +164,18 @@ def double_buffer_fns(fn: str, cfg, sync):
                 f"pending gradients {want} (made by init from the parameters). Fix: "
                 "pass gradients with the parameters' structure."
             )
-        synced, finite = sync(state.pending, cfg)
-        # The sums' results pass one barrier with this step's gradients: the
-        # update that reads them (and overwrites donated parameters) comes after
-        # the backward, so XLA copies no parameter, and the summed buffers stay
-        # live through the backward, whose temporaries then never reuse their
-        # memory (such reuse would make the backward wait for the network).
-        leaves = [*jax.tree_util.tree_leaves(synced), *jax.tree_util.tree_leaves(updates)]
-        if len({_vma(x) for x in leaves}) == 1:
-            synced, updates = lax.optimization_barrier((synced, updates))
+        # The sums' results are tied to this step's gradients (``run_async``
+        # reads them from ``_AFTER``; ``tie``: an optimization barrier XLA:CPU
+        # keeps): the update that reads them (and overwrites donated parameters)
+        # comes after the backward, so XLA copies no parameter, and the summed
+        # buffers stay live through the backward, whose temporaries then never
+        # reuse their memory (such reuse made the backward wait for the
+        # network: the step took the sum of its compute and its communication).
+        reset = _AFTER.set(jax.tree_util.tree_leaves(updates))
+        try:
+            synced, finite = sync(state.pending, cfg)
+        finally:
+            _AFTER.reset(reset)
         # Kept as this replica's share: a gradient autodiff already summed over
         # the local axes (shard_map, replicated parameters) is typed varying in
         # the state, so it is kept on local device 0 only (zeros elsewhere) and

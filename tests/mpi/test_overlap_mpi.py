@@ -111,3 +111,22 @@ def test_exit_with_overlapped_calls_in_flight():
     got = run_mpi("worker_overlap_exit.py", n=2, devices=1, timeout=180)
     assert not got.timed_out and got.returncode == 0, got.describe()
     assert all(r is not None and r["dispatched"] for r in got.results), got.describe()
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return run_mpi("worker_overlap_hlo.py", n=2, devices=1, timeout=240).check()
+
+
+@pytest.mark.parametrize("case", ["double", "overlap"])
+def test_the_update_waits_for_the_backward_without_copying_parameters(compiled, case):
+    # With the sums tied to the backward's gradients (jaxsync_tie, which XLA:CPU
+    # keeps where it drops an optimization barrier), the optimizer update comes
+    # after the backward that reads the donated parameters: XLA copies none.
+    for rank, res in enumerate(compiled.results):
+        assert res[f"{case}:params"] == 8, res
+        assert "jaxsync_allreduce_async" in res[f"{case}:targets"], res[f"{case}:targets"]
+        assert "jaxsync_tie" in res[f"{case}:targets"], res[f"{case}:targets"]
+        assert res[f"{case}:copied_params"] == [], f"rank {rank}: {res[f'{case}:copied_params']}"
+    a, b = (_bits(r[f"{case}:result"]) for r in compiled.results)
+    assert a == b  # the same parameters on both ranks

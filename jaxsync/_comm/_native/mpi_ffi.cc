@@ -1,6 +1,6 @@
 // jaxsync's XLA FFI targets for MPI collectives on the CPU platform.
 //
-// Every handler takes (token, comm, active, buffers...) and returns
+// Every handler but jaxsync_tie takes (token, comm, active, buffers...) and returns
 // (token, results...):
 //   token   orders the calls: each call consumes the token of the previous one.
 //   comm    int32 scalar: a Fortran handle of an MPI communicator
@@ -30,6 +30,8 @@
 // jaxsync_allreduce_async is the same sum, done on a communication thread of
 // the communicator while XLA runs on (overlap; see "Overlap" below).
 // jaxsync_allgather / jaxsync_alltoall move one buffer each.
+// jaxsync_tie (no token, no communicator) returns its buffers: an ordering
+// point that XLA keeps (see "jaxsync_tie" below).
 // MPI's counts are int: every call is given at most MaxCount() (INT_MAX)
 // elements, longer buffers are split into several calls, so a buffer of any
 // size travels.
@@ -169,11 +171,13 @@ constexpr size_t kGroupBytes = 4 << 20;
 // the sums in flight are finished before the arena is reused.
 constexpr size_t kArenaBytes = 64 << 20;
 
-// How a communication thread waits for its sums (see Lane): 0 (default, and
-// always in XLA's own threads) MPI_Waitall; > 0: MPI_Testall, then sleep this
-// many microseconds. The private knob JAXSYNC_TESTING_POLL_US sets it for the
-// lanes (read once per lane), to profile how much a spinning wait costs the
-// step's compute; it measured no better on the emulated cluster (README).
+// How a communication thread waits for its sums (see Lane): 0 (always in XLA's
+// own threads) MPI_Waitall, which spins; > 0: MPI_Testall, then sleep this many
+// microseconds, which leaves the cores to the step's compute. Each async call
+// says which (its poll_us attribute: jaxsync polls on communicators that span
+// hosts, where the network, not the CPU, sets the pace; it spins within a host,
+// where shared-memory copies need the CPU). The private knob
+// JAXSYNC_TESTING_POLL_US overrides it for every lane, to profile.
 thread_local int64_t t_poll_us = 0;
 
 int WaitAll(std::vector<MPI_Request>& reqs, std::vector<MPI_Status>& st) {
@@ -764,6 +768,32 @@ ffi::Error AllreduceImpl(ffi::Token, CommArg comm,
   return SumParts(CommOf(comm), parts, group_bytes);
 }
 
+// ---- jaxsync_tie: an ordering point XLA:CPU keeps --------------------------
+// Takes any number of buffers and returns the first ones (as many as it has
+// results), each result aliased to its operand: nothing moves; the other
+// operands are only read. Every result depends on every operand, so what reads
+// a result waits for all of them, and each operand's buffer stays live until
+// the tie. lax.optimization_barrier means the same, but XLA:CPU removes it
+// before it schedules and assigns buffers (jax 0.10), so the order is lost:
+// an optimizer update then ran before the backward and a backward temporary
+// reused the memory of a sum still in flight (the step waited for it).
+ffi::Error TieImpl(ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  if (rets.size() > args.size()) {
+    return ffi::Error::InvalidArgument("jaxsync_tie: more results than operands");
+  }
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto in = args.get<ffi::AnyBuffer>(i);
+    auto res = rets.get<ffi::AnyBuffer>(i);
+    if (!in.has_value()) return in.error();
+    if (!res.has_value()) return res.error();
+    // A copy only where XLA did not alias a result to its operand.
+    if (in->untyped_data() != (*res)->untyped_data()) {
+      std::memcpy((*res)->untyped_data(), in->untyped_data(), in->size_bytes());
+    }
+  }
+  return ffi::Error::Success();
+}
+
 // ---- Overlap: the allreduce on a communication thread ---------------------
 // jaxsync_allreduce_async does what jaxsync_allreduce does, but returns a
 // future at once: the sums run on the communicator's own thread (a Lane) and
@@ -790,8 +820,6 @@ class Lane {
 
  private:
   void Loop() {
-    t_poll_us = 0;
-    if (const char* v = std::getenv("JAXSYNC_TESTING_POLL_US")) t_poll_us = std::atoll(v);
     for (;;) {
       std::function<void()> job;
       {
@@ -820,7 +848,8 @@ Lane& LaneOf(MPI_Fint handle) {
 
 ffi::Future AllreduceAsyncImpl(ffi::Token, CommArg comm, ActiveArg active,
                                ffi::RemainingArgs args, ffi::Result<ffi::Token>,
-                               ffi::RemainingRets rets, int64_t group_bytes) {
+                               ffi::RemainingRets rets, int64_t group_bytes,
+                               int64_t poll_us) {
   ffi::Promise promise;
   ffi::Future future(promise);
   std::vector<BufRef> parts;
@@ -836,9 +865,13 @@ ffi::Future AllreduceAsyncImpl(ffi::Token, CommArg comm, ActiveArg active,
   const MPI_Fint handle = static_cast<MPI_Fint>(comm.typed_data()[0]);
   g_started.fetch_add(1, std::memory_order_relaxed);
   static const bool trace = std::getenv("JAXSYNC_TESTING_TRACE_LANES") != nullptr;
+  static const char* poll_env = std::getenv("JAXSYNC_TESTING_POLL_US");
+  if (poll_env != nullptr) poll_us = std::atoll(poll_env);
   const auto queued = std::chrono::steady_clock::now();
-  LaneOf(handle).Push([promise, handle, group_bytes, queued, parts = std::move(parts)]() mutable {
+  LaneOf(handle).Push([promise, handle, group_bytes, poll_us, queued,
+                       parts = std::move(parts)]() mutable {
     const auto began = std::chrono::steady_clock::now();
+    t_poll_us = poll_us;  // this lane's thread, for this job's waits
     ffi::Error e = SumParts(MPI_Comm_f2c(handle), parts, group_bytes);
     if (trace) {  // private: when each job was queued, began and ended (us)
       auto us = [](auto t) {
@@ -1295,7 +1328,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_allreduce_async, AllreduceAsyncImpl,
                                   .RemainingArgs()
                                   .Ret<ffi::Token>()
                                   .RemainingRets()
-                                  .Attr<int64_t>("group_bytes"));
+                                  .Attr<int64_t>("group_bytes")
+                                  .Attr<int64_t>("poll_us"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_tie, TieImpl,
+                              ffi::Ffi::Bind().RemainingArgs().RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_agree, AgreeImpl,
                               ffi::Ffi::Bind()
