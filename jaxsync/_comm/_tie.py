@@ -28,23 +28,23 @@ from jax.interpreters import mlir
 
 from . import _mpi_load
 
-# (*keep, *after) -> keep: the first ``keep`` operands come back (aliased), the
-# others are only read.
+# (*keep, *after) -> keep: the first ``keep`` operands come back (aliased, or
+# copied into fresh buffers with ``fresh=True``), the others are only read.
 tie_p = Primitive("jaxsync_tie")
 tie_p.multiple_results = True
-tie_p.def_abstract_eval(lambda *xs, keep: xs[:keep])  # each output typed as its input
+tie_p.def_abstract_eval(lambda *xs, keep, fresh: xs[:keep])  # each output typed as its input
 tie_p.def_impl(functools.partial(_dispatch.apply_primitive, tie_p))
 
 
-def _barrier_lowering(ctx, *xs, keep):
-    del ctx
+def _barrier_lowering(ctx, *xs, keep, fresh=False):
+    del ctx, fresh
     return hlo.OptimizationBarrierOp(xs).results[:keep]
 
 
-def _cpu_lowering(ctx, *xs, keep):
+def _cpu_lowering(ctx, *xs, keep, fresh):
     if not _mpi_load.native_loaded():
         return _barrier_lowering(ctx, *xs, keep=keep)
-    aliases = {i: i for i in range(keep)}
+    aliases = None if fresh else {i: i for i in range(keep)}
     return jax.ffi.ffi_lowering("jaxsync_tie", operand_output_aliases=aliases)(ctx, *xs)
 
 
@@ -52,26 +52,31 @@ mlir.register_lowering(tie_p, _barrier_lowering)
 mlir.register_lowering(tie_p, _cpu_lowering, platform="cpu")
 
 
-def _tie_batching(args, dims, *, keep):
-    return tie_p.bind(*args, keep=keep), dims[:keep]
+def _tie_batching(args, dims, *, keep, fresh):
+    return tie_p.bind(*args, keep=keep, fresh=fresh), dims[:keep]
 
 
 batching.primitive_batchers[tie_p] = _tie_batching
 
 
-def _tie_jvp(primals, tangents, *, keep):
-    return tie_p.bind(*primals, keep=keep), [ad.instantiate_zeros(t) for t in tangents[:keep]]
+def _tie_jvp(primals, tangents, *, keep, fresh):
+    out = tie_p.bind(*primals, keep=keep, fresh=fresh)
+    return out, [ad.instantiate_zeros(t) for t in tangents[:keep]]
 
 
 ad.primitive_jvps[tie_p] = _tie_jvp
 
 
-def tie(tree, after=()):
+def tie(tree, after=(), fresh=False):
     """``tree`` unchanged, once every leaf of ``tree`` and ``after`` exists.
 
     Each leaf of ``tree`` comes back in the memory it had (no copy), and stays
     there until every leaf of ``after`` is computed; ``after`` is only read, so
-    its buffers are not tied up. See the module docstring.
+    its buffers are not tied up. ``fresh=True`` copies the leaves into new
+    buffers instead: a value defined after ``after``, which XLA may then place
+    in the memory of an input that ``after`` was computed from (a donated one:
+    one copy where XLA's copy insertion, blind to that order, makes two). See
+    the module docstring.
 
     Example:
       >>> import jax.numpy as jnp
@@ -86,5 +91,5 @@ def tie(tree, after=()):
     later = jax.tree_util.tree_leaves(after)
     if not leaves or not (len(leaves) > 1 or later):
         return tree
-    out = tie_p.bind(*leaves, *later, keep=len(leaves))
+    out = tie_p.bind(*leaves, *later, keep=len(leaves), fresh=bool(fresh))
     return jax.tree_util.tree_unflatten(treedef, out)

@@ -181,6 +181,10 @@ def double_buffer_fns(fn: str, cfg, sync):
         # the state, so it is kept on local device 0 only (zeros elsewhere) and
         # the next step's sum counts it once.
         pending = share_invariant(updates, cfg.axes)
+        # Written once the last step's gradients are reduced (so after the state
+        # was read): XLA may then put them where the donated state was, with one
+        # copy (this one) instead of its two (the state in, these out).
+        pending = tie(pending, after=jax.tree_util.tree_leaves(synced), fresh=True)
         return synced, DoubleBufferState(pending, finite)
 
     return init_fn, update_fn

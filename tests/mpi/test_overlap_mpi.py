@@ -128,5 +128,10 @@ def test_the_update_waits_for_the_backward_without_copying_parameters(compiled, 
         assert "jaxsync_allreduce_async" in res[f"{case}:targets"], res[f"{case}:targets"]
         assert "jaxsync_tie" in res[f"{case}:targets"], res[f"{case}:targets"]
         assert res[f"{case}:copied_params"] == [], f"rank {rank}: {res[f'{case}:copied_params']}"
+        # Double buffering's pending gradients go where the donated state was,
+        # with one copy in the tie (XLA's copy insertion made two: the state in at
+        # the start, the gradients out at the end).
+        assert res[f"{case}:state"] == (8 if case == "double" else 0), res
+        assert res[f"{case}:copied_state"] == [], f"rank {rank}: {res[f'{case}:copied_state']}"
     a, b = (_bits(r[f"{case}:result"]) for r in compiled.results)
     assert a == b  # the same parameters on both ranks

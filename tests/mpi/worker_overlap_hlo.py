@@ -3,8 +3,8 @@
 One device per process, plain ``jit``, parameters and state donated (as the
 README writes a step). For each case the worker compiles the step and records,
 from XLA's optimised module: the parameters of the step that the entry
-computation copies, the custom-call targets it runs and the step's results (two
-steps, so the pending gradients are applied once). XLA:CPU drops
+computation copies (and of the state), the custom-call targets it runs and the
+step's results (two steps, so the pending gradients are applied once). XLA:CPU drops
 ``lax.optimization_barrier`` before it schedules, so with a barrier the
 optimizer update ran before the backward: every parameter was copied (the
 backward still read it) and the backward's temporaries reused the memory of a
@@ -57,13 +57,18 @@ def main():
         s = opt.init(p)
         text = fn.lower(p, s, x).compile().as_text()
         entry = text[text.index("\nENTRY ") :]
-        # The entry's parameters that hold the model's parameters (argument 0).
-        n = len(jax.tree.leaves(p))
+        # The entry's parameters that hold the model's parameters (argument 0)
+        # and the optimizer state (argument 1: double buffering's pending
+        # gradients), and those the entry copies.
+        n, m = len(jax.tree.leaves(p)), len(jax.tree.leaves(s))
         names = dict(re.findall(r"%(\S+) = \S+ parameter\((\d+)\)", entry))
         model = {v for v, i in names.items() if int(i) < n}
-        copied = re.findall(r"= \S+ copy\(%(\S+?)\)", entry)
+        state = {v for v, i in names.items() if n <= int(i) < n + m}
+        copied = set(re.findall(r"= \S+ copy\(%(\S+?)\)", entry))
         res.add(f"{name}:params", len(model))
-        res.add(f"{name}:copied_params", sorted(set(copied) & model))
+        res.add(f"{name}:state", len(state))
+        res.add(f"{name}:copied_params", sorted(copied & model))
+        res.add(f"{name}:copied_state", sorted(copied & state))
         res.add(f"{name}:targets", sorted(set(re.findall(r'custom_call_target="(\w+)"', text))))
         for _ in range(2):
             p, s = fn(p, s, x)
