@@ -36,7 +36,10 @@ def test_tune_quick_measures_the_network_link(cluster, tmp_path):
     raw = [s for s in prof.fit["raw"]["network"] if s[0] == "allreduce" and len(s) == 4]
     n, _, seconds = max((s[1], s[2], s[3]) for s in raw)
     assert seconds >= (n - BURST) * 8 / RATE, (n, seconds)
-    # the fitted bandwidth: quick's two sizes leave the fit loose (1.0-1.25x the
-    # rate seen); bursts cannot make it more than (n / (n - BURST)) = 1.3x
-    assert 8 / prof.link("network").beta <= 1.5 * RATE
+    # The fitted bandwidth is the network's, not shared memory's (28 Gb/s here, a
+    # 21 MB allreduce in 6 ms). Not bounded by physics: one beta is fitted to
+    # every kind of collective by relative least squares, and with quick's two
+    # sizes one noisy sample moves it (1.0-1.25x the rate in quiet runs, 1.62x
+    # once in a loaded CI run); the samples themselves are bounded above.
+    assert 8 / prof.link("network").beta <= 3 * RATE
     assert "emulated cluster: links shaped to 1gbit" in r.output
