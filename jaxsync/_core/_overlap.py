@@ -102,8 +102,10 @@ def run_async(cfg, bufs: list, intra, group) -> list:
                 out[i] = y
             prev = idx
     # Double buffering: the results (the buffers the sums wrote, before any
-    # reshape, which would be a copy) wait for this step's gradients.
-    return tie(out, after=_AFTER.get())
+    # reshape, which would be a copy) wait for this step's gradients. (Overlap
+    # alone ties nothing more: each bucket's update waits for its own sum only.)
+    after = _AFTER.get()
+    return tie(out, after=after) if after else out
 
 
 # Inside a double-buffered update: this step's gradients, which the reduced
