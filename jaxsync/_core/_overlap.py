@@ -119,8 +119,11 @@ class DoubleBufferState(NamedTuple):
     Attributes:
       pending: this replica's gradients of the last step, not yet reduced (the
         next update reduces and applies them); zeros before the first step.
-        Each replica's own: under ``jax.shard_map`` with several local devices,
-        make and pass the state with :func:`jaxsync.state_specs`.
+        Each leaf has its gradient's shape, ``(1,)`` for a scalar (so that under
+        ``shard_map`` every device's pending gradient stacks along a first
+        axis, as ``P(axis)`` needs). Each replica's own: under
+        ``jax.shard_map`` with several local devices, make and pass the state
+        with :func:`jaxsync.state_specs`.
       all_finite: with ``check_finite``, whether the last applied gradients
         were all finite (``None`` otherwise).
     """
@@ -140,7 +143,7 @@ def double_buffer_fns(fn: str, cfg, sync):
     """
 
     def init_fn(params):
-        pending = jax.tree_util.tree_map(jnp.zeros_like, params)
+        pending = jax.tree_util.tree_map(lambda x: _as_pending(jnp.zeros_like(x)), params)
         return DoubleBufferState(pending, jnp.array(True) if cfg.check_finite else None)
 
     def update_fn(updates, state, params=None):
@@ -166,6 +169,11 @@ def double_buffer_fns(fn: str, cfg, sync):
                 f"pending gradients {want} (made by init from the parameters). Fix: "
                 "pass gradients with the parameters' structure."
             )
+        _check_pending(fn, updates, state.pending)
+        # A scalar's pending gradient is kept as (1,): reduced with its own shape.
+        last = jax.tree_util.tree_map(
+            lambda p, g: p if jnp.ndim(g) else p.reshape(()), state.pending, updates
+        )
         # The sums' results are tied to this step's gradients (``run_async``
         # reads them from ``_AFTER``; ``tie``: an optimization barrier XLA:CPU
         # keeps): the update that reads them (and overwrites donated parameters)
@@ -175,7 +183,7 @@ def double_buffer_fns(fn: str, cfg, sync):
         # network: the step took the sum of its compute and its communication).
         reset = _AFTER.set(jax.tree_util.tree_leaves(updates))
         try:
-            synced, finite = sync(state.pending, cfg)
+            synced, finite = sync(last, cfg)
         finally:
             _AFTER.reset(reset)
         # Kept as this replica's share: a gradient autodiff already summed over
@@ -183,6 +191,7 @@ def double_buffer_fns(fn: str, cfg, sync):
         # the state, so it is kept on local device 0 only (zeros elsewhere) and
         # the next step's sum counts it once.
         pending = share_invariant(updates, cfg.axes)
+        pending = jax.tree_util.tree_map(_as_pending, pending)
         # Written once the last step's gradients are reduced (so after the state
         # was read): XLA may then put them where the donated state was, with one
         # copy (this one) instead of its two (the state in, these out).
@@ -190,6 +199,38 @@ def double_buffer_fns(fn: str, cfg, sync):
         return synced, DoubleBufferState(pending, finite)
 
     return init_fn, update_fn
+
+
+def _pending_shape(shape) -> tuple:
+    """A gradient's shape in the state: its own, ``(1,)`` for a scalar (under
+    ``shard_map``, ``P(axis)`` stacks every device's along a first axis)."""
+    return tuple(shape) or (1,)
+
+
+def _as_pending(x):
+    """``x`` as the state keeps it: a scalar as ``(1,)``, anything else as it is."""
+    return x if jnp.ndim(x) else jnp.reshape(x, (1,))
+
+
+def _check_pending(fn: str, updates, pending) -> None:
+    """At trace time: each pending gradient has the shape ``init`` gives its leaf.
+
+    A first axis the local device count times too small (or too large) is a
+    state made (or passed) outside ``shard_map``'s per-device specs.
+    """
+    with_paths = jax.tree_util.tree_flatten_with_path(updates)[0]
+    for (path, g), p in zip(with_paths, jax.tree_util.tree_leaves(pending)):
+        want, got = _pending_shape(jnp.shape(g)), tuple(jnp.shape(p))
+        if got == want:
+            continue
+        raise ValueError(
+            f"{fn}: the pending gradient of {jax.tree_util.keystr(path) or 'the leaf'} "
+            f"has shape {got}, the gradient needs {want} (double_buffering=True). Fix: "
+            "make the state with init from parameters of the gradients' shapes; under "
+            "shard_map make it inside the map, specs = jaxsync.state_specs(jax.eval_shape("
+            "tx.init, params), axis_name); state = jax.jit(jax.shard_map(tx.init, "
+            "mesh=mesh, in_specs=P(), out_specs=specs))(params), and pass it with specs."
+        )
 
 
 # The three options, as every MPI factory documents them (``document_overlap``).

@@ -106,7 +106,9 @@ def state_specs(state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
     :class:`SignState`, and also as the mappings with their field names that
     flax NNX makes of them (``nnx.state(optimizer)``). The same holds for the
     gradients a double-buffered transform keeps (``pending`` of
-    :class:`jaxsync.DoubleBufferState`, ``double_buffering=True``).
+    :class:`jaxsync.DoubleBufferState`, ``double_buffering=True``). A scalar
+    parameter's residual and pending gradient are kept as ``(1,)``, so every
+    per-replica leaf has a first axis to stack the devices' values along.
 
     Args:
       state: an optimizer state, or its ``jax.eval_shape`` structure.
@@ -114,6 +116,11 @@ def state_specs(state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
 
     Returns:
       a pytree of ``PartitionSpec`` with the structure of ``state``.
+
+    Raises:
+      ValueError: a per-replica leaf is a scalar (a state of an older jaxsync,
+        whose scalars ``P(axis_name)`` cannot split): make the state again
+        with ``init``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jaxsync
@@ -133,10 +140,28 @@ def state_specs(state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
         # A NamedTuple or (NNX) a mapping with its field names: the subtree under
         # "residual" is per replica, the rest replicated.
         return jax.tree_util.tree_map_with_path(
-            lambda path, _: per_replica if _field(path[0]) in _PER_REPLICA else replicated, node
+            lambda path, x: (
+                _per_replica(path, x, per_replica)
+                if _field(path[0]) in _PER_REPLICA
+                else replicated
+            ),
+            node,
         )
 
     return jax.tree_util.tree_map(one, state, is_leaf=_is_compression_state)
+
+
+def _per_replica(path, leaf, spec):
+    # P(axis) stacks the devices' values along a first axis: a scalar has none.
+    if getattr(leaf, "ndim", None) == 0:
+        raise ValueError(
+            f"state_specs: the per-replica state leaf {jax.tree_util.keystr(path)} is a "
+            "scalar; P(axis_name) splits a first axis, and a scalar has none (this "
+            "jaxsync keeps a scalar's residual and pending gradient as shape (1,)). "
+            "Fix: make the state again with tx.init (e.g. jax.eval_shape(tx.init, "
+            "params) for the specs)."
+        )
+    return spec
 
 
 # DoubleBufferState's fields (jaxsync._core._sync, which imports this module's users).
