@@ -6,6 +6,8 @@ donation, checkpoints, exit) is in tests/mpi/test_overlap_mpi.py.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,10 @@ import pytest
 
 import jaxsync
 from jaxsync._core._sync import overlap_groups
+
+# The semantics tests below run in one process on purpose: overlap and double
+# buffering then warn that there is no inter-process stage (tested on its own).
+ONE_PROCESS = pytest.mark.filterwarnings("ignore:.* no inter-process stage:UserWarning")
 
 
 @pytest.mark.parametrize(
@@ -43,6 +49,7 @@ def _tree(r):
     return [{"w": jnp.full((3, 2), 1.0) * (r + k), "b": jnp.arange(2.0) * r} for k in range(4)]
 
 
+@ONE_PROCESS
 @pytest.mark.parametrize(
     "factory", ["flat_mean", "hierarchical_mean", "two_dimensional_mean", "auto_mean"]
 )
@@ -56,6 +63,7 @@ def test_overlap_gives_the_same_bits_in_one_process(factory):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@ONE_PROCESS
 @pytest.mark.parametrize("factory", ["hierarchical_mean", "auto_mean"])
 def test_double_buffering_applies_last_steps_mean(factory):
     make = getattr(jaxsync, factory)
@@ -82,7 +90,55 @@ def test_double_buffering_applies_last_steps_mean(factory):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # kept unreduced
 
 
+@ONE_PROCESS
 def test_double_buffering_rejects_a_state_of_another_transform():
     tx = jaxsync.flat_mean("i", comm=None, double_buffering=True)
     with pytest.raises(TypeError, match="DoubleBufferState"):
         jax.vmap(lambda g: tx.update(g, optax.EmptyState()), axis_name="i")(jnp.ones((2, 3)))
+
+
+@pytest.mark.parametrize(
+    "factory", ["naive_mean", "flat_mean", "hierarchical_mean", "two_dimensional_mean", "auto_mean"]
+)
+@pytest.mark.parametrize(
+    "kw, names",
+    [
+        (dict(overlap=True), ["overlap=True"]),
+        (dict(double_buffering=True), ["double_buffering=True", "staleness", "0.883"]),
+        (dict(overlap=True, double_buffering=True), ["overlap=True", "double_buffering=True"]),
+    ],
+    ids=["overlap", "double", "both"],
+)
+@pytest.mark.parametrize("comm", [None, "auto"])
+def test_no_inter_process_stage_warns_once_at_factory_time(factory, kw, names, comm):
+    """One UserWarning when the factory is called (comm=None, or "auto" without an
+    MPI launch), naming the option, why it does not pay, its cost and the fix; none
+    when the step is traced and run."""
+    make = getattr(jaxsync, factory)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", "jaxsync auto. .* got no profile")
+        tx = make("i", comm=comm, **kw)
+    mine = [w for w in got if "no inter-process stage" in str(w.message)]
+    assert len(mine) == 1, [str(w.message) for w in got]
+    msg = str(mine[0].message)
+    assert mine[0].category is UserWarning and mine[0].filename == __file__
+    assert msg.startswith(f"{factory}: no inter-process stage (comm={comm!r}")
+    for word in [*names, "Fix: drop", "crosses processes"]:
+        assert word in msg, (word, msg)
+    if "double_buffering" not in kw:
+        assert "staleness" not in msg
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # init, update, tracing: nothing more
+        g = {"w": jnp.arange(4.0)}
+        jax.vmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="i")(g)
+
+
+def test_an_inter_process_stage_does_not_warn():
+    """AxisComm is an inter-process stage (XLA collectives over a mesh axis, across
+    processes after jax.distributed): no warning. (MPI: tests/mpi/test_mpi.py.)"""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jaxsync.hierarchical_mean("i", comm=jaxsync.AxisComm("h"), overlap=True)
+        jaxsync.flat_mean("i", comm=jaxsync.AxisComm("h"), double_buffering=True)
+        jaxsync.hierarchical_mean("i", comm=None)  # neither option: nothing to say

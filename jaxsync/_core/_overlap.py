@@ -239,7 +239,8 @@ _ARGS = """      overlap: ``True`` sends the gradients in buckets, in the order 
         it exists; with MPI on CPU the sums run on a communication thread while
         the step computes on (see "Overlap" in docs/strategies.md). The same bits as
         ``False``. The buckets' order assumes the tree lists the model's layers
-        first to last.
+        first to last. Without an inter-process stage (one process) it hides
+        nothing, and the factory warns.
       overlap_bucket_bytes: with ``overlap``, about this many bytes per bucket
         (``"auto"``: 4 MiB; the first bucket 1 MiB).
       double_buffering: ``True`` applies, at step ``t``, the mean of the
@@ -250,7 +251,10 @@ _ARGS = """      overlap: ``True`` sends the gradients in buckets, in the order 
         its first update): plain SGD leaves the parameters unchanged, an
         optimizer after this transform sees one zero gradient. The gradients
         of the last step are in the state and never applied. A checkpoint of
-        the state taken between steps resumes the same run bit for bit.
+        the state taken between steps resumes the same run bit for bit. The
+        step of staleness costs accuracy on a short run (see docs/strategies.md);
+        without an inter-process stage (one process) there is nothing to hide
+        and the factory warns.
 
 """
 
