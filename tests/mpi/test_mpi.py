@@ -365,6 +365,44 @@ def test_broadcast_params_root_values(broadcast_run):
     assert len(broadcast_run.results[0]["out"]["replicated"]["shards"]) == 2
 
 
+def test_broadcast_params_non_array_leaves(broadcast_run):
+    """An equinox-like tree (a function, Python scalars, a string): under mpirun -n 2
+    the root's scalars (types kept) and the static leaves as they are, as in one
+    process; today's failure was a TypeError naming no leaf (issue 32)."""
+    import worker_broadcast
+
+    root = worker_broadcast.mixed(jnp, np, 1)
+    for rank in range(2):
+        got = result_of(broadcast_run, rank, "mixed")
+        assert got.pop("act_is_relu") is True, f"rank {rank}: act is not jax.nn.relu"
+        for k, (kind, value) in got.items():
+            want = root[k]
+            assert kind == type(want).__name__, (rank, k, kind)
+            assert np.asarray(value).tobytes() == np.asarray(want).tobytes(), (rank, k, value)
+        assert sorted(got) == sorted(k for k in root if k != "act")
+    one = jaxsync.broadcast_params(worker_broadcast.mixed(jnp, np, 1), comm=None)
+    assert one["act"] is jax.nn.relu and one["p"] == 1.5 and type(one["n"]) is int
+
+
+def test_broadcast_params_refuses_the_same_leaf_on_every_rank(broadcast_run):
+    import worker_broadcast
+
+    with pytest.raises(TypeError) as one:
+        jaxsync.broadcast_params(worker_broadcast.refused(jnp), comm=None)
+    for rank in range(2):
+        msg = broadcast_run.results[rank]["refused"]
+        assert msg == str(one.value), f"rank {rank}: {msg}"
+    assert "['spec']" in msg and "eqx.filter(model, eqx.is_array)" in msg
+
+
+def test_overlap_warns_only_without_an_inter_process_stage(broadcast_run):
+    for rank in range(2):
+        assert broadcast_run.results[rank]["warnings_world"] == [], rank
+        (msg,) = broadcast_run.results[rank]["warnings_self"]
+        assert "no inter-process stage (the communicator holds one process)" in msg
+        assert "overlap=True" in msg and "double_buffering=True" in msg
+
+
 # --------------------------------------------------------------------------
 # 7. Agreement: mismatched trees give the same ValueError on every rank.
 

@@ -3,6 +3,13 @@
 Each rank builds leaves whose values depend on its rank (ints, bools, bf16,
 f32, a numpy array, a scalar, a zero-size leaf, and a jax.Array sharded over
 the local devices) and records what broadcast_params returns.
+
+Then (issue 32) a tree with leaves that are not arrays, as an equinox model
+has (a function, Python scalars, a string): the root's scalars, the rest as
+they are; a leaf that cannot be broadcast (a jax.ShapeDtypeStruct): the same
+TypeError on every rank as in one process; and the warnings of overlap /
+double buffering with a communicator of 2 processes (none) and of one
+(COMM_SELF: the no-inter-process-stage warning).
 """
 
 from _worker import Results, init
@@ -28,6 +35,26 @@ def build(jnp, np, rank, sharding):
             jnp.full((3,), rank - 5, jnp.int32), sharding.update(spec=type(sharding.spec)())
         ),
     }
+
+
+def mixed(jnp, np, rank):
+    import jax
+
+    return {
+        "w": jnp.arange(3.0) + rank,
+        "act": jax.nn.relu,
+        "p": 0.5 + rank,
+        "n": 10 + rank,
+        "flag": rank == 1,
+        "np32": np.float32(rank + 0.25),
+        "name": "mlp",
+    }
+
+
+def refused(jnp):
+    import jax
+
+    return {"w": jnp.ones(2), "spec": jax.ShapeDtypeStruct((2,), jnp.float32)}
 
 
 def main():
@@ -73,6 +100,31 @@ def main():
             for k in tree
         ),
     )
+    try:
+        got = jaxsync.broadcast_params(mixed(jnp, np, rank), root=1, comm=comm)
+        res.add(
+            "mixed",
+            {
+                k: (type(v).__name__, np.asarray(v) if k in ("w", "np32") else v)
+                for k, v in got.items()
+                if k != "act"
+            }
+            | {"act_is_relu": got["act"] is jax.nn.relu},
+        )
+    except Exception as e:  # recorded: the test names it
+        res.add("mixed", f"{type(e).__name__}: {e}")
+    try:
+        jaxsync.broadcast_params(refused(jnp), root=1, comm=comm)
+        res.add("refused", "no error")
+    except TypeError as e:
+        res.add("refused", str(e))
+    import warnings
+
+    for name, c in (("warnings_world", comm), ("warnings_self", MPI.COMM_SELF)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            jaxsync.hierarchical_mean(None, c, overlap=True, double_buffering=True)
+        res.add(name, [str(w.message) for w in seen])
     res.write()
 
 
