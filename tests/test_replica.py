@@ -202,5 +202,29 @@ def test_bad_arguments_name_what_to_do():
         jaxsync.replica_mean(jnp.ones(2), "i")  # type: ignore[misc]
 
 
+@pytest.mark.parametrize(
+    "leaf, got", [(jax.nn.relu, "custom_jvp relu"), (jnp.tanh, "PjitFunction tanh"), (0.5, "float")]
+)
+def test_a_leaf_that_is_not_an_array_names_it_and_the_filter(leaf, got):
+    """A function leaf (an equinox model's) is not "cast it" material (issue 32)."""
+    f = jax.vmap(
+        lambda m: jaxsync.replica_mean({"mean": m, "act": leaf}, axis_name="i", comm=None),
+        axis_name="i",
+    )
+    with pytest.raises(TypeError) as e:
+        f(jnp.arange(4.0))
+    msg = str(e.value)
+    assert msg.startswith("replica_mean got unexpected type for the leaf ['act']"), msg
+    assert f"got: {got}" in msg and "not an array" in msg, msg
+    assert "eqx.filter(tree, eqx.is_array)" in msg and "astype" not in msg, msg
+    # The fix: the arrays only (eqx.filter leaves None where a leaf was not one).
+    g = jax.vmap(
+        lambda m: jaxsync.replica_mean({"mean": m, "act": None}, axis_name="i", comm=None),
+        axis_name="i",
+    )
+    out = g(jnp.arange(4.0))
+    assert out["act"] is None and (bits(out["mean"]) == bits(jnp.full(4, 1.5))).all()
+
+
 def test_public():
     assert "replica_mean" in jaxsync.__all__

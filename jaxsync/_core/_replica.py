@@ -80,8 +80,10 @@ def replica_mean(tree: PyTree, *, axis_name: AxisName, comm: Comm = AUTO) -> PyT
 
     Raises:
       TypeError: a leaf is not floating (an integer count: cast it, e.g.
-        ``count.astype(jnp.float32)``, or sum it with ``jax.lax.psum``), or an
-        argument has the wrong type.
+        ``count.astype(jnp.float32)``, or sum it with ``jax.lax.psum``), a leaf
+        is not an array (a function of an equinox model: pass the arrays only,
+        e.g. ``eqx.filter(tree, eqx.is_array)``), or an argument has the wrong
+        type.
       NameError: ``axis_name`` is not bound where it is traced.
 
     Example:
@@ -131,12 +133,22 @@ def replica_mean(tree: PyTree, *, axis_name: AxisName, comm: Comm = AUTO) -> PyT
 
 def _check_leaves(fn: str, tree) -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        where = jax.tree_util.keystr(path) or "tree"
         dt = getattr(leaf, "dtype", None)
-        if dt is None or str(jnp.dtype(dt)) not in _FLOATS:
-            got = f"{type(leaf).__name__} of dtype {dt}" if dt is not None else type(leaf).__name__
+        if dt is None:  # not an array: a function (an equinox model's), a Python number
+            name = getattr(leaf, "__name__", None)
+            got = type(leaf).__name__ + (f" {name}" if isinstance(name, str) else "")
             raise TypeError(
-                f"{fn} got unexpected type for the leaf {jax.tree_util.keystr(path) or 'tree'} "
-                f"(expected: a floating array, one of {_FLOATS}, got: {got}). Fix: cast it "
-                "(e.g. count.astype(jnp.float32)) to average it, or sum integer counts "
-                "with jax.lax.psum."
+                f"{fn} got unexpected type for the leaf {where} (expected: a floating "
+                f"array, one of {_FLOATS}, got: {got}, which is not an array). Fix: pass "
+                "the arrays only, e.g. eqx.filter(tree, eqx.is_array) with equinox (its "
+                "None leaves are left out; eqx.combine puts the rest back), or a tree of "
+                "just the statistics to average."
+            )
+        if str(jnp.dtype(dt)) not in _FLOATS:
+            raise TypeError(
+                f"{fn} got unexpected type for the leaf {where} (expected: a floating "
+                f"array, one of {_FLOATS}, got: {type(leaf).__name__} of dtype {dt}). Fix: "
+                "cast it (e.g. count.astype(jnp.float32)) to average it, or sum integer "
+                "counts with jax.lax.psum."
             )
