@@ -12,8 +12,10 @@ written by ``_run``), inside ``unshare --user --map-root-user --net --mount --pi
    proxy in that host's namespace with a hostname of its own; MPI between hosts
    over UCX's TCP transport only (its shared-memory ones would bypass the links),
    between the processes of one host over MPICH's shared memory;
-4. the faults on their timers, the time limit, and at the end every process of
-   the namespaces is killed (PID 1 may signal them all) and the network removed.
+4. the faults on their timers (seconds after the launch, or after a marker that a
+   rank writes into ``$JAXSYNC_CLUSTER_MARKS`` with ``jaxsync.cluster.mark``), the
+   time limit, and at the end every process of the namespaces is killed (PID 1
+   may signal them all) and the network removed.
 
 Nothing here is imported by jaxsync; it runs only inside those namespaces.
 """
@@ -29,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from ._spec import SUBNET, Spec, parse_rate
+from ._spec import MARKS_ENV, SUBNET, LinkDown, Spec, parse_rate, read_mark
 
 BRIDGE = "br0"
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -128,9 +130,10 @@ def write_ssh(spec: Spec, path: Path) -> None:
     path.chmod(0o755)
 
 
-def rank_env(spec: Spec, t0: float, exits: Path) -> dict:
+def rank_env(spec: Spec, t0: float, exits: Path, marks: Path) -> dict:
     env = dict(os.environ)
     env["JAXSYNC_CLUSTER_EXITS"] = str(exits)
+    env[MARKS_ENV] = str(marks)
     env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the output as they are printed
     env["UCX_TLS"] = "tcp,self"
     env["UCX_NET_DEVICES"] = "eth0"
@@ -165,23 +168,56 @@ def mpirun_cmd(spec: Spec, mpirun: str, ssh: Path, command: list[str]) -> list[s
     ]
 
 
-def schedule_faults(spec: Spec, t0: float, stop: threading.Event) -> list[threading.Thread]:
+MARK_POLL_S = 0.05
+"""How often a fault that waits for a marker looks for it (the marker's own time,
+written by the rank, is what the fault counts from)."""
+
+
+def fault_time(f: LinkDown, t0: float, marks: Path, stop: threading.Event) -> float | None:
+    """When fault ``f`` is due (seconds since the epoch): ``at`` after the launch, or
+    after the first :func:`~jaxsync.cluster.mark` of ``f.after``; None once ``stop``
+    is set first (the run ended, e.g. a marker that never came)."""
+    if f.after is None:
+        return t0 + f.at
+    while not stop.is_set():
+        marked = read_mark(marks, f.after)
+        if marked is not None:
+            return marked[0] + f.at
+        stop.wait(MARK_POLL_S)
+    return None
+
+
+def schedule_faults(
+    spec: Spec, t0: float, marks: Path, stop: threading.Event
+) -> list[threading.Thread]:
     def one(f):
         port = f"sw{f.host}"
-        if stop.wait(max(0.0, t0 + f.at - time.time())):
+        due = fault_time(f, t0, marks, stop)
+        if due is None or stop.wait(max(0.0, due - time.time())):
             return
         subprocess.run(["ip", "link", "set", port, "down"], capture_output=True)
         how = "for good" if f.duration is None else f"for {f.duration:g} s"
-        log(f"t={time.time() - t0:.1f} s: host{f.host}'s link down {how}")
+        since = "" if f.after is None else f" ({f.at:g} s after marker {f.after!r})"
+        log(f"t={time.time() - t0:.2f} s: host{f.host}'s link down {how}{since}")
         if f.duration is None or stop.wait(f.duration):
             return
         subprocess.run(["ip", "link", "set", port, "up"], capture_output=True)
-        log(f"t={time.time() - t0:.1f} s: host{f.host}'s link up")
+        log(f"t={time.time() - t0:.2f} s: host{f.host}'s link up")
 
     threads = [threading.Thread(target=one, args=(f,), daemon=True) for f in spec.faults]
     for t in threads:
         t.start()
     return threads
+
+
+def unmarked(spec: Spec, marks: Path) -> list[str]:
+    """What to say of each fault whose marker never came (it never fired)."""
+    return [
+        f"the fault on host{f.host}'s link after marker {f.after!r} never fired: no rank "
+        f"called jaxsync.cluster.mark({f.after!r})"
+        for f in spec.faults
+        if f.after is not None and read_mark(marks, f.after) is None
+    ]
 
 
 FAILED_GRACE_S = 3.0
@@ -260,6 +296,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     stop = threading.Event()
+    marks: Path | None = None
     try:
         try:
             build(spec, work)
@@ -276,11 +313,13 @@ def main(argv: list[str]) -> int:
         )
         exits = work / "exits"
         exits.mkdir()
+        marks = work / "marks"
+        marks.mkdir()
         t0 = time.time()
-        schedule_faults(spec, t0, stop)
+        schedule_faults(spec, t0, marks, stop)
         proc = subprocess.Popen(
             mpirun_cmd(spec, job["mpirun"], ssh, job["command"]),
-            env=rank_env(spec, t0, exits),
+            env=rank_env(spec, t0, exits, marks),
             cwd=job["cwd"],
             stdin=subprocess.DEVNULL,
             start_new_session=True,
@@ -297,6 +336,8 @@ def main(argv: list[str]) -> int:
         return rc
     finally:
         stop.set()
+        for line in unmarked(spec, marks) if marks is not None else ():
+            log(line)
         # PID 1 of this PID namespace: kill(-1) reaches every other process in it
         # (ranks, proxies, the launcher), so nothing outlives the cluster.
         try:

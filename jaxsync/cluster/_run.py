@@ -159,7 +159,9 @@ def run(
     ``h``), MPI between hosts over TCP on the shaped links and between the
     processes of one host over shared memory, so ``jaxsync.topology()`` sees
     ``hosts`` hosts. The ranks also get ``$JAXSYNC_CLUSTER`` (the cluster as
-    JSON) and ``$JAXSYNC_CLUSTER_T0`` (the launch time, the faults' clock).
+    JSON), ``$JAXSYNC_CLUSTER_T0`` (the launch time, the clock of faults at a
+    time) and ``$JAXSYNC_CLUSTER_MARKS`` (the folder :func:`mark` writes to, for
+    faults that follow a marker).
     Everything it made is gone when it returns, on success, failure, time-out
     or Ctrl-C.
 
@@ -171,8 +173,9 @@ def run(
       devices: fake CPU devices per process (``--xla_force_host_platform_device_count``
         in ``XLA_FLAGS``); None leaves ``XLA_FLAGS`` as it is.
       slow: ``{host: rate}`` for hosts whose link is slower (or faster) than ``link``.
-      link_down: faults: :class:`LinkDown` entries (a host's link down at a time,
-        for a while or for good).
+      link_down: faults: :class:`LinkDown` entries (a host's link down at a time
+        after the launch or after a marker, for a while or for good). A fault
+        whose marker never comes never fires; ``timeout`` still ends the run.
       timeout: seconds after which the program is stopped (exit status 124).
       cwd: the ranks' working directory (default: this one).
       env: the ranks' environment (default: this process's), to which the cluster

@@ -1,14 +1,20 @@
 """What an emulated cluster is: hosts, processes per host, links, faults.
 
 Plain data, validated when it is made (the factory's rule): a bad rate or a fault
-on a host that does not exist fails before anything is built.
+on a host that does not exist fails before anything is built. Also the markers a
+program sets (:func:`mark`) for faults that follow its progress.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
+import os
 import re
+import threading
+import time
+from pathlib import Path
 
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?bit)\s*$", re.IGNORECASE)
@@ -42,55 +48,190 @@ def parse_rate(rate: str, *, argument: str = "link") -> float:
     return value
 
 
-@dataclasses.dataclass(frozen=True)
+MARKS_ENV = "JAXSYNC_CLUSTER_MARKS"
+"""The environment variable that gives the ranks the folder :func:`mark` writes to."""
+
+_MARKER = re.compile(r"^[A-Za-z][A-Za-z0-9._-]{0,63}$")
+_MARKER_RULE = "a letter, then up to 63 letters, digits, '.', '_' or '-'"
+
+
+def _check_marker(name: object, argument: str) -> str:
+    if not isinstance(name, str) or not _MARKER.match(name):
+        raise ValueError(
+            f"jaxsync.{argument} must be a marker name ({_MARKER_RULE}), got {name!r}. "
+            "Fix: a name such as 'step-3' (f'step-{i}'), the same in the program's "
+            "jaxsync.cluster.mark(...) and in LinkDown(after=...)."
+        )
+    return name
+
+
+def _seconds(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def mark(name: str) -> bool:
+    """Tell the emulated cluster that the program has reached ``name``.
+
+    A fault with ``after=name`` (:class:`LinkDown`) counts its ``at`` from the
+    first call, on any rank, so that it falls where the program is (e.g. before
+    its third step) however long the start-up took. Later calls with the same
+    name change nothing. The marker is a file in the folder
+    ``$JAXSYNC_CLUSTER_MARKS`` that the cluster gives its ranks; outside a
+    cluster run there is no such folder and nothing is done, so a training
+    script may keep its calls.
+
+    Args:
+      name: the marker: a letter, then up to 63 letters, digits, ``.``, ``_``
+        or ``-`` (e.g. ``"step-3"``).
+
+    Returns:
+      True inside a cluster run (the marker is there), False outside one.
+
+    Raises:
+      ValueError: ``name`` is not a marker name (also outside a cluster run).
+
+    Example:
+      >>> import jaxsync.cluster
+      >>> for step in range(3):
+      ...     _ = jaxsync.cluster.mark(f"step-{step}")  # ... then the step
+      >>> jaxsync.cluster.mark("step-3")  # outside a cluster run: nothing to do
+      False
+    """
+    _check_marker(name, "cluster.mark: name")
+    folder = os.environ.get(MARKS_ENV)
+    if not folder:
+        return False
+    path = os.path.join(folder, name)
+    if os.path.exists(path):
+        return True
+    # Whole or not at all, and the first call wins: the time is written to a file
+    # of this process's own, then linked to the marker's name (which fails if
+    # another rank got there first), so the supervisor never reads a partial time.
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}.{threading.get_ident()}")
+    with open(tmp, "w") as f:
+        f.write(f"{time.time()!r} {os.environ.get('PMI_RANK', '?')}\n")
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+    return True
+
+
+def read_mark(folder: Path, name: str) -> tuple[float, str] | None:
+    """When ``name`` was first marked (seconds since the epoch) and by which rank, or None."""
+    try:
+        when, rank = (folder / name).read_text().split()
+    except (OSError, ValueError):
+        return None
+    return float(when), rank
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
 class LinkDown:
-    """A fault: one host's link goes down ``at`` seconds after the program starts.
+    """A fault: one host's link goes down at a time, for a while or for good.
+
+    The time is ``at`` seconds after the launch, or, with ``after``, ``at``
+    seconds after the program's first :func:`mark` of that name (on any rank).
+    A marker follows the program: a fault ``after="step-3"`` falls before its
+    third step however long the start-up took on a busy machine, where a fault
+    ``at=10.0`` may come before the training even began. A marker that never
+    comes does not hang anything: the fault never fires (the cluster says so at
+    the end), and the run's own time limit (``timeout``) bounds the run.
 
     Attributes:
       host: the host's index (0 .. hosts-1).
-      at: seconds after the launch (the clock in ``$JAXSYNC_CLUSTER_T0``).
+      at: seconds after the launch (the clock in ``$JAXSYNC_CLUSTER_T0``), or
+        after the marker ``after``; >= 0 (default 0).
       duration: seconds until the link comes back; ``None``: down for good.
+      after: a marker name (see :func:`mark`), or ``None``: ``at`` counts from
+        the launch.
+
+    Raises:
+      ValueError: a bad field (named in the message).
 
     Example:
       >>> from jaxsync.cluster import LinkDown
-      >>> LinkDown(host=1, at=5.0, duration=2.0)
+      >>> LinkDown(host=1, at=5.0, duration=2.0)  # 5 s after the launch, for 2 s
       LinkDown(host=1, at=5.0, duration=2.0)
+      >>> LinkDown(host=1, after="step-3", duration=2.0)  # when a rank marks "step-3"
+      LinkDown(host=1, at=0.0, duration=2.0, after='step-3')
     """
 
     host: int
-    at: float
+    at: float = 0.0
     duration: float | None = None
+    after: str | None = None
 
     def __post_init__(self):
-        if not isinstance(self.host, int) or self.host < 0:
+        if not isinstance(self.host, int) or isinstance(self.host, bool) or self.host < 0:
             raise ValueError(
                 f"jaxsync.cluster: LinkDown.host must be a host index >= 0, got {self.host!r}."
             )
-        if not self.at >= 0:
-            raise ValueError(f"jaxsync.cluster: LinkDown.at must be seconds >= 0, got {self.at!r}.")
-        if self.duration is not None and not self.duration > 0:
+        since = "the launch" if self.after is None else f"the marker {self.after!r}"
+        if not (_seconds(self.at) and self.at >= 0):
+            raise ValueError(
+                f"jaxsync.cluster: LinkDown.at must be seconds >= 0 (after {since}), "
+                f"got {self.at!r}. Fix: e.g. at=0.0 (at once), at=2.5."
+            )
+        if self.duration is not None and not (_seconds(self.duration) and self.duration > 0):
             raise ValueError(
                 "jaxsync.cluster: LinkDown.duration must be seconds > 0, or None for a link "
-                f"down for good, got {self.duration!r}."
+                f"down for good, got {self.duration!r}. Fix: e.g. duration=2.0, or leave it out."
             )
+        if self.after is not None:
+            _check_marker(self.after, "cluster: LinkDown.after")
+        object.__setattr__(self, "at", float(self.at))
+        if self.duration is not None:
+            object.__setattr__(self, "duration", float(self.duration))
+
+    def __repr__(self) -> str:
+        after = "" if self.after is None else f", after={self.after!r}"
+        return f"LinkDown(host={self.host}, at={self.at!r}, duration={self.duration!r}{after})"
 
     @classmethod
     def parse(cls, text: str) -> LinkDown:
-        """``"H@T"`` (down for good) or ``"H@T+D"`` (down for D seconds), as the CLI takes it.
+        """``HOST@WHEN`` (down for good) or ``HOST@WHEN+D`` (for D seconds), as the CLI takes it.
+
+        ``WHEN`` is ``T`` (seconds after the launch), ``MARKER`` (when the program
+        first marks it, see :func:`mark`) or ``MARKER:T`` (T seconds after that).
+
+        Raises:
+          ValueError: not one of these forms (the message gives examples).
 
         Example:
           >>> from jaxsync.cluster import LinkDown
           >>> LinkDown.parse("1@5+2"), LinkDown.parse("0@3")
           (LinkDown(host=1, at=5.0, duration=2.0), LinkDown(host=0, at=3.0, duration=None))
+          >>> LinkDown.parse("1@step-3+2")  # when a rank marks "step-3", for 2 s
+          LinkDown(host=1, at=0.0, duration=2.0, after='step-3')
+          >>> LinkDown.parse("1@step-3:0.5")  # 0.5 s after it, for good
+          LinkDown(host=1, at=0.5, duration=None, after='step-3')
         """
-        m = re.match(r"^\s*(\d+)\s*@\s*(\d+(?:\.\d+)?)\s*(?:\+\s*(\d+(?:\.\d+)?))?\s*$", text)
+        m = _LINK_DOWN.match(str(text))
         if not m:
             raise ValueError(
-                f"jaxsync.cluster: --link-down must be HOST@SECONDS (down for good) or "
-                f"HOST@SECONDS+DURATION, e.g. '1@5+2', got {text!r}."
+                "jaxsync.cluster: --link-down must be HOST@SECONDS (after the launch), "
+                "HOST@MARKER (when a rank calls jaxsync.cluster.mark(MARKER)) or "
+                "HOST@MARKER:SECONDS (that many seconds after it), each down for good or "
+                "with +DURATION, e.g. '1@5+2' or '1@step-3+2' (a marker begins with a "
+                f"letter), got {text!r}."
             )
-        d = m.group(3)
-        return cls(int(m.group(1)), float(m.group(2)), None if d is None else float(d))
+        host, marker, since, at, d = m.group("host", "marker", "since", "at", "d")
+        return cls(
+            host=int(host),
+            at=float(at if marker is None else since or 0.0),
+            duration=None if d is None else float(d),
+            after=marker,
+        )
+
+
+_NUM = r"\d+(?:\.\d+)?"
+_LINK_DOWN = re.compile(
+    rf"^\s*(?P<host>\d+)\s*@\s*(?:(?P<marker>[A-Za-z][A-Za-z0-9._-]*)(?:\s*:\s*(?P<since>{_NUM}))?"
+    rf"|(?P<at>{_NUM}))\s*(?:\+\s*(?P<d>{_NUM}))?\s*$"
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,8 @@ Example:
   ...                "--", "python", "train.py"])
   >>> a.hosts, a.procs_per_host, a.link, a.link_down, a.command
   (2, 2, '1gbit', [LinkDown(host=1, at=5.0, duration=2.0)], ['python', 'train.py'])
+  >>> cli.parse(["--link-down", "1@step-3+2", "--", "python", "train.py"]).link_down
+  [LinkDown(host=1, at=0.0, duration=2.0, after='step-3')]
 """
 
 from __future__ import annotations
@@ -70,9 +72,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
         type=_link_down,
         action="append",
         default=[],
-        metavar="HOST@T[+D]",
-        help="fault: HOST's link goes down T seconds after launch, for D seconds "
-        "(without +D: for good); repeatable",
+        metavar="HOST@WHEN[+D]",
+        help="fault: HOST's link goes down at WHEN for D seconds (without +D: for good); "
+        "WHEN is T (seconds after the launch), MARKER (when a rank first calls "
+        "jaxsync.cluster.mark(MARKER); a marker that never comes never fires) or MARKER:T "
+        "(T seconds after it), e.g. 1@20+2, 1@step-3+2; repeatable",
     )
     p.add_argument(
         "--timeout",

@@ -70,6 +70,136 @@ def test_arguments_are_checked_before_anything_is_built():
         jc.LinkDown.parse("1 at 5")
     with pytest.raises(ValueError, match="duration must be seconds > 0"):
         jc.LinkDown(host=0, at=1.0, duration=0.0)
+    with pytest.raises(ValueError, match="link_down names host 2, but the cluster has hosts 0..1"):
+        jc.run(["true"], hosts=2, link_down=[jc.LinkDown(host=2, after="step-3")])
+
+
+def test_a_link_down_is_checked_when_it_is_made():
+    from jaxsync.cluster import LinkDown
+
+    for bad in ("step 3", "3", "", "-go", "step+3", "a:b", "a" * 65, 3):
+        with pytest.raises(
+            ValueError, match=r"LinkDown\.after must be a marker name \(a letter, then.*got "
+        ) as e:
+            LinkDown(host=1, after=bad)
+        assert repr(bad) in str(e.value) and "Fix: a name such as 'step-3'" in str(e.value)
+    with pytest.raises(
+        ValueError, match=r"at must be seconds >= 0 \(after the marker 'go'\), got -1"
+    ):
+        LinkDown(host=1, after="go", at=-1)
+    with pytest.raises(ValueError, match=r"at must be seconds >= 0 \(after the launch\), got '5'"):
+        LinkDown(host=1, at="5")
+    with pytest.raises(ValueError, match=r"duration must be seconds > 0.*got -2.*Fix"):
+        LinkDown(host=1, after="go", duration=-2)
+    with pytest.raises(ValueError, match="host must be a host index >= 0, got True"):
+        LinkDown(host=True, after="go")
+    # The absolute form as before (positional too); numbers become seconds as floats.
+    assert LinkDown(1, 20, 2) == LinkDown(host=1, at=20.0, duration=2.0, after=None)
+    assert repr(LinkDown(1, 20, 2)) == "LinkDown(host=1, at=20.0, duration=2.0)"
+    f = LinkDown(host=1, after="epoch-2.step_3")
+    assert (f.at, f.duration) == (0.0, None)
+    assert repr(f) == "LinkDown(host=1, at=0.0, duration=None, after='epoch-2.step_3')"
+
+
+def test_link_down_parses_the_command_line_forms(capsys):
+    from jaxsync.cluster import LinkDown, cli
+
+    forms = {
+        "1@5+2": LinkDown(1, at=5.0, duration=2.0),
+        "0@3": LinkDown(0, at=3.0),
+        "1@step-3": LinkDown(1, after="step-3"),
+        "1@step-3+2": LinkDown(1, after="step-3", duration=2.0),
+        "1@step-3:0.5": LinkDown(1, after="step-3", at=0.5),
+        " 2 @ go : 1.5 + 3 ": LinkDown(2, after="go", at=1.5, duration=3.0),
+        "1@e5+2": LinkDown(1, after="e5", duration=2.0),  # a letter first: a marker
+    }
+    for text, want in forms.items():
+        assert LinkDown.parse(text) == want, text
+    for bad in ("1 at 5", "1@", "@go", "x@go", "1@go+", "1@go:+2", "1@go:1:2", "1@-go", "1@go 3"):
+        with pytest.raises(ValueError, match=r"--link-down must be HOST@SECONDS.*HOST@MARKER"):
+            LinkDown.parse(bad)
+    with pytest.raises(ValueError, match="LinkDown.after must be a marker name"):
+        LinkDown.parse("1@" + "a" * 65)
+    args = cli.parse(["--link-down", "1@step-3:1+2", "--link-down", "0@7", "--", "python"])
+    assert args.link_down == [LinkDown(1, after="step-3", at=1.0, duration=2.0), LinkDown(0, 7.0)]
+    with pytest.raises(SystemExit):
+        cli.parse(["--link-down", "1@step 3", "--", "python"])
+    assert "--link-down must be HOST@SECONDS" in capsys.readouterr().err
+
+
+def test_the_spec_carries_a_marker_to_the_supervisor():
+    from jaxsync.cluster import LinkDown
+    from jaxsync.cluster._spec import Spec
+
+    faults = (LinkDown(1, after="step-3", at=0.5, duration=2.0), LinkDown(0, at=4.0))
+    spec = Spec(hosts=2, procs_per_host=1, link="1gbit", faults=faults)
+    assert Spec.from_json(spec.to_json()) == spec
+
+
+def test_a_fault_counts_from_the_first_mark_and_waits_for_it(tmp_path, monkeypatch):
+    import threading
+
+    import jaxsync.cluster as jc
+    from jaxsync.cluster import _inside
+    from jaxsync.cluster._spec import Spec, read_mark
+
+    monkeypatch.delenv("JAXSYNC_CLUSTER_MARKS", raising=False)
+    assert jc.mark("go") is False  # outside a cluster run: nothing to do
+    with pytest.raises(ValueError, match=r"jaxsync\.cluster\.mark: name must be a marker name"):
+        jc.mark("step 3")  # checked outside a run too
+    monkeypatch.setenv("JAXSYNC_CLUSTER_MARKS", str(tmp_path))
+    monkeypatch.setenv("PMI_RANK", "1")
+    before = time.time()
+    assert jc.mark("go") is True
+    first = read_mark(tmp_path, "go")
+    assert first is not None and first[1] == "1" and before <= first[0] <= time.time()
+    monkeypatch.setenv("PMI_RANK", "0")
+    assert jc.mark("go") is True
+    assert read_mark(tmp_path, "go") == first  # the first call counts, on any rank
+    assert [p.name for p in tmp_path.iterdir()] == ["go"]  # nothing else left there
+    stop = threading.Event()
+    after = jc.LinkDown(host=1, after="go", at=1.5, duration=2.0)
+    assert _inside.fault_time(after, 100.0, tmp_path, stop) == first[0] + 1.5
+    assert _inside.fault_time(jc.LinkDown(host=1, at=4.0), 100.0, tmp_path, stop) == 104.0
+    # A marker that never comes: the fault waits until the run ends, then never fires.
+    never = jc.LinkDown(host=0, after="never")
+    due: list[float | None] = []
+    waiter = threading.Thread(
+        target=lambda: due.append(_inside.fault_time(never, 0, tmp_path, stop))
+    )
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and due == []  # still waiting: no marker, no time
+    stop.set()  # the run ends
+    waiter.join(10)
+    assert due == [None]
+    spec = Spec(hosts=2, procs_per_host=1, link="1gbit", faults=(after, never))
+    assert _inside.unmarked(spec, tmp_path) == [
+        "the fault on host0's link after marker 'never' never fired: no rank called "
+        "jaxsync.cluster.mark('never')"
+    ]
+
+
+def test_a_fault_after_a_marker_follows_the_program_not_the_clock(cluster):
+    """The program reaches its marker later than the fault's ``at`` (a slow
+    start-up, as on a busy machine): the link still goes down ``at`` after the
+    marker, while the program watches it (counted from the launch, it would have
+    been down and up again before). A marker that never comes: that fault never
+    fires and the run ends as it would without it."""
+    go = cluster.LinkDown(host=1, after="go", at=1.0, duration=1.0)
+    never = cluster.LinkDown(host=0, after="never", duration=1.0)
+    cmd = [PY, HERE / "worker_mark.py", "--rank", "1", "--delay", "3", "--marker", "go"]
+    r = cluster.run(cmd, hosts=2, link_down=[go, never], env=worker_env(), timeout=120)
+    assert r.returncode == 0 and not r.timed_out, r.output
+    (line,) = [ln for ln in r.output.splitlines() if ln.startswith("[host1 r1] {")]
+    d = json.loads(line.split("] ", 1)[1])
+    assert d["marked"] > go.at + go.duration, d  # the premise: a fault at 1 s would be over
+    assert d["up_at_mark"], d
+    assert d["down"] is not None and d["down"] >= d["marked"] + go.at, d
+    assert d["up"] is not None and d["up"] > d["down"], d
+    assert "host1's link down for 1 s (1 s after marker 'go')" in r.output, r.output
+    assert "host0's link down" not in r.output, r.output
+    assert "the fault on host0's link after marker 'never' never fired" in r.output, r.output
 
 
 def test_hosts_ranks_topology_and_exit_status(cluster, tmp_path):
