@@ -2,13 +2,17 @@
 
 ``optax.chain(jaxsync.hierarchical_mean(axis_name="d"), optax.sgd(0.1))`` in
 ``jit(shard_map)``, every replica on its own rows of one fixed batch, ``--steps``
-steps with ``--pause`` seconds between them. After start-up every rank waits
-until ``--start`` seconds after the cluster's launch (``$JAXSYNC_CLUSTER_T0``),
-so that a fault scheduled a little later falls inside the training. Writes
+steps with ``--pause`` seconds between them. Before step ``i`` every rank calls
+``jaxsync.cluster.mark(f"step-{i}")``, so a fault ``LinkDown(after="step-3")``
+falls in the training however long the start-up took. With ``--fault-host H
+--fault-step S``, the ranks of host H wait (at most ``--fault-wait`` seconds)
+before step S until their link is down, so that step meets the fault even when
+the machine is too busy for the cluster to act at once. Writes
 ``OUT/rank{R}.pkl``: the final parameters, when the training started and ended
-on the cluster's clock, and the longest step. ``--timeout``/``--on-timeout`` go
-to the factory; ``--stall-rank R`` makes rank R stop calling (sleep in Python)
-before step ``--stall-at``.
+on the cluster's clock (``$JAXSYNC_CLUSTER_T0``), and the longest step.
+``--timeout``/``--on-timeout`` go to the factory; ``--stall-rank R`` makes rank
+R stop calling (sleep in Python) before step ``--stall-at``, printing when on
+the cluster's clock.
 """
 
 import os
@@ -22,7 +26,9 @@ def main():
         [
             (("--steps",), dict(type=int, default=12)),
             (("--pause",), dict(type=float, default=0.3)),
-            (("--start",), dict(type=float, default=0.0)),
+            (("--fault-host",), dict(type=int, default=-1)),
+            (("--fault-step",), dict(type=int, default=-1)),
+            (("--fault-wait",), dict(type=float, default=60.0)),
             (("--timeout",), dict(type=float, default=None)),
             (("--on-timeout",), dict(default=None)),
             (("--stall-rank",), dict(type=int, default=-1)),
@@ -36,6 +42,7 @@ def main():
     from jax.sharding import PartitionSpec as P
 
     import jaxsync
+    import jaxsync.cluster
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -81,12 +88,16 @@ def main():
     rep, opt = jax.block_until_ready(step(rep, opt, xs, ys))  # compile and first step
     comm.Barrier()
     t0 = float(os.environ.get("JAXSYNC_CLUSTER_T0", time.time()))
-    time.sleep(max(0.0, t0 + ns.start - time.time()))
+    on_fault_host = os.environ.get("JAXSYNC_CLUSTER_HOST") == str(ns.fault_host)
     began = time.time() - t0
     longest = 0.0
     for i in range(ns.steps):
+        jaxsync.cluster.mark(f"step-{i}")
+        if on_fault_host and i == ns.fault_step:
+            await_link_down(ns.fault_wait)
         if rank == ns.stall_rank and i == ns.stall_at:
-            print(f"rank {rank} stalls (in Python) before step {i}", flush=True)
+            at = time.time() - t0
+            print(f"rank {rank} stalls (in Python) before step {i} at t={at:.2f} s", flush=True)
             time.sleep(3600)
         t = time.perf_counter()
         rep, opt = jax.block_until_ready(step(rep, opt, xs, ys))
@@ -97,6 +108,17 @@ def main():
     res.add("ended", time.time() - t0)
     res.add("longest_step", longest)
     res.write()
+
+
+def await_link_down(limit):
+    """Wait until this host's link is down (its carrier, in the host's namespace)."""
+    deadline = time.time() + limit
+    while time.time() < deadline:
+        with open("/sys/class/net/eth0/carrier") as f:
+            if f.read().strip() == "0":
+                return
+        time.sleep(0.01)
+    raise SystemExit(f"the link stayed up {limit:g} s after the fault's marker")
 
 
 if __name__ == "__main__":
