@@ -11,10 +11,7 @@ nothing here traces.
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
-import types
-import warnings
 from typing import TYPE_CHECKING, Any, Final, Literal, Union
 
 import jax.numpy as jnp
@@ -25,7 +22,7 @@ from jaxsync._comm import _axis_backend, _mpi_backend
 from jaxsync._comm._topology import default_comm
 
 from . import _plugins, _strategies
-from ._overlap import OVERLAP_BUCKET_BYTES
+from ._overlap import OVERLAP_BUCKET_BYTES, warn_no_inter_stage
 from ._plan import DEFAULT_BUCKET_BYTES, DEFAULT_PACK_THRESHOLD, REDUCED_DTYPES, _check_bytes
 
 # flat packs every leaf: its default buckets stay below glibc's largest mmap
@@ -352,7 +349,7 @@ def make_config(
     else:
         backend = _make_backend(fn, comm, staging, timeout, on_timeout)
     if (overlap or double_buffering) and isinstance(backend, _axis_backend.LocalBackend):
-        _warn_no_inter_stage(fn, comm, overlap, double_buffering)
+        warn_no_inter_stage(fn, comm, overlap, double_buffering)
     return SyncConfig(
         strategy,
         axes,
@@ -401,55 +398,3 @@ def _check_overlap(fn, overlap, overlap_bucket_bytes, double_buffering) -> int:
             "overlap_bucket_bytes."
         )
     return int(overlap_bucket_bytes)
-
-
-# docs/strategies.md's digits run (jaxsync.bench.digits: 4 replicas, Adam), 50 steps:
-# test accuracy with double buffering against without it.
-DOUBLE_BUFFERING_ACCURACY = "50 steps of digits reached 0.883 test accuracy, 0.900 without it"
-
-
-def _warn_no_inter_stage(fn, comm, overlap, double_buffering) -> None:
-    """One ``UserWarning`` per factory call: ``overlap`` / ``double_buffering``
-    without an inter-process stage hide no communication (the local axes' sums
-    are XLA collectives of the step itself); double buffering still delays."""
-    if comm is None:
-        where = "comm=None: one process"
-    elif isinstance(comm, str):
-        where = f"comm={comm!r} found no MPI launch of several processes"
-    else:
-        where = "the communicator holds one process"
-    parts = []
-    if overlap:
-        parts.append(
-            "overlap=True overlaps the inter-process sums with the backward, and there "
-            "are none here: it brings nothing (the local sums are split into buckets)"
-        )
-    if double_buffering:
-        parts.append(
-            "double_buffering=True hides the inter-process sums behind the next step, "
-            "and there are none here to hide, yet every update still applies the last "
-            "step's gradients: a step of staleness, which costs accuracy on a short run "
-            f"({DOUBLE_BUFFERING_ACCURACY}; see docs/strategies.md)"
-        )
-    names = " and ".join(
-        name for name, on in (("overlap", overlap), ("double_buffering", double_buffering)) if on
-    )
-    warnings.warn(
-        f"{fn}: no inter-process stage ({where}). {'; '.join(parts)}. Fix: drop {names}, "
-        f"or turn {'them' if overlap and double_buffering else 'it'} on where the sync "
-        "crosses processes (an MPI communicator of several "
-        "processes, or jaxsync.AxisComm).",
-        UserWarning,
-        stacklevel=_outside_jaxsync(),
-    )
-
-
-def _outside_jaxsync() -> int:
-    """The ``stacklevel`` of the first caller outside the jaxsync package (the
-    line that called the factory), seen from the function that warns."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    frame: types.FrameType | None = sys._getframe(2)
-    level = 2
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
