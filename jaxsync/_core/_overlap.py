@@ -257,7 +257,7 @@ def warn_no_inter_stage(fn, comm, overlap, double_buffering) -> None:
     if overlap:
         parts.append(
             "overlap=True overlaps the inter-process sums with the backward, and there "
-            "are none here: it brings nothing (the local sums are split into buckets)"
+            "are none here: it brings nothing and splits the local sums into more calls"
         )
     if double_buffering:
         parts.append(
@@ -272,8 +272,7 @@ def warn_no_inter_stage(fn, comm, overlap, double_buffering) -> None:
     warnings.warn(
         f"{fn}: no inter-process stage ({where}). {'; '.join(parts)}. Fix: drop {names}, "
         f"or turn {'them' if overlap and double_buffering else 'it'} on where the sync "
-        "crosses processes (an MPI communicator of several "
-        "processes, or jaxsync.AxisComm).",
+        "crosses processes (an MPI communicator of several processes, or jaxsync.AxisComm).",
         UserWarning,
         stacklevel=_outside_jaxsync(),
     )
