@@ -1,10 +1,12 @@
-"""``python -m jaxsync selftest`` under mpirun: passes on a sound launch, fails on
-every rank (non-zero exit) when the ranks disagree (here: their device counts)."""
+"""``python -m jaxsync selftest`` under mpirun: passes on a sound launch (every
+case, the compressed and asynchronous ones included), fails on every rank
+(non-zero exit) when the ranks disagree (here: their device counts) or when one
+case is wrong on one rank."""
 
 import os
 import sys
 
-from mpi_harness import MPIRUN, ROOT, requires_mpi, run_command
+from mpi_harness import MPIRUN, ROOT, requires_mpi, run_command, run_mpi
 
 pytestmark = requires_mpi
 
@@ -25,12 +27,46 @@ def _selftest(devices):
     return run_command(cmd, timeout=240, env=_env())
 
 
+CASES = [
+    f"{name}{option}"
+    for name in ("naive", "flat", "hierarchical", "two_dimensional")
+    for option in ("", " bf16", " host")
+] + [
+    "auto",
+    "hierarchical overlap",
+    "hierarchical double_buffering",
+    "flat overlap double_buffering",
+    "powersgd rank 2",
+    "sign",
+]
+
+
+def _rows(out: str) -> dict[str, tuple[str, str]]:
+    """The strategies table of rank 0's output: case -> (PASS or FAIL, detail)."""
+    rows: dict[str, tuple[str, str]] = {}
+    last = None
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.split("│")[1:-1]]
+        if len(cells) != 3:
+            continue
+        if cells[1] in ("PASS", "FAIL"):
+            last = cells[0]
+            rows[last] = (cells[1], cells[2])
+        elif last is not None and not cells[0] and not cells[1]:  # a wrapped detail
+            rows[last] = (rows[last][0], f"{rows[last][1]} {cells[2]}")
+    return rows
+
+
 def test_selftest_passes_on_two_processes():
     rc, out, timed_out = _selftest([2, 2])
     assert not timed_out and rc == 0, out[-3000:]
     assert "selftest passed" in out
-    for case in ("hierarchical bf16", "two_dimensional host", "flat", "naive"):
-        assert case in out, out[-3000:]
+    rows = _rows(out)
+    assert sorted(rows) == sorted(CASES), rows
+    for case in CASES:
+        assert rows[case][0] == "PASS", (case, rows[case])
+    assert rows["powersgd rank 2"][1].startswith("w within "), rows
+    assert rows["hierarchical double_buffering"][1].startswith("exact: step 1 zeros"), rows
     assert "processes of a host (MPI, shared memory)" in out
     assert "devices of a process (psum)" in out
 
@@ -41,3 +77,14 @@ def test_selftest_fails_when_the_ranks_disagree():
     assert rc != 0, out[-3000:]
     assert "processes drive different numbers of devices: [1, 2]" in out
     assert "selftest FAILED" in out
+
+
+def test_selftest_fails_on_every_rank_when_one_rank_is_wrong():
+    r = run_mpi("worker_selftest.py", n=2, devices=2, timeout=240)
+    assert not r.timed_out, r.describe()
+    assert [res and res["rc"] for res in r.results] == [1, 1], r.describe()
+    rows = _rows(r.output)
+    assert rows["sign"][0] == "FAIL", r.describe()
+    assert rows["sign"][1].startswith("rank 1: step 1 c: device 0 value 0 is"), rows["sign"]
+    assert all(ok == "PASS" for case, (ok, _) in rows.items() if case != "sign"), rows
+    assert "selftest FAILED" in r.output
