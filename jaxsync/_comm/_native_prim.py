@@ -23,7 +23,7 @@ effect escapes and multi-device ``shard_map`` and ``pmap`` accept it. One token
 chain runs through every inter-process call of a traced step (see
 ``_ordering.chain_token``), so every process issues its calls in the same order.
 
-Imports: jax and ``_mpi_load`` only.
+Imports: jax, ``_mpi_load`` and ``_ordering`` (to which it registers ``native_call``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from jax._src.interpreters import batching
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from ._mpi_load import _NATIVE_KINDS, require_native
+from . import _ordering
+from ._mpi_load import _NATIVE_KINDS, native_loaded, require_native
 
 # (token, comm, active, *xs) -> (token, *ys)
 
@@ -232,3 +233,6 @@ def native_call(
         poll=int(poll),
     )
     return token, ys
+
+
+_ordering.register_native(native_call, native_loaded)

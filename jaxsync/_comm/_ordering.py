@@ -13,11 +13,29 @@ same way (``chain_value``: the host-staging dependency byte, the agreement
 callbacks, the ``lax.cond`` tie), and ``_after`` ties two values by data where
 no token can pass (out of a ``lax.cond``).
 
-Imports: jax and ``_invariance`` only.
+Control flow. A synchronisation inside the body of ``lax.cond``, ``lax.switch``,
+``lax.scan``, ``lax.while_loop`` or ``lax.fori_loop`` (``optax.MultiSteps`` runs
+its inner update inside ``lax.cond``) is traced in a trace of its own, which
+would start a chain of its own: nothing would order its calls with those of the
+step around it, and ranks whose compiled programs differ (rank-dependent code)
+could issue them in different orders and wait for each other for ever. So the
+chain is threaded through: a body's first call continues the enclosing trace's
+chain (on the native path its token becomes a one-element buffer, which the
+body closes over, so it enters the control-flow operation as an operand), and
+the enclosing trace's next call waits for the control-flow operation itself (a
+no-op native call on one element of its outputs: every output of an XLA
+conditional or loop exists only once the whole operation has run). The token
+crosses as data because a token cannot cross ``lax.cond`` under ``shard_map``.
+Only the native target's chain (CPU, ``staging="device"``) is threaded: the
+mpi4jax chain (GPUs) and the host-staging chains inside control flow keep a
+chain of their own (see docs/sharp-bits.md).
+
+Imports: jax and ``_invariance`` only (``_native_prim`` registers the native call).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 
@@ -26,19 +44,25 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src import core as _core
+from jax._src import source_info_util
 from jax._src.interpreters import batching
+from jax._src.interpreters import partial_eval as _pe
 
 from ._invariance import _varying, _vma
 
 _chains = threading.local()
 
 
-def _owner():
-    """The trace that owns tokens made here (vmap's traces pass values up)."""
-    trace = _core.trace_ctx.trace
+def _strip(trace):
+    """``trace`` past any vmap traces (they pass values up to their parent)."""
     while isinstance(trace, batching.BatchTrace):
         trace = trace.parent_trace
     return trace
+
+
+def _owner():
+    """The trace that owns tokens made here (vmap's traces pass values up)."""
+    return _strip(_core.trace_ctx.trace)
 
 
 def _ancestors(trace):
@@ -49,15 +73,158 @@ def _ancestors(trace):
     return seen
 
 
-def _table(trace) -> weakref.WeakKeyDictionary:
+def _table(trace, prune: bool = True) -> weakref.WeakKeyDictionary:
     table = getattr(_chains, "table", None)
     if table is None:
         table = _chains.table = weakref.WeakKeyDictionary()
-    live = _ancestors(trace)
-    for t in list(table.keys()):
-        if not any(t is a for a in live):
-            del table[t]
+    if prune:
+        live = _ancestors(trace)
+        for t in list(table.keys()):
+            if not any(t is a for a in live):
+                del table[t]
     return table
+
+
+# The traces of control-flow bodies (DebugInfo.traced_for), whose calls join
+# the chain of the trace they are nested in.
+_BODIES = frozenset(("cond", "switch", "scan", "while_body", "while_cond", "fori_loop"))
+# The primitives that issue inter-process calls in a chain.
+_CALLS = frozenset(("jaxsync_native", "jaxsync_mpi"))
+_PENDING = "__pending_bodies"  # an entry's key: tracing_eqns index of the first body call
+
+
+def _enclosing(trace):
+    """The trace a control-flow body's ``trace`` is nested in, else ``None``."""
+    if not isinstance(trace, _pe.DynamicJaxprTrace):
+        return None
+    if getattr(trace.frame.debug_info, "traced_for", None) not in _BODIES:
+        return None
+    parent = _strip(trace.parent_trace)
+    return parent if isinstance(parent, _pe.DynamicJaxprTrace) else None
+
+
+# The native target's call and whether it is loaded, registered by
+# ``_native_prim`` when it is imported (it is before any native call is traced).
+_bridge: dict = {}
+
+
+def register_native(call, loaded) -> None:
+    """``call``: ``_native_prim.native_call``; ``loaded()``: the target is loaded."""
+    _bridge["call"], _bridge["loaded"] = call, loaded
+
+
+def _native() -> bool:
+    return "loaded" in _bridge and bool(_bridge["loaded"]())
+
+
+def _to_data(token):
+    """(token, one-element float32 buffer that exists once ``token`` does): a
+    native call with ``active=0`` (returns at once, no MPI)."""
+    token, (dep,) = _bridge["call"](
+        "allreduce", [jnp.zeros((1,), jnp.float32)], token, jnp.int32(0), jnp.int32(0), 1
+    )
+    return token, dep
+
+
+def _from_data(token, dep):
+    """``token``, after ``dep`` exists (a native call with ``active=0`` reads it)."""
+    token, _ = _bridge["call"]("allreduce", [dep], token, jnp.int32(0), jnp.int32(0), 1)
+    return token
+
+
+def _calls_inside(jaxprs) -> bool:
+    for jaxpr in jaxprs:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in _CALLS or _calls_inside(_core.jaxprs_in_params(eqn.params)):
+                return True
+    return False
+
+
+def _tainted(eqn) -> set[int]:
+    """The outputs of a recorded operation that depend on a call made inside it.
+
+    Only those order what comes after: XLA simplifies control flow (a loop of
+    one trip is unrolled, a branch on a constant inlined) and an output that
+    does not depend on the calls (a loop counter) may then be computed before
+    them. Every sub-jaxpr with as many outputs as ``eqn`` (a cond's branches, a
+    loop's body, a scan's body, a call's jaxpr) is followed through.
+    """
+    out: set[int] = set()
+    for jaxpr in _core.jaxprs_in_params(eqn.params):
+        if len(jaxpr.outvars) != len(eqn.outvars):
+            continue
+        marked: set = set()
+        for e in jaxpr.eqns:
+            if e.primitive.name in _CALLS:
+                marked.update(e.outvars)
+            elif any(isinstance(v, _core.Var) and v in marked for v in e.invars):
+                marked.update(e.outvars)
+            else:
+                inner = _tainted(e)
+                marked.update(v for k, v in enumerate(e.outvars) if k in inner)
+        out.update(
+            k for k, v in enumerate(jaxpr.outvars) if isinstance(v, _core.Var) and v in marked
+        )
+    return out
+
+
+def _join_bodies(trace, entry) -> None:
+    """The chain of ``trace`` waits for each control-flow operation recorded in it
+    since one of its bodies made a call (their outputs exist once they ran)."""
+    mark = entry.pop(_PENDING, None)
+    if mark is None or not _native():
+        return
+    deps = []
+    for ref in trace.frame.tracing_eqns[mark:]:
+        eqn = ref() if isinstance(ref, weakref.ReferenceType) else ref
+        if eqn is None or not _calls_inside(_core.jaxprs_in_params(eqn.params)):
+            continue
+        tainted = _tainted(eqn)
+        for k, var in enumerate(eqn.outvars):
+            shape = getattr(var.aval, "shape", None)
+            if k in tainted and shape is not None and math.prod(shape) > 0:
+                deps.append(trace.var_to_tracer(var, source_info_util.current(), eqn))
+                break
+    if not deps:
+        return
+    with _core.set_current_trace(trace):
+        token = entry.get("token")
+        token = lax.create_token() if token is None else token
+        for out in deps:
+            token = _from_data(token, out.reshape(-1)[:1].astype(jnp.float32))
+    entry["token"] = token
+
+
+def _entry(trace, prune: bool = True) -> dict:
+    entry = _table(trace, prune).setdefault(trace, {})
+    if _PENDING in entry:
+        _join_bodies(trace, entry)
+    return entry
+
+
+def _inherited_token(trace):
+    """A control-flow body's first token: the enclosing trace's chain, crossed
+    as data (``None`` where no enclosing trace has a chain yet)."""
+    parent = _enclosing(trace)
+    if parent is None or not _native():
+        return None
+    with _core.set_current_trace(parent):
+        outer = _token_of(parent)
+        if outer is None:
+            return None
+        outer, dep = _to_data(outer)
+        _entry(parent, prune=False)["token"] = outer
+    return _from_data(lax.create_token(), dep)
+
+
+def _token_of(trace):
+    entry = _entry(trace, prune=False)
+    token = entry.get("token")
+    if token is None:
+        token = _inherited_token(trace)
+        if token is not None:
+            entry["token"] = token
+    return token
 
 
 def chain_value(key: str, first):
@@ -70,7 +237,8 @@ def chain_value(key: str, first):
     if isinstance(trace, _core.EvalTrace):
         value = getattr(_chains, "eager", {}).get(key)
         return first() if value is None else value
-    value = _table(trace).get(trace, {}).get(key)
+    _table(trace)  # drops finished traces' entries
+    value = _token_of(trace) if key == "token" else _entry(trace, prune=False).get(key)
     return first() if value is None else value
 
 
@@ -81,8 +249,18 @@ def set_chain_value(key: str, value) -> None:
         if not hasattr(_chains, "eager"):
             _chains.eager = {}
         _chains.eager[key] = value
-    else:
-        _table(trace).setdefault(trace, {})[key] = value
+        return
+    table = _table(trace)
+    table.setdefault(trace, {})[key] = value
+    if key != "token":
+        return
+    # A body's call: each enclosing trace's next call waits for the operation.
+    parent = _enclosing(trace)
+    while parent is not None:
+        pending = table.setdefault(parent, {})
+        if _PENDING not in pending:
+            pending[_PENDING] = len(parent.frame.tracing_eqns)
+        parent = _enclosing(parent)
 
 
 def chain_token():
