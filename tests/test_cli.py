@@ -190,7 +190,7 @@ def test_selftest_check_values_are_exact_for_every_replica_count():
     """
     import jax.numpy as jnp
 
-    from jaxsync._cli import _selftest as st
+    from jaxsync._cli import _selftest_values as st
 
     bf16 = np.dtype(jnp.bfloat16)
     leaves = sorted(st.TREE.items())
@@ -232,7 +232,7 @@ def test_selftest_low_rank_and_sign_closed_forms():
     """PowerSGD's leaf is rank 2 with the shared factor A on every replica and
     averages to A B0^T exactly; sign_mean's closed form is its float32 sum over
     every replica divided by N, from the scales and signs each replica sends."""
-    from jaxsync._cli import _selftest as st
+    from jaxsync._cli import _selftest_values as st
 
     for n in (1, 2, 3, 8, 257, 4096):
         values, mean = st.low_rank_values(n, range(n))
