@@ -9,6 +9,7 @@ The multi-process tests (mpirun -n 2 x 2 devices: bit-identical replicas after
 from __future__ import annotations
 
 import io
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +101,65 @@ def test_powersgd_layout_rule():
     assert _compress._powersgd_layout([jnp.zeros((8, 4))], 4, 0.0) == [(8, 4, 4)]
 
 
+def test_powersgd_matrix_view_fits_both_layouts():
+    """An equinox/PyTorch conv kernel (out, in, kh, kw) is compressed as (out, in kh kw),
+    a flax one (h, w, in, out) as (h w in, out): before matrix_view, Conv2d(64, 64, 3)'s
+    kernel was seen as (64 * 64 * 3, 3), below min_compression_rate, and sent whole."""
+    eqx_conv, flax_conv = jnp.zeros((64, 32, 3, 3)), jnp.zeros((3, 3, 32, 64))
+    tx = jaxsync.powersgd_mean(axis_name=None, comm=None)  # the defaults
+    state = tx.init({"conv": eqx_conv})
+    assert [q.shape for q in state.q] == [(288, 4)]  # Q is (m, r): m = 32 * 3 * 3
+    assert [q.shape for q in tx.init({"conv": flax_conv}).q] == [(64, 4)]
+    layout = _compress._powersgd_layout
+    assert layout([eqx_conv, flax_conv], 4, 2.0, "auto") == [(64, 288, 4), (288, 64, 4)]
+    assert layout([eqx_conv], 4, 2.0, "last") == [None]  # (6144, 3): too little saved
+    assert layout([eqx_conv], 4, 0.0, "first") == [(64, 288, 4)]
+    assert layout([jnp.zeros((8, 8, 8))], 4, 0.0, "auto") == [(64, 8, 4)]  # tie: "last"
+    # Per leaf: a callable (path, shape) -> view or None (sent exactly).
+    pick = lambda path, shape: None if "skip" in path else "first"
+    tx = jaxsync.powersgd_mean(axis_name=None, comm=None, matrix_view=pick)
+    state = tx.init({"a": jnp.zeros((16, 256)), "skip": jnp.zeros((256, 16))})
+    assert [q.shape for q in state.q] == [(256, 4)]
+    with pytest.raises(ValueError, match="matrix_view must be one of.*got 'rows'"):
+        jaxsync.powersgd_mean(axis_name=None, comm=None, matrix_view="rows")
+    bad = jaxsync.powersgd_mean(axis_name=None, comm=None, matrix_view=lambda p, s: "rows")
+    with pytest.raises(
+        ValueError, match=r"matrix_view\(\"\['w'\]\", \(16, 256\)\) returned 'rows'"
+    ):
+        bad.init({"w": jnp.zeros((16, 256))})
+
+
+def test_powersgd_describe_lists_leaves_and_bytes():
+    tx = jaxsync.powersgd_mean(axis_name=None, comm=None, rank=2)
+    params = {"k": jnp.zeros((16, 1, 3, 3)), "w": jnp.zeros((64, 400)), "b": jnp.zeros(64)}
+    text = tx.describe(params)
+    head, *rows = text.splitlines()
+    assert head.startswith("powersgd_mean(rank=2, min_compression_rate=2.0, matrix_view='auto')")
+    # P and Q in float32: 2 (16 + 9) + 2 (64 + 400) values; the bias whole.
+    sent = 4 * (2 * (16 + 9) + 2 * (64 + 400)) + 4 * 64
+    assert "2 of 3 leaves compressed" in head and f"{sent:,} bytes per step" in head
+    assert rows == [
+        "  ['b']  (64,) float32  exact (saves too little, or not a matrix): 256 bytes",
+        "  ['k']  (16, 1, 3, 3) float32  as (16, 9)  rank 2  compressed: 200 bytes instead of "
+        "576 (2.9x)",
+        "  ['w']  (64, 400) float32  as (64, 400)  rank 2  compressed: 3,712 bytes instead of "
+        "102,400 (27.6x)",
+    ]
+    # The method survives as the transform's, and its state is unchanged by it.
+    assert isinstance(tx, optax.GradientTransformation)
+
+
+def test_powersgd_warns_once_when_most_bytes_stay_uncompressed():
+    tx = jaxsync.powersgd_mean(axis_name=None, comm=None)
+    mostly_dense = {"w": jnp.zeros((64, 64)), "table": jnp.zeros((4096, 3))}
+    with pytest.warns(UserWarning, match=r"only 25% of the tree's.*\['table'\] \(4096, 3\)"):
+        tx.init(mostly_dense)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tx.init(mostly_dense)  # once per tree
+        tx.init({"w": jnp.zeros((64, 64)), "b": jnp.zeros(64)})  # mostly compressed
+
+
 # --------------------------------------------------------------------------
 # PowerSGD: exact when the rank covers the mean's rank (random data, f64 reference)
 
@@ -114,9 +174,14 @@ def low_rank_grads(seed, n=24, m=10, k=3):
     conv = np.einsum(
         "nk,rmk->rnm", rng.standard_normal((3 * 3 * 4, k)), rng.standard_normal((R, 8, k))
     ).reshape(R, 3, 3, 4, 8)
+    # equinox's / PyTorch's (out, in, kh, kw) kernel, of rank k as (out, in kh kw)
+    oihw = np.einsum(
+        "nk,rmk->rnm", rng.standard_normal((8, k)), rng.standard_normal((R, 4 * 3 * 3, k))
+    ).reshape(R, 8, 4, 3, 3)
     return {
         "w": w,
         "conv": conv.astype(np.float32),
+        "oihw": oihw.astype(np.float32),
         "bias": rng.standard_normal((R, m)).astype(np.float32),
         "step": np.arange(R, dtype=np.int32),
     }
@@ -128,9 +193,9 @@ def test_powersgd_exact_when_rank_covers(rank):
     tx = jaxsync.powersgd_mean(axis_name="i", comm=None, rank=rank, min_compression_rate=0.0)
     init, update = vmapped(tx)
     state = init(jax.tree.map(jnp.asarray, g))
-    assert len(state.q) == 2  # w and conv compressed; bias, step exact
+    assert len(state.q) == 3  # w and both convs compressed; bias, step exact
     out, state = update(jax.tree.map(jnp.asarray, g), state)
-    for name in ("w", "conv", "bias"):
+    for name in ("w", "conv", "oihw", "bias"):
         want = g[name].astype(np.float64).mean(0)
         got = np.asarray(out[name])
         scale = np.abs(want).max()
@@ -139,9 +204,9 @@ def test_powersgd_exact_when_rank_covers(rank):
     np.testing.assert_array_equal(np.asarray(out["step"]), g["step"])  # passes through
     # The residual is each replica's deviation from the mean.
     want_res = g["w"] - g["w"].astype(np.float64).mean(0)
-    # compressed leaves in tree order: conv, w
+    # compressed leaves in tree order: conv, oihw, w
     np.testing.assert_allclose(
-        np.asarray(state.residual[1]), want_res, rtol=0, atol=2e-5 * np.abs(g["w"]).max()
+        np.asarray(state.residual[2]), want_res, rtol=0, atol=2e-5 * np.abs(g["w"]).max()
     )
 
 
@@ -469,10 +534,10 @@ def test_bfloat16_leaves_keep_their_dtype_with_float32_residuals(make):
 )
 def test_row_sparse_leaves_are_refused(make):
     tx = make()
-    dense = {"w": jnp.ones((8, 8))}
+    dense = {"w": jnp.ones((64, 64))}
     state = tx.init(dense)
     g = {
-        "w": jnp.ones((8, 8)),
+        "w": jnp.ones((64, 64)),
         "emb": jaxsync.RowSparse(jnp.array([1, 3]), jnp.ones((2, 4)), num_rows=10),
     }
     with pytest.raises(TypeError, match="RowSparse.*optax.partition"):

@@ -5,9 +5,9 @@ Two transforms, each an ordinary ``optax.GradientTransformation`` whose state
 error-feedback residuals:
 
 * :func:`powersgd_mean`: PowerSGD (Vogels et al., 2019). Every matrix-shaped
-  leaf ``M`` (the leaf reshaped to ``(prod(shape[:-1]), shape[-1])``: the last
-  axis, the output features of flax's ``Dense`` and ``Conv`` kernels, against
-  the rest) is approximated by ``P Q^T`` of rank ``r``: ``P = M Q`` is averaged
+  leaf ``M`` (the leaf reshaped to its first or its last axis against the rest,
+  whichever saves more: the channels of flax's ``(h, w, in, out)`` and of
+  equinox's ``(out, in, kh, kw)`` kernels; see ``matrix_view``) is approximated by ``P Q^T`` of rank ``r``: ``P = M Q`` is averaged
   over every replica, orthogonalised, ``Q = M^T P`` is averaged, and the
   residual ``M - P Q^T`` is added to the next step's gradient. Both averages go
   through jaxsync's hierarchical path (local axes, then processes), together
@@ -232,22 +232,74 @@ def _is_float(x) -> bool:
 # Which leaves each transform compresses (also read by jaxsync.bench.compress)
 
 
-def _matrix_shape(shape) -> tuple[int, int]:
-    return math.prod(shape[:-1]), shape[-1]
+# PowerSGD's matrix views of a leaf of >= 2 axes: ``(prod(shape[:s]), prod(shape[s:]))``.
+MATRIX_VIEWS = ("auto", "last", "first")
 
 
-def _powersgd_layout(leaves, rank, min_rate):
-    """Per leaf: ``(n, m, r)`` when compressed, else ``None``."""
+def _rate(n: int, m: int, rank: int) -> float:
+    """The factor of bytes a rank-``rank`` approximation of an n x m matrix saves."""
+    r = min(rank, n, m)
+    return (n * m) / (r * (n + m))
+
+
+def _split(shape, view: str, rank: int) -> int:
+    """How many leading axes of ``shape`` make the rows under ``view``.
+
+    ``"last"``: the last axis against the rest (flax's ``(in, out)`` and
+    ``(h, w, in, out)`` kernels); ``"first"``: the first against the rest
+    (PyTorch's and equinox's ``(out, in)`` and ``(out, in, kh, kw)``);
+    ``"auto"``: of those two, the one that saves more bytes, ties going to
+    ``"last"`` (each layout gets its channels-against-the-rest view).
+    """
+    nd = len(shape)
+    if view == "last":
+        return nd - 1
+    if view == "first":
+        return 1
+    return max(
+        (1, nd - 1), key=lambda s: (_rate(math.prod(shape[:s]), math.prod(shape[s:]), rank), s)
+    )
+
+
+def _matrix_shape(shape, split: int | None = None) -> tuple[int, int]:
+    s = len(shape) - 1 if split is None else split
+    return math.prod(shape[:s]), math.prod(shape[s:])
+
+
+def _view_of(view, path: str, shape) -> str | None:
+    """The view (a name of ``MATRIX_VIEWS``) of one leaf, ``None``: sent exactly."""
+    if not callable(view):
+        return view
+    got = view(path, tuple(shape))
+    if got is not None and got not in MATRIX_VIEWS:
+        raise ValueError(
+            f"powersgd_mean: matrix_view({path!r}, {tuple(shape)}) returned {got!r}, expected "
+            f"one of {MATRIX_VIEWS} or None (the leaf sent exactly). Fix: return e.g. 'first' "
+            "for a (out, in, kh, kw) kernel."
+        )
+    return got
+
+
+def _powersgd_layout(leaves, rank, min_rate, view="last", paths=None):
+    """Per leaf: ``(n, m, r)`` when compressed, else ``None``.
+
+    ``view``: a name of ``MATRIX_VIEWS``, or a callable ``(path, shape)`` that
+    returns one (or ``None``); ``paths``: the leaves' ``keystr`` paths, which a
+    callable needs.
+    """
     out = []
-    for x in leaves:
+    for k, x in enumerate(leaves):
         shape = tuple(x.shape)
         if len(shape) < 2 or not _is_float(x) or math.prod(shape) == 0:
             out.append(None)
             continue
-        n, m = _matrix_shape(shape)
+        name = _view_of(view, "" if paths is None else paths[k], shape)
+        if name is None:
+            out.append(None)
+            continue
+        n, m = _matrix_shape(shape, _split(shape, name, rank))
         r = min(rank, n, m)
-        rate = (n * m) / (r * (n + m))
-        out.append((n, m, r) if rate >= min_rate else None)
+        out.append((n, m, r) if _rate(n, m, rank) >= min_rate else None)
     return out
 
 
