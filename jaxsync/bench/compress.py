@@ -82,7 +82,7 @@ def payloads(name: str, tree) -> list[tuple[str, int]]:
         return [("allreduce", sum(nbytes))]
     if name.startswith("powersgd"):
         rank = int(name.split("r")[-1])
-        layout = _compress._powersgd_layout(leaves, rank, 2.0)
+        layout = _compress._powersgd_layout(leaves, rank, 2.0, "auto")  # the default view
         exact = sum(b for b, lay in zip(nbytes, layout) if lay is None)
         p = sum(4 * n * r for lay in layout if lay for n, m, r in [lay])
         q = sum(4 * m * r for lay in layout if lay for n, m, r in [lay])
