@@ -10,6 +10,7 @@ own XLA FFI targets on CPU, mpi4jax's on GPU) or a mesh axis, and unpack. Each s
 
 from jaxsync._comm._axis_backend import AxisComm
 from jaxsync._comm._host import host_allocator_state, tune_host_allocator
+from jaxsync._comm._timeline import Timeline, start_from_env, timeline
 from jaxsync._comm._topology import Topology, default_comm, free_communicators, topology
 from jaxsync._core._broadcast import broadcast_params
 from jaxsync._core._plan import Bucket, LeafSpec, Plan, make_plan
@@ -50,6 +51,7 @@ __all__ = [
     "SparseOptions",
     "DoubleBufferState",
     "SyncState",
+    "Timeline",
     "Topology",
     "apply_sparse_updates",
     "broadcast_params",
@@ -70,7 +72,10 @@ __all__ = [
     "sparse_sgd",
     "state_specs",
     "sync_gradients",
+    "timeline",
     "topology",
     "tune_host_allocator",
     "two_dimensional_mean",
 ]
+
+start_from_env()  # JAXSYNC_TIMELINE=DIR: the whole run's timeline, written at exit

@@ -1,4 +1,4 @@
-"""Command line: ``python -m jaxsync {demo,bench,tune,cluster,selftest,info}``."""
+"""Command line: ``python -m jaxsync {demo,bench,tune,cluster,selftest,timeline,info}``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ _HELP = {
     "(network namespaces, shaped links, faults)",
     "selftest": "check a new cluster before training: topology, every strategy exact, "
     "each tier's bandwidth (run under mpirun/srun or the cluster)",
+    "timeline": "merge the ranks' timelines (jaxsync.timeline / JAXSYNC_TIMELINE=DIR) into "
+    "one Chrome trace and draw a lane per rank and thread",
     "info": "versions, MPI library and thread level, and this process's topology "
     "(run alone or under mpirun)",
 }
@@ -55,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         from ._cli import _selftest
 
         return _selftest.main(rest)
+    if command == "timeline":
+        from ._cli import _timeline
+
+        return _timeline.main(rest)
     if command == "info":
         from ._cli import _info
 

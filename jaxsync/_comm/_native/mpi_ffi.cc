@@ -562,6 +562,52 @@ struct Counted {
   ~Counted() { g_finished.fetch_add(1, std::memory_order_release); }
 };
 
+// ---- The timeline (jaxsync.timeline, JAXSYNC_TIMELINE) -------------------
+// While it is on, every call that talks MPI records what it did and when, on
+// which thread: 8 int64 per event (kind, communicator handle, bytes, queued,
+// started, ended in ns of CLOCK_MONOTONIC, Python's time.monotonic_ns; queued is
+// -1 where the call runs where it was made; thread id; 1 on a communication
+// lane). Off (the default) it costs one relaxed atomic load per call; nothing
+// of it is in the lowered step. Python drains the events (jaxsync_timeline_drain).
+enum TimelineKind : int64_t {
+  kAllreduce = 0, kAllreduceAsync, kAllgather, kAlltoall_, kReduce, kBcast, kReduceScatter, kAgree
+};
+std::atomic<bool> g_timeline{false};
+std::mutex g_timeline_mu;
+std::vector<int64_t>* g_timeline_events = new std::vector<int64_t>();  // never freed
+
+inline int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+inline int64_t ThreadId() {
+  return static_cast<int64_t>(std::hash<std::thread::id>()(std::this_thread::get_id()) >> 1);
+}
+
+void Record(int64_t kind, int64_t comm, int64_t bytes, int64_t queued, int64_t start,
+            int64_t end, bool lane) {
+  std::lock_guard<std::mutex> lock(g_timeline_mu);
+  g_timeline_events->insert(g_timeline_events->end(),
+                            {kind, comm, bytes, queued, start, end, ThreadId(), lane ? 1 : 0});
+}
+
+// One call's event, recorded when the call returns (if the timeline is on).
+class Span {
+ public:
+  Span(int64_t kind, int64_t comm, int64_t bytes)
+      : on_(g_timeline.load(std::memory_order_relaxed)), kind_(kind), comm_(comm),
+        bytes_(bytes), start_(on_ ? NowNs() : 0) {}
+  ~Span() {
+    if (on_) Record(kind_, comm_, bytes_, -1, start_, NowNs(), false);
+  }
+
+ private:
+  bool on_;
+  int64_t kind_, comm_, bytes_, start_;
+};
+
 // Agreement: the processes compare what they are about to do before their
 // first message. A synchronisation's calls carry (agreement communicator,
 // 63-bit id of its plan); the first call of this process with a pair
@@ -670,6 +716,7 @@ ffi::Error AgreeImpl(ffi::Token, CommArg, ActiveArg, ffi::AnyBuffer,
                      int64_t agree_comm, int64_t agree_id, int64_t agree_instance,
                      int64_t agree_devices) {
   Counted counted;
+  Span span(kAgree, agree_comm, 0);
   std::memset(out->untyped_data(), 0, out->size_bytes());
   return Agree(agree_comm, agree_id, agree_instance, agree_devices);
 }
@@ -702,6 +749,12 @@ ffi::Error Collect(ffi::RemainingArgs& args, ffi::RemainingRets& rets,
                     in->size_bytes(), in->element_count()});
   }
   return ffi::Error::Success();
+}
+
+int64_t PartsBytes(const std::vector<BufRef>& parts) {
+  int64_t bytes = 0;
+  for (const BufRef& b : parts) bytes += static_cast<int64_t>(b.bytes);
+  return bytes;
 }
 
 // active == 0: results alias the inputs and stay untouched (copied where XLA
@@ -765,6 +818,7 @@ ffi::Error AllreduceImpl(ffi::Token, CommArg comm,
     Untouched(parts);
     return ffi::Error::Success();
   }
+  Span span(kAllreduce, comm.typed_data()[0], PartsBytes(parts));
   return SumParts(CommOf(comm), parts, group_bytes);
 }
 
@@ -868,11 +922,19 @@ ffi::Future AllreduceAsyncImpl(ffi::Token, CommArg comm, ActiveArg active,
   static const char* poll_env = std::getenv("JAXSYNC_TESTING_POLL_US");
   if (poll_env != nullptr) poll_us = std::atoll(poll_env);
   const auto queued = std::chrono::steady_clock::now();
-  LaneOf(handle).Push([promise, handle, group_bytes, poll_us, queued,
+  const bool timeline = g_timeline.load(std::memory_order_relaxed);
+  LaneOf(handle).Push([promise, handle, group_bytes, poll_us, queued, timeline,
                        parts = std::move(parts)]() mutable {
     const auto began = std::chrono::steady_clock::now();
     t_poll_us = poll_us;  // this lane's thread, for this job's waits
     ffi::Error e = SumParts(MPI_Comm_f2c(handle), parts, group_bytes);
+    if (timeline) {
+      auto ns = [](auto t) {
+        return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch())
+            .count();
+      };
+      Record(kAllreduceAsync, handle, PartsBytes(parts), ns(queued), ns(began), NowNs(), true);
+    }
     if (trace) {  // private: when each job was queued, began and ended (us)
       auto us = [](auto t) {
         return std::chrono::duration_cast<std::chrono::microseconds>(t.time_since_epoch())
@@ -956,6 +1018,8 @@ ffi::Error MoveImpl(ffi::Token, CommArg comm,
     std::memset(y->untyped_data(), 0, y->size_bytes());  // discarded by the caller
     return ffi::Error::Success();
   }
+  Span span(kAlltoall ? kAlltoall_ : kAllgather, comm.typed_data()[0],
+            static_cast<int64_t>(x.size_bytes()));
   MPI_Comm c = CommOf(comm);
   MPI_Datatype dtype;
   if (!MoveType(x.element_type(), &dtype)) return Unsupported(what, x.element_type());
@@ -1047,6 +1111,13 @@ struct TierBuf {
   size_t n;  // elements
 };
 
+// The bytes a tier call moves, as summed (16-bit floats widened to float32).
+int64_t TierBytes(const std::vector<TierBuf>& bufs) {
+  int64_t bytes = 0;
+  for (const TierBuf& b : bufs) bytes += static_cast<int64_t>(b.n * b.type.width);
+  return bytes;
+}
+
 // The operands and results of a tier call, checked; results not aliased to
 // their inputs start as copies of them.
 ffi::Error TierBufs(ffi::RemainingArgs& args, ffi::RemainingRets& rets, const char* what,
@@ -1095,6 +1166,7 @@ ffi::Error ReduceImpl(ffi::Token, CommArg comm, ActiveArg active, ffi::Remaining
   std::vector<TierBuf> bufs;
   if (auto e = TierBufs(args, rets, "jaxsync_reduce", true, &bufs); e.failure()) return e;
   if (active.typed_data()[0] == 0) return ffi::Error::Success();
+  Span span(kReduce, comm.typed_data()[0], TierBytes(bufs));
   MPI_Comm c = CommOf(comm);
   int rank = 0;
   if (int rc = MPI_Comm_rank(c, &rank); rc != MPI_SUCCESS) return MpiError(rc, "MPI_Comm_rank");
@@ -1172,6 +1244,7 @@ ffi::Error BcastImpl(ffi::Token, CommArg comm, ActiveArg active, ffi::RemainingA
   std::vector<TierBuf> bufs;
   if (auto e = TierBufs(args, rets, "jaxsync_bcast", false, &bufs); e.failure()) return e;
   if (active.typed_data()[0] == 0) return ffi::Error::Success();
+  Span span(kBcast, comm.typed_data()[0], TierBytes(bufs));
   MPI_Comm c = CommOf(comm);
   int rank = 0;
   if (int rc = MPI_Comm_rank(c, &rank); rc != MPI_SUCCESS) return MpiError(rc, "MPI_Comm_rank");
@@ -1242,6 +1315,12 @@ ffi::Error ReduceScatterImpl(ffi::Token, CommArg comm, ActiveArg active, ffi::Re
         "jaxsync_reduce_scatter: as many results as buffers expected");
   }
   const bool on = active.typed_data()[0] != 0;
+  int64_t in_bytes = 0;
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto in = args.get<ffi::AnyBuffer>(i);
+    if (in.has_value()) in_bytes += static_cast<int64_t>(in->size_bytes());
+  }
+  Span span(kReduceScatter, comm.typed_data()[0], on ? in_bytes : 0);
   MPI_Comm c = CommOf(comm);
   int size = 1;
   if (on) {
@@ -1396,6 +1475,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_reduce_scatter, ReduceScatterImpl,
 
 // What the library was built against (header) and what it runs on (library).
 extern "C" void jaxsync_set_mismatch_callback(MismatchFn fn) { g_mismatch = fn; }
+
+extern "C" void jaxsync_timeline_enable(int on) { g_timeline.store(on != 0); }
+
+// Copies up to `cap` events (8 int64 each) into `out`, oldest first, removes them,
+// and returns how many it copied.
+extern "C" int64_t jaxsync_timeline_drain(int64_t* out, int64_t cap) {
+  std::lock_guard<std::mutex> lock(g_timeline_mu);
+  const int64_t have = static_cast<int64_t>(g_timeline_events->size() / 8);
+  const int64_t n = std::min(have, cap);
+  std::memcpy(out, g_timeline_events->data(), static_cast<size_t>(n) * 8 * sizeof(int64_t));
+  g_timeline_events->erase(g_timeline_events->begin(), g_timeline_events->begin() + n * 8);
+  return n;
+}
+
+extern "C" int64_t jaxsync_timeline_pending() {
+  std::lock_guard<std::mutex> lock(g_timeline_mu);
+  return static_cast<int64_t>(g_timeline_events->size() / 8);
+}
 
 extern "C" int64_t jaxsync_calls_started() { return g_started.load(); }
 extern "C" int64_t jaxsync_calls_finished() { return g_finished.load(); }
