@@ -7,8 +7,9 @@ error-feedback residuals:
 * :func:`powersgd_mean`: PowerSGD (Vogels et al., 2019). Every matrix-shaped
   leaf ``M`` (the leaf reshaped to its first or its last axis against the rest,
   whichever saves more: the channels of flax's ``(h, w, in, out)`` and of
-  equinox's ``(out, in, kh, kw)`` kernels; see ``matrix_view``) is approximated by ``P Q^T`` of rank ``r``: ``P = M Q`` is averaged
-  over every replica, orthogonalised, ``Q = M^T P`` is averaged, and the
+  equinox's ``(out, in, kh, kw)`` kernels; see ``matrix_view``) is approximated
+  by ``P Q^T`` of rank ``r``: ``P = M Q`` is averaged over every replica,
+  orthogonalised, ``Q = M^T P`` is averaged, and the
   residual ``M - P Q^T`` is added to the next step's gradient. Both averages go
   through jaxsync's hierarchical path (local axes, then processes), together
   with the leaves that are not compressed.
