@@ -5,11 +5,13 @@ When the processes span several hosts and a host holds more than one of them,
 ChainerMN's communicators send (:func:`program`): the host leader's buffer
 (``hierarchical``), or each local rank's slice (``two_dimensional``). The
 decision is collective, made once when a transform is made (:func:`decide`,
-from ``_topology.Comms.prepare``), so every process takes the same path;
-It is off unless ``JAXSYNC_HOST_TIER=1`` (see :func:`enabled`): in the
-emulated cluster (2 cores, links shaped with tc tbf) its sequential host stages
-and the leaders' single TCP flow cost more than MPI's own allreduce over every
-process (docs/strategies.md).
+from ``_topology.Comms.prepare``), so every process takes the same path.
+Whether a synchronisation takes it is the factories' ``host_tier`` option
+(:func:`chosen`): ``"auto"`` (the default) when most of its bytes are 16-bit on
+the wire, where the tier always sends fewer bytes across hosts than MPI's
+all-to-all over every process; ``True`` whenever the topology has one;
+``False`` never. ``JAXSYNC_HOST_TIER`` (``1``/``0``) overrides the option of
+every transform (:func:`override`). See docs/strategies.md.
 
 Imports: the standard library (mpi4py inside the functions that need it).
 """
@@ -21,12 +23,74 @@ import os
 from typing import Any
 
 HOST_TIER_ENV = "JAXSYNC_HOST_TIER"
-"""``1`` turns the host tier on (every process must see the same value)."""
+"""``1`` forces the host tier on, ``0`` off, for every transform; unset: the
+``host_tier`` option decides (the processes compare it before their first sum)."""
+
+OPTIONS = (True, False, "auto")
+"""The values of the factories' ``host_tier`` option."""
 
 
-def enabled() -> bool:
-    """Whether ``$JAXSYNC_HOST_TIER`` asks for the host tier (``1``; default off)."""
-    return os.environ.get(HOST_TIER_ENV, "0").strip() == "1"
+def override() -> bool | None:
+    """``$JAXSYNC_HOST_TIER``: ``True`` (``1``), ``False`` (``0``) or ``None`` (unset).
+
+    Raises:
+      ValueError: any other value (naming the variable and the fix).
+    """
+    got = os.environ.get(HOST_TIER_ENV, "").strip()
+    if got in ("", "0", "1"):
+        return None if not got else got == "1"
+    raise ValueError(
+        f"{HOST_TIER_ENV} must be 1 (the host tier on), 0 (off) or unset (the "
+        f"transforms' host_tier option decides), got {got!r}. Fix: "
+        f"`export {HOST_TIER_ENV}=1`, `=0`, or `unset {HOST_TIER_ENV}`."
+    )
+
+
+def check(fn: str, option) -> None:
+    """Validate ``fn``'s ``host_tier`` option and ``$JAXSYNC_HOST_TIER`` (1, 0 or unset).
+
+    Raises:
+      TypeError: ``option`` is not a bool or ``"auto"``.
+      ValueError: another string, or the environment's value is not 1, 0 or unset.
+    """
+    fix = (
+        "Fix: pass host_tier='auto' (default: the host tier for 16-bit wires), "
+        "host_tier=True (whenever the topology has one) or host_tier=False (never)."
+    )
+    if isinstance(option, str) and option != "auto":
+        raise ValueError(f"{fn}: host_tier must be one of {OPTIONS}, got {option!r}. {fix}")
+    if not isinstance(option, (bool, str)):
+        raise TypeError(
+            f"{fn} got unexpected type for argument 'host_tier' (expected: one of "
+            f"{OPTIONS}, got: {type(option).__name__} {option!r}). {fix}"
+        )
+    override()
+
+
+def effective(option: bool | str) -> bool | str:
+    """The ``host_tier`` option after the environment's override."""
+    forced = override()
+    return option if forced is None else forced
+
+
+def sixteen(wire) -> bool:
+    """Whether most of ``wire``'s bytes are 16-bit (``wire``: ``(itemsize,
+    bytes)`` pairs, as they travel).
+
+    Example:
+      >>> sixteen([(2, 600), (4, 400)]), sixteen([(2, 400), (4, 400)])
+      (True, False)
+    """
+    wire = list(wire)
+    return 2 * sum(n for isz, n in wire if isz == 2) > sum(n for _, n in wire)
+
+
+def chosen(option: bool | str, wire) -> bool:
+    """Whether a synchronisation whose ``wire`` is as given takes the host tier
+    (where the topology has one): ``option`` after the override; ``"auto"``:
+    most of its bytes 16-bit (see :func:`sixteen`)."""
+    option = effective(option)
+    return sixteen(wire) if option == "auto" else bool(option)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +126,7 @@ def decide(control: Any, rank: int) -> tuple[HostTier | None, tuple, int]:
     ``control``."""
     from mpi4py import MPI
 
-    on = enabled()
+    on = override() is not False  # made wherever it could be used, unless forced off
     host = control.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     local_rank, local_size = host.Get_rank(), host.Get_size()
     seen = control.allgather((local_rank == 0, local_size, on))

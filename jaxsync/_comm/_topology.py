@@ -238,7 +238,8 @@ class Comms:
     @property
     def tier(self) -> _host_tier.HostTier | None:
         """The host tier (see :class:`HostTier`), or None: one host, or one
-        process per host, or not turned on (``JAXSYNC_HOST_TIER=1``)."""
+        process per host, or forced off (``JAXSYNC_HOST_TIER=0``). Whether a
+        synchronisation uses it is its ``host_tier`` option (``_host_tier.chosen``)."""
         return self._tier
 
     def watchdog(self, timeout: float, on_timeout: str = "report"):

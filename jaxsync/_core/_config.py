@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from jaxsync._comm import _axis_backend, _mpi_backend
+from jaxsync._comm import _axis_backend, _host_tier, _mpi_backend
 from jaxsync._comm._topology import default_comm
 
 from . import _plugins, _strategies
@@ -51,6 +51,8 @@ CheckFinite = bool | Literal["raise"]
 Staging = Literal["device", "host"]
 #: What the stall watchdog does after ``timeout``: ``"report"`` or ``"abort"``.
 OnTimeout = Literal["report", "abort"]
+#: ``True``, ``False`` or ``"auto"`` (the host tier for 16-bit wires only).
+HostTier = bool | Literal["auto"]
 #: ``strategy="auto"``'s profile: a path, its JSON as a dict, a profile, or None.
 ProfileLike = Any
 __all__ = [
@@ -60,6 +62,7 @@ __all__ = [
     "CheckFinite",
     "Comm",
     "DTypeLike",
+    "HostTier",
     "OnTimeout",
     "ProfileLike",
     "Reduce",
@@ -189,8 +192,10 @@ class SyncConfig:
     overlap: bool = False  # one async call per bucket, in backward's order
     overlap_bucket_bytes: int = OVERLAP_BUCKET_BYTES
     double_buffering: bool = False  # apply step t-1's mean at step t
+    host_tier: Any = AUTO  # True, False or "auto" (_host_tier.chosen)
 
     def describe(self) -> str:
+        forced = _host_tier.override()
         return (
             f"strategy {self.strategy} reduce {self.reduce} comm_dtype "
             f"{self.comm_dtype} predivide {self.predivide} check_finite "
@@ -205,6 +210,9 @@ class SyncConfig:
             + (f" auto profile {self.auto.profile.digest()}" if self.auto else "")
             + (f" overlap {self.overlap_bucket_bytes}" if self.overlap else "")
             + (" double_buffering" if self.double_buffering else "")
+            # the path every synchronisation takes across hosts (its option)
+            + f" host_tier {self.host_tier}"
+            + ("" if forced is None else f" {_host_tier.HOST_TIER_ENV}={int(forced)}")
         )
 
 
@@ -228,6 +236,7 @@ def make_config(
     overlap=False,
     overlap_bucket_bytes=AUTO,
     double_buffering=False,
+    host_tier=AUTO,
 ) -> SyncConfig:
     """Validate every static option; raise TypeError/ValueError naming it."""
     chosen = _plugins.strategy(strategy) if isinstance(strategy, str) else None
@@ -250,6 +259,7 @@ def make_config(
             overlap=overlap,
             overlap_bucket_bytes=overlap_bucket_bytes,
             double_buffering=double_buffering,
+            host_tier=host_tier,
         )
     if profile is not None:
         raise ValueError(
@@ -336,6 +346,7 @@ def make_config(
         )
     sparse = _plugins.check_option("sparse", fn, sparse)
     overlap_bucket_bytes = _check_overlap(fn, overlap, overlap_bucket_bytes, double_buffering)
+    _host_tier.check(fn, host_tier)
     if strategy == "single_node":
         # No inter-process stage: a communicator would be silently ignored.
         _check_comm_type(fn, comm)
@@ -364,6 +375,7 @@ def make_config(
         overlap=overlap,
         overlap_bucket_bytes=overlap_bucket_bytes,
         double_buffering=double_buffering,
+        host_tier=host_tier,
     )
 
 

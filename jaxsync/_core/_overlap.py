@@ -14,6 +14,7 @@ Imports: jax, ``_async``, ``_invariance``, ``_tie``, ``_plugins`` and ``_strateg
 from __future__ import annotations
 
 import contextvars
+import inspect
 import os
 import sys
 import types
@@ -66,7 +67,7 @@ def overlap_groups(nbytes: list, bucket_bytes: int, first_bytes: int | None = No
     return groups
 
 
-def run_async(cfg, bufs: list, intra, group) -> list:
+def run_async(cfg, bufs: list, intra, group, tiered=False) -> list:
     """The strategy run once per overlap bucket, its MPI sums asynchronous.
 
     ``overlap``: one call per bucket, issued as backward produces the bucket
@@ -102,7 +103,7 @@ def run_async(cfg, bufs: list, intra, group) -> list:
                 done, mine = tie((done, mine))
                 for i, y in zip(prev, done):
                     out[i] = y
-            got = _strategies.run(cfg.strategy, mine, intra, cfg.backend, group_bytes=group)
+            got = _strategies.run(cfg.strategy, mine, intra, cfg.backend, group, tiered)
             for i, y in zip(idx, got):
                 out[i] = y
             prev = idx
@@ -315,12 +316,29 @@ _ARGS = """      overlap: ``True`` sends the gradients in buckets, in the order 
 """
 
 
+# ``host_tier``, as the factories that may take the host tier document it.
+_HOST_TIER_ARG = """      host_tier: the host tier (MPI on CPU, several hosts, several processes on
+        a host): a host's processes reduced first, then one process per host
+        (or each local rank's slice) across hosts, then the host's result
+        (see "The host tier" in docs/strategies.md). ``"auto"`` (default):
+        for a synchronisation most of whose bytes are 16-bit on the wire
+        (``comm_dtype=jnp.bfloat16``, bfloat16 parameters), where it always
+        sends fewer bytes across hosts; float32 keeps MPI's own allreduce.
+        ``True``: whenever the topology has one; ``False``: never.
+        ``JAXSYNC_HOST_TIER=1`` / ``0`` overrides it for every transform.
+"""
+
+
 def document_overlap(factory):
-    """Add ``overlap``, ``overlap_bucket_bytes`` and ``double_buffering`` to a
-    factory's docstring (before ``Returns:``), and the state they make."""
+    """Add ``overlap``, ``overlap_bucket_bytes`` and ``double_buffering`` (and
+    ``host_tier``, where the factory takes it) to a factory's docstring (before
+    ``Returns:``), and the state they make."""
     doc = factory.__doc__
     at = doc.index("\n    Returns:")
-    doc = doc[:at] + "\n" + _ARGS.rstrip("\n") + doc[at:]
+    args = _ARGS.rstrip("\n")
+    if "host_tier" in inspect.signature(factory).parameters:
+        args = _HOST_TIER_ARG + args
+    doc = doc[:at] + "\n" + args + doc[at:]
     doc = doc.replace(
         "      ``check_finite``.\n",
         "      ``check_finite``; with ``double_buffering``,\n"

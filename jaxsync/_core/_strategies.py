@@ -24,9 +24,10 @@ per process the target packs them, into a reused scratch buffer, so XLA
 neither concatenates nor slices); ``hierarchical`` sends large leaves as they
 are, without a copy, and packs only the small ones.
 
-flat, hierarchical and two_dimensional ask for a *tiered* inter stage: a
-backend whose processes share hosts may then reduce over the processes of a
-host first and run the program over the hosts (the MPI backend's host tier:
+flat, hierarchical and two_dimensional may ask for a *tiered* inter stage
+(their ``host_tier`` option, see ``_host_tier.chosen``): a backend whose
+processes share hosts then reduces over the processes of a host first and runs
+the program over the hosts (the MPI backend's host tier:
 leader_only, the host's leader; otherwise, each local rank's slice); the
 strategy never sees how.
 """
@@ -115,12 +116,14 @@ def _pad_to(x, k):
     return jnp.pad(x, (0, m - n)), n
 
 
-def run(strategy: str, bufs: list, intra, backend, group_bytes=None) -> list:
+def run(strategy: str, bufs: list, intra, backend, group_bytes=None, tiered=False) -> list:
     """Sum ``bufs`` over every replica: intra axes x processes.
 
     ``group_bytes``: for jaxsync's native MPI target, buffers under this size
     are packed by the target into messages of up to that size (``flat`` with
     one device per process hands it the leaves unpacked; see ``_sync``).
+    ``tiered``: ``flat``, ``hierarchical`` and ``two_dimensional`` may take the
+    backend's host tier (the ``host_tier`` option, decided by ``_sync``).
     """
     if strategy == "single_node":
         return sum_buffers(intra, bufs)
@@ -135,13 +138,13 @@ def run(strategy: str, bufs: list, intra, backend, group_bytes=None) -> list:
         # Same stages; they differ in packing (flat: everything packed).
         bufs = sum_buffers(intra, bufs)
         return backend.run(
-            sum_buffers, bufs, intra, leader_only=True, group_bytes=group_bytes, tiered=True
+            sum_buffers, bufs, intra, leader_only=True, group_bytes=group_bytes, tiered=tiered
         )
     if strategy == "two_dimensional":
         d = intra.size
         padded = [_pad_to(b, d) for b in bufs]
         slices = [_scatter_sum(intra, x) for x, _ in padded]
-        slices = backend.run(sum_buffers, slices, intra, leader_only=False, tiered=True)
+        slices = backend.run(sum_buffers, slices, intra, leader_only=False, tiered=tiered)
         return [intra.allgather_tiled(s)[:n] for s, (_, n) in zip(slices, padded)]
     raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxsync._comm import _intra, _invariance, _mpi_backend
+from jaxsync._comm import _host_tier, _intra, _invariance, _mpi_backend
 
 from . import _overlap, _plugins, _strategies
 from ._config import (
@@ -32,7 +32,7 @@ from ._config import (
     make_config,
 )
 from ._overlap import DoubleBufferState, overlap_groups  # noqa: F401 (re-exported)
-from ._plan import make_plan
+from ._plan import REDUCED_DTYPES, make_plan
 
 if TYPE_CHECKING:  # annotations only: the core does not import jaxsync.sparse
     from jaxsync.sparse._rows import SparseOptions
@@ -59,7 +59,10 @@ def sync(tree: PyTree, cfg: SyncConfig):
     # packed or unpacked in XLA.
     # With the host tier two_dimensional reduce-scatters over the processes of
     # a host: its small leaves are packed (one slice each, not one per leaf).
-    scatters = cfg.strategy == "two_dimensional" and _scatters_over_host(cfg.backend)
+    # The host tier, where the topology has one, per the host_tier option
+    # (the same on every process: the option is in the agreed text).
+    tiered = _host_tier.chosen(cfg.host_tier, _wire(tree, cfg.comm_dtype))
+    scatters = cfg.strategy == "two_dimensional" and tiered and _scatters_over_host(cfg.backend)
     per_leaf = cfg.strategy == "naive" or (
         alone and not scatters and cfg.strategy in ("hierarchical", "two_dimensional", "flat")
     )
@@ -92,9 +95,9 @@ def sync(tree: PyTree, cfg: SyncConfig):
     # any buffer travels (never while tracing: a process may trace alone).
     bufs = cfg.backend.agree(agreed, "gradient tree", bufs)
     if cfg.overlap or cfg.double_buffering:
-        bufs = _overlap.run_async(cfg, bufs, intra, group)
+        bufs = _overlap.run_async(cfg, bufs, intra, group, tiered)
     else:
-        bufs = _strategies.run(cfg.strategy, bufs, intra, cfg.backend, group_bytes=group)
+        bufs = _strategies.run(cfg.strategy, bufs, intra, cfg.backend, group, tiered)
     posts = [(n / pre) if cfg.reduce == "mean" else (1.0 / pre) for pre in pres]
 
     def finish(k, piece):
@@ -114,6 +117,16 @@ def sync(tree: PyTree, cfg: SyncConfig):
         if cfg.check_finite == "raise":
             _raise_if_nonfinite(named)
     return result, finite
+
+
+def _wire(tree, comm_dtype) -> list:
+    """``(itemsize, bytes)`` of each reduced leaf of ``tree`` as it travels."""
+    out = []
+    for x in jax.tree.leaves(tree):
+        if str(x.dtype) in REDUCED_DTYPES:
+            isz = jnp.dtype(comm_dtype or x.dtype).itemsize
+            out.append((isz, isz * int(np.prod(x.shape))))
+    return out
 
 
 def _scatters_over_host(backend) -> bool:

@@ -33,8 +33,7 @@ if TYPE_CHECKING:  # annotations only: the core does not import jaxsync.sparse
 def _transform(
     fn: str, strategy: str, axis_name, comm=None, **options
 ) -> optax.GradientTransformation:
-    # Each factory passes ``**locals()``: exactly its own (typed, documented)
-    # parameters, all validated by make_config.
+    # ``**locals()``: the factory's own (typed, documented) parameters, all validated.
     cfg = make_config(fn, strategy, axis_name, comm, **options)
     return optax.GradientTransformation(*transform_fns(fn, cfg))
 
@@ -135,6 +134,7 @@ def flat_mean(
     overlap: bool = False,
     overlap_bucket_bytes: int | Literal["auto"] = AUTO,
     double_buffering: bool = False,
+    host_tier: bool | Literal["auto"] = AUTO,
 ) -> optax.GradientTransformation:
     """Average gradients packed into a few buffers.
 
@@ -218,6 +218,7 @@ def hierarchical_mean(
     overlap: bool = False,
     overlap_bucket_bytes: int | Literal["auto"] = AUTO,
     double_buffering: bool = False,
+    host_tier: bool | Literal["auto"] = AUTO,
 ) -> optax.GradientTransformation:
     """Average gradients hierarchically.
 
@@ -299,6 +300,7 @@ def two_dimensional_mean(
     overlap: bool = False,
     overlap_bucket_bytes: int | Literal["auto"] = AUTO,
     double_buffering: bool = False,
+    host_tier: bool | Literal["auto"] = AUTO,
 ) -> optax.GradientTransformation:
     """Average gradients two-dimensionally.
 
@@ -402,7 +404,6 @@ def single_node_mean(
         ``FloatingPointError`` naming the non-finite leaves.
       sparse: how :class:`jaxsync.RowSparse` leaves are synchronised (a
         :class:`jaxsync.SparseOptions`; ``None``: automatic).
-
     Returns:
       an ``optax.GradientTransformation`` whose ``update`` returns the reduced
       gradients, the same on every replica. Its state is

@@ -185,7 +185,7 @@ def resolve(tree, cfg):
     """At trace time: ``cfg`` with the strategy, buckets and threshold chosen."""
     from jax import lax
 
-    from jaxsync._comm import _axis_backend, _intra, _mpi_backend
+    from jaxsync._comm import _axis_backend, _host_tier, _intra, _mpi_backend
 
     spec = cfg.auto
     D = _intra.axes_size(cfg.axes) if cfg.axes else 1
@@ -204,9 +204,13 @@ def resolve(tree, cfg):
         native=bool(getattr(backend, "native", False)),
         broadcast=isinstance(backend, _mpi_backend.MPIBackend) and not batched,
         inter_link=inter_link,
-        host_tier=isinstance(backend, _mpi_backend.MPIBackend)
+        # where the topology has a tier: the option, after JAXSYNC_HOST_TIER
+        # (the model's ``tiers`` applies it to each candidate's wire dtype)
+        host_tier=_host_tier.effective(cfg.host_tier)
+        if isinstance(backend, _mpi_backend.MPIBackend)
         and not batched
-        and backend.tier(True) is not None,
+        and backend.tier(True) is not None
+        else False,
     )
     import jax.numpy as jnp
 
@@ -286,6 +290,7 @@ def auto_mean(
     overlap: bool = False,
     overlap_bucket_bytes: Bytes = AUTO,
     double_buffering: bool = False,
+    host_tier: bool | str = AUTO,
 ) -> AutoTransformation:
     """Average gradients with the strategy the cost model predicts fastest.
 
@@ -354,6 +359,7 @@ def auto_mean(
         overlap=overlap,
         overlap_bucket_bytes=overlap_bucket_bytes,
         double_buffering=double_buffering,
+        host_tier=host_tier,
     )
     init_fn, update_fn = transform_fns(fn, cfg)
     update_fn.config = cfg

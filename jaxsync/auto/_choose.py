@@ -228,9 +228,13 @@ def choose(
     thr_opts = CANDIDATE_THRESHOLDS if pack_threshold == AUTO else (pack_threshold,)
     table, seen = [], {}
     wires = [(None, comm_itemsize)] + [(d, LOSSY_WIRE[d]) for d in lossy]
+    leaves = buckets_of(make_plan(tree, per_leaf=True))
     for dtype, itemsize in wires:
+        # the host tier's "auto": most of the bytes 16-bit on this wire
+        wire = [(itemsize or b.itemsize, b.nbytes // b.itemsize) for b in leaves]
+        wire16 = 2 * sum(2 * n for isz, n in wire if isz == 2) > sum(i * n for i, n in wire)
         for s in strategies:
-            per_leaf = _cost_ops.per_leaf_plan(s, topo)
+            per_leaf = _cost_ops.per_leaf_plan(s, topo, wire16)
             for b in buckets_opts:
                 for t in thr_opts:
                     plan = make_plan(tree, bucket_bytes=b, pack_threshold=t, per_leaf=per_leaf)

@@ -104,7 +104,8 @@ class Profile:
         of a synthetic bfloat16 tree.
       topology: ``{"processes", "hosts", "local_devices"}`` it was measured on
         (``None`` for the built-in default); ``tune`` adds ``"per_host"``
-        (processes per host), ``"host_tier"`` (whether it was on),
+        (processes per host), ``"host_tier"`` (its rule: ``"auto"``,
+        16-bit syncs only; ``True``/``False``),
         ``"measured"`` (per link: the processes or devices it was measured
         among) and, inside ``python -m jaxsync cluster``, ``"cluster"`` (the
         shaped link: ``{"link", "rate_bps", "hosts", "procs_per_host"}``).

@@ -84,9 +84,11 @@ class ModelTopology:
       inter_link: override the inter link (e.g. ``"device"`` for a simulated
         host axis in one process).
       host_tier: whether ``flat``, ``hierarchical`` and ``two_dimensional`` reduce
-        over the processes of a host first (``_mpi_backend.MPIBackend.tier``);
-        ``None``: what the native target does with ``JAXSYNC_HOST_TIER=1``,
-        several hosts and several processes on a host.
+        over the processes of a host first (``_mpi_backend.MPIBackend.tier``),
+        with several hosts and several processes on a host: ``True``,
+        ``False``, or ``"auto"`` (for a mostly 16-bit wire, see :meth:`tiers`);
+        ``None``: what the native target does by default (the factories'
+        ``"auto"`` after ``JAXSYNC_HOST_TIER``).
     """
 
     processes: int = 1
@@ -95,7 +97,7 @@ class ModelTopology:
     native: bool = True
     broadcast: bool = True
     inter_link: str | None = None
-    host_tier: bool | None = None
+    host_tier: bool | str | None = None
 
     @property
     def link(self) -> str:
@@ -103,13 +105,27 @@ class ModelTopology:
             return self.inter_link
         return "host" if self.hosts <= 1 else "network"
 
+    def tiers(self, wire16: bool = False) -> bool:
+        """The host tier is in use (processes of a host, then hosts) for a sync
+        most of whose bytes are 16-bit on the wire (``wire16``) or not: the rule
+        of ``_host_tier.chosen``.
+
+        Example:
+          >>> t = ModelTopology(processes=4, hosts=2, host_tier="auto")
+          >>> t.tiers(wire16=True), t.tiers(wire16=False), t.tiered
+          (True, False, False)
+        """
+        option = self.host_tier
+        if option is None:  # the native target's default: "auto" after the override
+            env = os.environ.get("JAXSYNC_HOST_TIER", "").strip()  # _host_tier.override
+            option = {"1": True, "0": False}.get(env, "auto")
+            option = option if self.native and self.broadcast else False
+        return 1 < self.hosts < self.processes and (wire16 if option == "auto" else bool(option))
+
     @property
     def tiered(self) -> bool:
-        """The host tier is in use: processes of a host, then hosts."""
-        if self.host_tier is not None:
-            return self.host_tier and 1 < self.hosts < self.processes
-        on = os.environ.get("JAXSYNC_HOST_TIER", "0").strip() == "1"  # _host_tier.enabled
-        return on and self.native and self.broadcast and 1 < self.hosts < self.processes
+        """The host tier is in use for a float32 (not mostly 16-bit) wire."""
+        return self.tiers(False)
 
     @property
     def per_host(self) -> int:
@@ -174,10 +190,11 @@ def _native_messages(
     return out, copied
 
 
-def per_leaf_plan(strategy: str, topo: ModelTopology) -> bool:
+def per_leaf_plan(strategy: str, topo: ModelTopology, wire16: bool = False) -> bool:
     """Whether ``_sync`` plans this strategy one buffer per leaf (``two_dimensional``
-    over the host tier packs: its slices are cut from buffers, not leaves)."""
-    if strategy == "two_dimensional" and topo.tiered:
+    over the host tier packs: its slices are cut from buffers, not leaves);
+    ``wire16``: most of the sync's bytes are 16-bit on the wire."""
+    if strategy == "two_dimensional" and topo.tiers(wire16):
         return False
     return strategy == "naive" or (
         _alone(topo) and strategy in ("hierarchical", "two_dimensional", "flat")
@@ -205,7 +222,7 @@ def strategy_ops(
     summed as float32 inside a process and travel as 16 bits through an
     all-to-all and an all-gather across processes (with the native target
     between two processes: in its allreduce, like the others). With the host
-    tier (``topo.tiered``) ``flat`` and ``hierarchical`` add a reduce onto the
+    tier (``topo.tiers``) ``flat`` and ``hierarchical`` add a reduce onto the
     host's leader and a broadcast from it (``"host"`` stage and link, float32
     for 16-bit data) around the allreduce among the hosts' leaders;
     ``two_dimensional`` a reduce-scatter and an all-gather over the host around
@@ -230,6 +247,7 @@ def strategy_ops(
     if strategy == "flat" and _alone(topo):
         group = bucket_bytes if bucket_bytes is not None else 1 << 62
     low16 = sum(n for _, n, isz, _ in items if isz == 2)
+    wire16 = 2 * low16 > sum(n for _, n, _, _ in items)  # the host tier's "auto"
     if low16:  # 16-bit data: converted to float32 and back wherever it is summed
         ops.append(Op("local", "strategy16", strategy, 1, (low16,)))
     packed = sum(n for _, n, _, k in items if k > 1)
@@ -277,7 +295,7 @@ def strategy_ops(
 
     bcast = D > 1 and P > 1 and topo.broadcast
     k = len(items)
-    tier = topo.tiered and strategy in ("flat", "hierarchical", "two_dimensional")
+    tier = topo.tiers(wire16) and strategy in ("flat", "hierarchical", "two_dimensional")
     L, H = topo.per_host, topo.hosts
 
     def host(kind, sizes, calls=1):  # the host tier's steps (16-bit summed as f32)

@@ -33,7 +33,7 @@ May import: the standard library, numpy, JAX, mpi4py and ``jaxsync.auto._cost``,
 ``_cost_fit``, ``_auto``, ``_topology``, ``_project``, ``_tune_sync`` (the whole-sync
 part of the calibration), ``_host`` (``--tune-host-allocator``; the profile records
 the allocator's state), ``_tune_tiers`` (the process tiers: shared memory, network),
-``_host_tier`` (whether it is on).
+``_host_tier`` (its rule in this job).
 """
 
 from __future__ import annotations
@@ -150,11 +150,13 @@ def measure_copy(devices: int, sizes, rounds: int, iters: int, comm=None) -> lis
     return out
 
 
-def _tiers_on(topo) -> bool:
-    """Whether the strategies reduce over the host tier in this job."""
-    from jaxsync._comm._host_tier import enabled
+def _tiers_on(topo) -> bool | str:
+    """Whether the strategies reduce over the host tier in this job: ``"auto"``
+    (the default: syncs mostly 16-bit on the wire, see ``ModelTopology.tiers``),
+    or ``True``/``False`` (``JAXSYNC_HOST_TIER``, or no tier in this topology)."""
+    from jaxsync._comm._host_tier import effective
 
-    return enabled() and 1 < topo.hosts < topo.size
+    return effective("auto") if 1 < topo.hosts < topo.size else False
 
 
 def calibrate(

@@ -106,7 +106,7 @@ def _modelled(
         tree,
         bucket_bytes=bucket_bytes,
         pack_threshold=threshold,
-        per_leaf=_cost_ops.per_leaf_plan(strategy, topo),
+        per_leaf=_cost_ops.per_leaf_plan(strategy, topo, jnp.dtype(dtype).itemsize == 2),
     )
     return _cost_ops.predict(strategy, buckets_of(plan), topo, profile, bucket_bytes=bucket_bytes)
 

@@ -30,11 +30,14 @@ def cluster():
     return jaxsync.cluster
 
 
-def worker_env(host_tier: bool = True) -> dict:
+def worker_env(host_tier: bool | None = True) -> dict:
     """The ranks' environment: this checkout and tests/mpi importable, no XLA_FLAGS,
-    the host tier on (``JAXSYNC_HOST_TIER=1``) unless ``host_tier`` is false."""
+    the host tier forced on (``JAXSYNC_HOST_TIER=1``), off (``host_tier=False``:
+    ``0``) or left to the transforms' ``host_tier`` option (``None``: unset)."""
     env = dict(os.environ)
-    env["JAXSYNC_HOST_TIER"] = "1" if host_tier else "0"
+    env.pop("JAXSYNC_HOST_TIER", None)
+    if host_tier is not None:
+        env["JAXSYNC_HOST_TIER"] = "1" if host_tier else "0"
     root = HERE.parent.parent
     env["PYTHONPATH"] = os.pathsep.join(
         [str(root), str(MPI_DIR), str(HERE)]

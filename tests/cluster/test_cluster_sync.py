@@ -4,7 +4,8 @@ The exact cases are the MPI suite's (``tests/mpi/worker_exact.py``: replica
 ``r`` holds ``r + k`` in leaf ``k``, the mean has a closed form), here with the
 ranks spread over 2 hosts whose links are shaped, so the inter-host stage runs
 over TCP between network namespaces, and with 2 or 3 processes on each host,
-so the host tier (processes of a host over shared memory first) is in use.
+so the host tier (processes of a host over shared memory first) can be used:
+by default for syncs mostly 16-bit on the wire (``host_tier="auto"``).
 """
 
 from __future__ import annotations
@@ -34,30 +35,62 @@ TIER_CALLS = {  # the host tier's native targets each strategy calls
 }
 
 
+def _exact_cases(procs: int) -> list:
+    """Every strategy with float32 and bfloat16 on the wire (mean and sum; 3
+    processes: N = 6 or 12 replicas, where float16's mean, always divided
+    first, is not exact by construction: sums only), and for the tiered
+    strategies the tree's own dtypes and the option against the default."""
+    reduces = ("mean", "sum") if procs == 2 else ("sum",)
+    wires = ("-comm_f32", "-comm_bf16")
+    cases = [f"shard_map-{s}-{r}{w}" for s in STRATEGIES for r in reduces for w in wires]
+    extra = ("", "-comm_f32-tier_on", "-comm_bf16-tier_off")
+    return cases + [f"shard_map-{s}-{reduces[0]}{v}" for s in STRATEGIES[1:] for v in extra]
+
+
+def _takes_tier(case: str, env) -> bool:
+    """Whether ``case`` takes the host tier (2 hosts, several processes on each):
+    the environment's override, else the option, else (``"auto"``) whether
+    most of the bytes on the wire are 16-bit."""
+    from mpi_data import LEAVES
+
+    strategy, opts = case.split("-")[1], case.split("-")[3:]
+    if strategy == "naive" or env is False:
+        return False
+    if "tier_on" in opts or "tier_off" in opts:
+        return "tier_on" in opts
+    if opts:
+        return opts == ["comm_bf16"]
+    nbytes = [int(np.prod(shape)) * np.dtype(d).itemsize for _, shape, d in LEAVES]
+    sixteen = [n for n, (_, _, d) in zip(nbytes, LEAVES) if d in ("float16", "bfloat16")]
+    return 2 * sum(sixteen) > sum(nbytes)  # 48 of 92 bytes: the tier
+
+
 @pytest.mark.parametrize(
-    "procs,devices,tier", [(2, 1, True), (2, 2, True), (3, 1, True), (3, 2, True), (2, 1, False)]
+    "procs,devices,env", [(2, 1, None), (2, 2, None), (3, 1, None), (3, 2, None), (2, 1, False)]
 )
-def test_every_strategy_is_exact_on_2_hosts(cluster, tmp_path, procs, devices, tier):
-    """Every replica bit for bit the closed form, with the host tier (several
-    processes on each host) and without it. 3 processes: N = 6 or 12 replicas,
-    where float16's mean (always divided first) is not exact by construction:
-    sums only."""
+def test_every_strategy_is_exact_on_2_hosts(cluster, tmp_path, procs, devices, env):
+    """Every replica bit for bit the closed form, with the default (no
+    ``JAXSYNC_HOST_TIER``: bfloat16 on the wire takes the host tier, float32
+    does not), ``host_tier=True``/``False``, and ``JAXSYNC_HOST_TIER=0`` (no
+    tier for any transform). The lowered step's custom calls say which path
+    each synchronisation took."""
     from test_mpi import TIER_TARGETS, assert_bitwise, stacked_expected
 
-    reduces = ("mean", "sum") if procs == 2 else ("sum",)
-    cases = [
-        f"shard_map-{s}-{r}{v}" for s in STRATEGIES for r in reduces for v in ("", "-comm_bf16")
-    ]
+    cases = _exact_cases(procs)
     cmd = [PY, MPI_DIR / "worker_exact.py", "--out", tmp_path, "--devices", devices]
     r = cluster.run(
         [*cmd, "--cases", ",".join(cases)],
         hosts=2,
         procs_per_host=procs,
-        env=worker_env(host_tier=tier),
-        timeout=360,
+        env=worker_env(host_tier=env),
+        timeout=480,
     )
     assert r.returncode == 0, r.output
     n = 2 * procs
+    tiered = [c for c in cases if _takes_tier(c, env)]
+    if env is None:  # the default path, per synchronisation
+        assert f"shard_map-hierarchical-{'mean' if procs == 2 else 'sum'}-comm_bf16" in tiered
+        assert not [c for c in tiered if "comm_f32" in c and "tier_on" not in c], tiered
     for rank, res in enumerate(results(tmp_path, n)):
         assert res["meta"] == dict(rank=rank, size=n, devices=devices)
         for case in cases:
@@ -66,7 +99,7 @@ def test_every_strategy_is_exact_on_2_hosts(cluster, tmp_path, procs, devices, t
             want = stacked_expected(n * devices, devices, case.split("-")[2])
             assert_bitwise(got, want, f"rank {rank} {case}")
             calls = {t for t, _ in res["calls:" + case]}
-            want_calls = TIER_CALLS[case.split("-")[1]] if tier else set()
+            want_calls = TIER_CALLS[case.split("-")[1]] if case in tiered else set()
             assert calls & TIER_TARGETS == want_calls, (case, calls)
 
 

@@ -12,7 +12,8 @@ For the shard_map cases the custom calls of the lowered step are recorded too,
 to check that ``staging`` and ``comm_dtype`` really change the transport.
 
 Cases: every strategy x {mean, sum} under jit(shard_map), also with
-comm_dtype=bfloat16; staging="host" for every strategy; vmap for every strategy; pmap for
+comm_dtype=bfloat16 (and, asked for by name, other options: see ``made``);
+staging="host" for every strategy; vmap for every strategy; pmap for
 hierarchical and two_dimensional.
 """
 
@@ -104,10 +105,25 @@ def main():
             for m in re.finditer(r"custom_call @(\w+)\(.*?\)\s.*?:\s*\(([^)]*)\)\s*->", text)
         ]
 
+    def made(key):
+        """``shard_map-{strategy}-{reduce}`` with options (``-comm_f32``,
+        ``-comm_bf16``; ``-tier_on``/``-tier_off``: ``host_tier=True``/``False``),
+        the transform made now (on every rank: the cases are the same)."""
+        _, name, reduce, *opts = key.split("-")
+        kw = dict(reduce=reduce)
+        for o in opts:
+            kw |= dict(
+                comm_f32=dict(comm_dtype=jnp.float32),
+                comm_bf16=dict(comm_dtype=jnp.bfloat16),
+                tier_on=dict(host_tier=True),
+                tier_off=dict(host_tier=False),
+            )[o]
+        return functools.partial(sharded, factories[name](axis_name="d", comm=comm, **kw))
+
     wanted = list(cases) if ns.cases == "all" else ns.cases.split(",")
     for key in wanted:
         try:
-            fn = cases[key]()
+            fn = (cases[key] if key in cases else made(key))()
             x = inputs.get(key, local)
             if key.startswith("shard_map-"):
                 res.add("calls:" + key, custom_calls(fn, x))
