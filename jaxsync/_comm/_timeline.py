@@ -84,9 +84,20 @@ def _drain(lib) -> np.ndarray:
     return np.concatenate(chunks) if chunks else np.empty((0, _FIELDS), np.int64)
 
 
+_seen: dict[int, str] = {}  # the names of communicators since freed (at exit)
+
+
+def _remember() -> None:
+    _seen.update(comm_labels())
+
+
+_topology.before_free.append(_remember)
+
+
 def comm_labels() -> dict[int, str]:
-    """Communicator handles (``py2f``) of every jaxsync communicator, named."""
-    labels: dict[int, str] = {}
+    """Communicator handles (``py2f``) of every jaxsync communicator, named
+    (also those freed since the process started: at exit they go first)."""
+    labels: dict[int, str] = dict(_seen)
     for comms in list(_topology.Comms._cache.values()):
         if comms.freed:
             continue

@@ -317,6 +317,8 @@ def free_communicators(comm: Any = None) -> int:
       >>> jaxsync.free_communicators()  # nothing made in this process yet
       0
     """
+    for hook in list(before_free):
+        hook()
     if comm is None:
         victims = list(Comms._cache.values())
         Comms._cache.clear()
@@ -330,6 +332,11 @@ def free_communicators(comm: Any = None) -> int:
     for c in victims:
         c.free()
     return len(victims)
+
+
+before_free: list = []
+"""Callables run before jaxsync frees communicators (at exit, or by
+:func:`free_communicators`): the timeline reads their names there."""
 
 
 def _drain() -> None:

@@ -100,3 +100,13 @@ def test_the_command_merges_the_ranks_and_draws_them(timeline_run):
     assert {e["pid"] for e in merged["traceEvents"]} == {0, 1}
     assert (d / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "rank 0: " in r.stdout and "rank 1: " in r.stdout
+
+
+def test_the_environment_variable_records_the_whole_run_with_names(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSYNC_TIMELINE", str(tmp_path / "tl"))
+    run_mpi("worker_timeline_env.py", n=2, devices=1, timeout=180).check()
+    for rank in range(2):
+        doc = json.loads((tmp_path / "tl" / f"rank{rank}.json").read_text())
+        calls = [(e["name"], e["args"]["communicator"], e["args"]["bytes"]) for e in _calls(doc)]
+        # Named although jaxsync freed its communicators at exit before the file was written.
+        assert calls == [("agree", "agreement", 0), ("allreduce", "world", 256)] * 3, calls
