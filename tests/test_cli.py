@@ -11,6 +11,8 @@ import numpy as np
 import optax
 import pytest
 
+from jaxsync._cli._selftest import table_rows as _selftest_rows
+
 ROOT = Path(__file__).resolve().parents[1]
 MPIRUN = str(Path(sys.executable).with_name("mpirun"))
 
@@ -157,22 +159,6 @@ _NEW_CASES = (
     "powersgd rank 2",
     "sign",
 )
-
-
-def _selftest_rows(out: str) -> dict[str, tuple[str, str]]:
-    """The strategies table of selftest's output: case -> (PASS or FAIL, detail)."""
-    rows: dict[str, tuple[str, str]] = {}
-    last = None
-    for line in out.splitlines():
-        cells = [c.strip() for c in line.split("│")[1:-1]]
-        if len(cells) != 3:
-            continue
-        if cells[1] in ("PASS", "FAIL"):
-            last = cells[0]
-            rows[last] = (cells[1], cells[2])
-        elif last is not None and not cells[0] and not cells[1]:  # a wrapped detail
-            rows[last] = (rows[last][0], f"{rows[last][1]} {cells[2]}")
-    return rows
 
 
 def test_selftest_check_values_are_exact_for_every_replica_count():

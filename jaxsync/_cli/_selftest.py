@@ -230,3 +230,20 @@ def _print(tops, problems, cases, notes, bws) -> None:
             )
         console.print(table)
     sys.stdout.flush()
+
+
+def table_rows(out: str) -> dict[str, tuple[str, str]]:
+    """The strategies table of selftest's printed output: case -> (PASS or FAIL,
+    detail), wrapped details joined (what the tests read)."""
+    rows: dict[str, tuple[str, str]] = {}
+    last = None
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.split("\u2502")[1:-1]]
+        if len(cells) != 3:
+            continue
+        if cells[1] in ("PASS", "FAIL"):
+            last = cells[0]
+            rows[last] = (cells[1], cells[2])
+        elif last is not None and not cells[0] and not cells[1]:  # a wrapped detail
+            rows[last] = (rows[last][0], f"{rows[last][1]} {cells[2]}")
+    return rows

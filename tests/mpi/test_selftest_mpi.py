@@ -8,6 +8,8 @@ import sys
 
 from mpi_harness import MPIRUN, ROOT, requires_mpi, run_command, run_mpi
 
+from jaxsync._cli._selftest import table_rows as _rows
+
 pytestmark = requires_mpi
 
 
@@ -39,22 +41,6 @@ CASES = [
     "powersgd rank 2",
     "sign",
 ]
-
-
-def _rows(out: str) -> dict[str, tuple[str, str]]:
-    """The strategies table of rank 0's output: case -> (PASS or FAIL, detail)."""
-    rows: dict[str, tuple[str, str]] = {}
-    last = None
-    for line in out.splitlines():
-        cells = [c.strip() for c in line.split("│")[1:-1]]
-        if len(cells) != 3:
-            continue
-        if cells[1] in ("PASS", "FAIL"):
-            last = cells[0]
-            rows[last] = (cells[1], cells[2])
-        elif last is not None and not cells[0] and not cells[1]:  # a wrapped detail
-            rows[last] = (rows[last][0], f"{rows[last][1]} {cells[2]}")
-    return rows
 
 
 def test_selftest_passes_on_two_processes():
