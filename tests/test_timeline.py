@@ -113,3 +113,16 @@ def test_steps_only_without_mpi_and_the_environment_variable(tmp_path):
     assert r.returncode == 0, r.stderr
     doc = json.loads((tmp_path / "env" / "rank0.json").read_text())
     assert doc["otherData"]["rank"] == 0
+
+
+def test_a_communicator_without_handles_does_not_break_freeing(monkeypatch):
+    """A stand-in communicator (the tests' fakes) in jaxsync's cache: the timeline's
+    names skip it, and free_communicators (which asks for them first) still frees."""
+    from jaxsync._comm import _topology
+
+    class Fake:
+        freed = False
+
+    monkeypatch.setitem(_topology.Comms._cache, -1, Fake())
+    assert isinstance(_timeline.comm_labels(), dict)
+    _timeline._remember()

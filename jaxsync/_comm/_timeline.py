@@ -101,17 +101,24 @@ def comm_labels() -> dict[int, str]:
     for comms in list(_topology.Comms._cache.values()):
         if comms.freed:
             continue
-        labels[comms.world.py2f()] = "world"
-        labels[comms.agreement.py2f()] = "agreement"
-        for d, c in enumerate(comms._devices):
-            labels.setdefault(c.py2f(), f"world, device {d}")
-        tier = comms.tier
-        if tier is not None:
-            for d, (h, x) in enumerate(zip(tier.host, tier.cross)):
-                labels[h.py2f()] = f"host, device {d}"
-                labels[x.py2f()] = (
-                    f"leaders, device {d}" if tier.local_rank == 0 else f"cross, device {d}"
-                )
+        try:
+            labels.update(_labels_of(comms))
+        except Exception:  # noqa: BLE001 - not an mpi4py communicator (a test's stand-in)
+            continue
+    return labels
+
+
+def _labels_of(comms) -> dict[int, str]:
+    labels = {comms.world.py2f(): "world", comms.agreement.py2f(): "agreement"}
+    for d, c in enumerate(comms._devices):
+        labels.setdefault(c.py2f(), f"world, device {d}")
+    tier = comms.tier
+    if tier is not None:
+        for d, (h, x) in enumerate(zip(tier.host, tier.cross)):
+            labels[h.py2f()] = f"host, device {d}"
+            labels[x.py2f()] = (
+                f"leaders, device {d}" if tier.local_rank == 0 else f"cross, device {d}"
+            )
     return labels
 
 
