@@ -106,7 +106,11 @@ setup(
     ext_modules=[
         Extension(
             "jaxsync._comm._native._jaxsync_mpi",
-            sources=["jaxsync/_comm/_native/mpi_ffi.cc"],
+            sources=[
+                f"jaxsync/_comm/_native/{name}.cc"
+                for name in ("mpi_ffi", "sums", "low16", "move", "agree", "tier")
+            ],
+            depends=["jaxsync/_comm/_native/mpi_ffi.h"],
             language="c++",
         )
     ],
