@@ -145,3 +145,90 @@ def test_python_m_jaxsync_bench_help_and_unknown_suite():
         env=env,
     )
     assert proc.returncode == 1 and "unknown suite 'nosuch'" in proc.stderr, proc.stderr
+
+
+def test_cpu_meter_adds_up_the_machines_busy_share():
+    """``timing.CpuMeter``: /proc/stat's busy ticks over all ticks, over every block."""
+    from jaxsync.bench import timing
+
+    busy0, total0 = timing.cpu_ticks()
+    assert 0 <= busy0 <= total0 and total0 > 0  # Linux: /proc/stat is there
+    meter = timing.CpuMeter()
+    for _ in range(2):
+        with meter:
+            t = timing.time.perf_counter()
+            while timing.time.perf_counter() - t < 0.15:  # a busy loop: >= 1 core busy
+                pass
+    cores = os.cpu_count() or 1
+    assert meter.wall_s >= 0.3 and meter.total > 0
+    # a busy loop on one core; the machine is shared, so it may get less of one
+    assert 0.1 / cores <= meter.machine <= 1.0, meter.machine
+    assert 0.1 / cores <= meter.own <= 1.0 / cores + 0.1, meter.own
+    machine, ranks = timing.ranks_share([meter, timing.CpuMeter()])
+    assert machine[0] == round(meter.machine, 3) and ranks[0] == round(meter.own, 3)
+    assert math.isnan(machine[1]) and math.isnan(ranks[1])  # nothing measured
+
+
+def test_every_row_carries_its_cpu_share():
+    from jaxsync.bench import timing
+
+    cases = [
+        timing.Case("base", "base", None),
+        timing.Case("sync", "jaxsync", "base"),
+        timing.Case("bare", "bare", "base"),
+    ]
+    samples = [[0.010, 0.030, 0.020]]
+    rows = timing.make_rows(
+        "mpi",
+        "t",
+        (1, 2, 8),
+        cases,
+        [1, 1, 1],
+        samples,
+        [[0, 0, 0]],
+        cpu=([0.1, 0.9, 0.2], [0.05, 0.8, 0.1]),
+    )
+    assert [(r.method, r.cpu_busy, r.cpu_ranks) for r in rows] == [
+        ("sync", 0.9, 0.8),
+        ("bare", 0.2, 0.1),
+    ]
+    assert math.isnan(
+        timing.make_rows("mpi", "t", (1, 2, 8), cases, [1] * 3, samples, [[0] * 3])[0].cpu_busy
+    )
+
+
+def test_cluster_table_has_the_cpu_share_beside_each_figure(tmp_path):
+    from jaxsync.bench import cluster
+
+    cfg = cluster.Config(2, 1, 1, "100mbit")
+    rows = [
+        dict(
+            tree="t",
+            method="hierarchical",
+            kind="jaxsync",
+            tree_bytes=10**6,
+            ms=90.0,
+            cpu_busy=0.21,
+            cpu_scope="case",
+        ),
+        dict(
+            tree="t",
+            method="sign (compress suite)",
+            kind="compress",
+            tree_bytes=None,
+            ms=9.0,
+            step_ms=20.0,
+            cpu_busy=0.8,
+            cpu_scope="run",
+        ),
+        dict(tree="t", method="bare", kind="bare", tree_bytes=10**6, ms=95.0),
+    ]
+    res = dict(config=cluster.dataclasses.asdict(cfg), name=cfg.name, rate_bps=1e8, rows=rows)
+    table, targets = cluster.summarise([res])
+    cluster.write(tmp_path, [res], table, targets, {})
+    md = (tmp_path / "cluster.md").read_text()
+    assert "| ms | x link limit | CPU busy |" in md
+    assert "| hierarchical | 90.0 | 1.12 | 21% |" in md
+    assert "| 9.0 | 0.11 | 80% (run) |" in md and "| bare | 95.0 | 1.19 | - |" in md
+    saved = json.loads((tmp_path / "cluster.json").read_text())["table"]
+    assert [r.get("cpu_busy") for r in saved] == [0.21, 0.8, None]

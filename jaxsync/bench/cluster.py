@@ -9,12 +9,14 @@ and putting every row beside **the link's limit**: the bytes each host must send
 over its link in any allreduce between ``H`` hosts (``2 (H-1)/H`` of the tree;
 the whole tree for 2 hosts), over the link rate measured in the same run (MPI
 messages both ways between host 0 and host 1, before each configuration's
-benchmark). Writes ``cluster.json`` (every row, the measured rates, the
-commands), ``cluster.md`` (the summary table) and ``cluster.png`` (each method's
-time over the link's limit).
+benchmark). Beside every figure ``cpu_busy``: the machine's busy CPU share
+while it was timed (``timing.CpuMeter``, ``/proc/stat``), per case for the MPI
+bench's rows, over the whole run for the compression suite's. Writes
+``cluster.json`` (rows, rates, commands), ``cluster.md`` (the table),
+``cluster.png`` (each method's time over the link's limit).
 What it may import: numpy, matplotlib, ``jaxsync.cluster``, the standard library,
-and mpi4py in the rate probe (run as ``python -m jaxsync.bench.cluster probe``
-inside the cluster).
+``timing.CpuMeter``, and mpi4py in the rate probe (run as
+``python -m jaxsync.bench.cluster probe`` inside the cluster).
 
 Example:
   >>> from jaxsync.bench import cluster
@@ -35,6 +37,12 @@ import time
 from pathlib import Path
 
 PROBE_BYTES = 16_000_000
+CPU_NOTE = (
+    "CPU busy: the share of the machine's CPU time busy while the row's case was timed "
+    "(/proc/stat, every process and the kernel's network work; 'run': over the compression "
+    "suite's whole run). Low: the wire set the time; near 100%: the CPUs did, or MPI polled "
+    "while it waited (a row near 1.0x the link's limit is wire-bound whatever its share)."
+)
 
 
 def limit_ms(tree_bytes: float, hosts: int, rate_bps: float) -> float:
@@ -83,21 +91,26 @@ def probe() -> int:
     return 0
 
 
-def _run(cfg: Config, cmd: list[str], timeout: float, log) -> tuple[int, str]:
+def _run(cfg: Config, cmd: list[str], timeout: float, log) -> tuple[int, str, float]:
+    """Run ``cmd`` in the cluster: its exit status, output and the share of the
+    machine's CPU time busy while it ran (the hosts share this machine)."""
     from jaxsync import cluster
 
+    from .timing import CpuMeter
+
     log(f"[cluster bench] {cfg.name}: {' '.join(cmd[1:])}")
-    r = cluster.run(
-        cmd,
-        hosts=cfg.hosts,
-        procs_per_host=cfg.procs,
-        link=cfg.link,
-        devices=cfg.devices,
-        timeout=timeout,
-    )
+    with CpuMeter() as meter:
+        r = cluster.run(
+            cmd,
+            hosts=cfg.hosts,
+            procs_per_host=cfg.procs,
+            link=cfg.link,
+            devices=cfg.devices,
+            timeout=timeout,
+        )
     if r.returncode != 0:
         log(r.output[-4000:])
-    return r.returncode, r.output
+    return r.returncode, r.output, round(meter.machine, 3)
 
 
 def measure(cfg: Config, out: Path, args, log) -> dict:
@@ -105,7 +118,7 @@ def measure(cfg: Config, out: Path, args, log) -> dict:
     py = sys.executable
     d = out / cfg.name
     d.mkdir(parents=True, exist_ok=True)
-    rc, text = _run(cfg, [py, "-m", "jaxsync.bench.cluster", "probe"], 120, log)
+    rc, text, _ = _run(cfg, [py, "-m", "jaxsync.bench.cluster", "probe"], 120, log)
     rate = None
     for line in text.splitlines():
         if '"rate_bps"' in line:
@@ -113,10 +126,10 @@ def measure(cfg: Config, out: Path, args, log) -> dict:
     bench = [py, "-m", "jaxsync", "bench", "--no-sweeps", "--devices", str(cfg.devices)]
     bench += ["--repeats", str(args.repeats), "--out", str(d)]
     bench += ["--quick"] if args.quick else ["--trees", *args.trees]
-    rc_b, _ = _run(cfg, bench, args.timeout, log)
+    rc_b, _, cpu_b = _run(cfg, bench, args.timeout, log)
     comp = [py, "-m", "jaxsync", "bench", "--suite", "compress", "--out", str(d)]
     comp += ["--quick"] if args.quick else ["--rounds", str(args.repeats)]
-    rc_c, _ = _run(cfg, comp, args.timeout, log)
+    rc_c, _, cpu_c = _run(cfg, comp, args.timeout, log)
     rows = []
     if rc_b == 0:
         for r in json.loads((d / "mpi.json").read_text())["rows"]:
@@ -130,6 +143,9 @@ def measure(cfg: Config, out: Path, args, log) -> dict:
                         ms=r["median_ms"],
                         q25_ms=r["q25_ms"],
                         q75_ms=r["q75_ms"],
+                        cpu_busy=r.get("cpu_busy", float("nan")),
+                        cpu_ranks=r.get("cpu_ranks", float("nan")),
+                        cpu_scope="case",
                     )
                 )
     if rc_c == 0:
@@ -145,12 +161,15 @@ def measure(cfg: Config, out: Path, args, log) -> dict:
                     tree_bytes=full.get(r["tree"]),
                     ms=r["marginal_ms"],
                     step_ms=r["base_step_ms"] + r["marginal_ms"],
+                    cpu_busy=cpu_c,
+                    cpu_scope="run",
                 )
             )
     return dict(
         config=dataclasses.asdict(cfg),
         name=cfg.name,
         rate_bps=rate,
+        cpu_busy_runs=dict(bench=cpu_b, compress=cpu_c),
         returncodes=dict(probe=rc, bench=rc_b, compress=rc_c),
         rows=rows,
     )
@@ -205,10 +224,14 @@ def write(out: Path, results, table, targets, meta) -> list[Path]:
     paths[0].write_text(
         json.dumps(dict(meta=meta, results=results, table=table, targets=targets), indent=1)
     )
-    lines = ["| configuration | tree | method | ms | x link limit |", "|---|---|---|---|---|"]
+    lines = [
+        "| configuration | tree | method | ms | x link limit | CPU busy |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in table:
         lines.append(
-            f"| {r['config']} | {r['tree']} | {r['method']} | {r['ms']:.1f} | {r['x_limit']:.2f} |"
+            f"| {r['config']} | {r['tree']} | {r['method']} | {r['ms']:.1f} | "
+            f"{r['x_limit']:.2f} | {_share(r)} |"
         )
     lines += ["", "| configuration | tree | target | value | |", "|---|---|---|---|---|"]
     for t in targets:
@@ -220,10 +243,16 @@ def write(out: Path, results, table, targets, meta) -> list[Path]:
         f"{r['name']}: {r['rate_bps'] / 1e9:.3f} Gb/s" for r in results if r["rate_bps"]
     )
     lines += ["", f"Measured link rates (MPI, both ways at once): {rates}."]
+    lines.append(CPU_NOTE)
     paths[1].write_text("\n".join(lines) + "\n")
     if table:
         paths.append(_plot(out / "cluster.png", table))
     return paths
+
+
+def _share(row: dict) -> str:
+    v = row.get("cpu_busy", float("nan"))
+    return "-" if v != v else f"{v:.0%}" + (" (run)" if row.get("cpu_scope") == "run" else "")
 
 
 def _plot(path: Path, table) -> Path:
@@ -332,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         cpus=os.cpu_count(),
         loadavg_end=os.getloadavg(),
         date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        cpu_busy="share of the machine's CPU time busy while each row was timed (/proc/stat)",
     )
     for path in write(args.out, results, table, targets, meta):
         print(f"wrote {path}")

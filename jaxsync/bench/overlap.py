@@ -25,6 +25,10 @@ and ``overlap-<mode>.png`` (matplotlib, if installed) to ``--out``.
 
 Figures on a shared machine are noisy: read ratios from one run.
 
+Beside each figure: the share of the machine's CPU time that was busy during
+that case's timed calls (``timing.CpuMeter``: ``/proc/stat``, every process,
+the kernel's network work included) and the ranks' own CPU share.
+
 What it may import: numpy, jax, optax, mpi4py, ``jaxsync`` (public API) and the
 other ``jaxsync.bench`` modules.
 """
@@ -38,6 +42,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+from .timing import CpuMeter, ranks_share
 
 MiB = 2**20
 
@@ -94,21 +100,27 @@ def _cases(comm, buckets):
     return cases
 
 
-def _time(fn, iters, comm):
-    """Median seconds per call over ``iters`` calls, the slowest rank's."""
+def _time(fn, iters, comm, meter=None):
+    """Median seconds per call over ``iters`` calls, the slowest rank's; the calls'
+    CPU use added to ``meter`` (a ``timing.CpuMeter``)."""
+    from contextlib import nullcontext
+
     from mpi4py import MPI
 
     comm.Barrier()
     times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+    with meter if meter is not None else nullcontext():
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
     return comm.allreduce(statistics.median(times), op=MPI.MAX)
 
 
 def measure(comm, layers, width, batch, buckets, rounds, iters):
-    """Median step seconds per case (interleaved rounds) and the bare allreduce."""
+    """Median step seconds per case (interleaved rounds) and the bare allreduce,
+    the samples, the gradients' bytes and each case's CPU share
+    (``{case: {"machine", "ranks"}}``, see ``timing.CpuMeter``)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -144,10 +156,14 @@ def measure(comm, layers, width, batch, buckets, rounds, iters):
         for _ in range(2):
             fn()
     samples: dict = {k: [] for k in fns}
+    meters = {k: CpuMeter() for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
-            samples[k].append(_time(fn, iters, comm))
-    return {k: statistics.median(v) for k, v in samples.items()}, samples, nbytes
+            samples[k].append(_time(fn, iters, comm, meters[k]))
+    machine, ranks = ranks_share(list(meters.values()), comm)
+    cpu = {k: {"machine": m, "ranks": r} for k, m, r in zip(meters, machine, ranks)}
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    return med, samples, nbytes, cpu
 
 
 def targets(med: dict, shared_memory: bool) -> list[dict]:
@@ -280,12 +296,12 @@ def main(argv: list[str] | None = None) -> int:
 
     tuned = jaxsync.tune_host_allocator()
     hosts = jaxsync.topology(comm).hosts
-    med, samples, nbytes = measure(
+    mode = "cluster" if hosts > 1 else "shm"
+    med, samples, nbytes, cpu = measure(
         comm, args.layers, args.width, args.batch, args.buckets, args.rounds, args.iters
     )
     if comm.Get_rank() != 0:
         return 0
-    mode = "cluster" if hosts > 1 else "shm"
     checks = targets(med, shared_memory=hosts == 1)
     floor = max(med["nosync"], med["bare"])
     print(
@@ -294,9 +310,21 @@ def main(argv: list[str] | None = None) -> int:
         f"{nbytes / 1e6:.1f} MB of gradients; median of {args.rounds} rounds x "
         f"{args.iters} calls, slowest rank; load average {os.getloadavg()[0]:.1f}"
     )
-    print(f"{'case':<16} {'ms/step':>9} {'/max(nosync,bare)':>18} {'/blocking':>10}")
+    print(
+        f"{'case':<16} {'ms/step':>9} {'/max(nosync,bare)':>18} {'/blocking':>10} "
+        f"{'CPU busy':>9} {'ranks CPU':>10}"
+    )
     for k, v in med.items():
-        print(f"{k:<16} {v * 1e3:>9.1f} {v / floor:>18.2f} {v / med['blocking']:>10.2f}")
+        print(
+            f"{k:<16} {v * 1e3:>9.1f} {v / floor:>18.2f} {v / med['blocking']:>10.2f} "
+            f"{cpu[k]['machine']:>9.0%} {cpu[k]['ranks']:>10.0%}"
+        )
+    print(
+        "CPU busy: share of the machine's CPU time busy during the case's timed calls "
+        "(/proc/stat, every process); ranks CPU: the ranks' own CPU seconds over wall "
+        "x cores. Low: the wire set the time; near 100%: the CPUs did, or MPI polled "
+        "while it waited (bare against the bytes over the link rate tells which)."
+    )
     print("targets:")
     for t in checks:
         op = ">=" if t.get("at_least") else "<="
@@ -322,7 +350,13 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     path = args.out / f"overlap-{mode}.json"
-    record = {"meta": meta, "median_s": med, "samples_s": samples, "targets": checks}
+    record = {
+        "meta": meta,
+        "median_s": med,
+        "cpu_busy": cpu,
+        "samples_s": samples,
+        "targets": checks,
+    }
     path.write_text(json.dumps(record, indent=1))
     print(f"wrote {path}")
     try:

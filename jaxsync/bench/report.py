@@ -204,6 +204,7 @@ def print_report(rows: list[Row], targets: list[Target], meta: dict) -> None:
         "ops",
         "faults",
         "compile s",
+        "CPU",
     ):
         table.add_column(col, justify="left" if col in ("tree", "method") else "right")
     last = None
@@ -224,6 +225,7 @@ def print_report(rows: list[Row], targets: list[Target], meta: dict) -> None:
             str(r.ops),
             f"{r.faults_per_call:.0f}",
             f"{r.compile_s:.2f}",
+            "-" if r.cpu_busy != r.cpu_busy else f"{r.cpu_busy:.0%}",
             style=style,
         )
         last = r.tree
@@ -232,7 +234,9 @@ def print_report(rows: list[Row], targets: list[Target], meta: dict) -> None:
         "[dim]ms: marginal cost (step with sync - step without); x bare: ratio of "
         "medians to the bare collective of the same bytes; wire: modelled bytes "
         "sent per replica; arrays: arrays handed to collectives; ops: collective "
-        "instructions after XLA; faults: extra minor page faults per call. "
+        "instructions after XLA; faults: extra minor page faults per call; CPU: "
+        "share of the machine's CPU time busy while the case ran (/proc/stat: low, "
+        "the wire set the time; near 100%, the CPUs did, or MPI polled). "
         f"{'Host allocator tuned. ' if meta['tune_host_allocator'] else ''}"
         f"{meta['seconds']} s, load average {meta['loadavg_start'][0]:.1f} -> "
         f"{meta['loadavg_end'][0]:.1f}.[/dim]"

@@ -13,6 +13,11 @@ Example:
   >>> seconds, faults = timing.time_calls(lambda: None, iters=3)
   >>> seconds >= 0
   True
+  >>> meter = timing.CpuMeter()
+  >>> with meter:
+  ...     _ = sum(range(10_000))
+  >>> 0.0 <= meter.machine <= 1.0 or meter.machine != meter.machine  # NaN: no /proc/stat
+  True
 """
 
 from __future__ import annotations
@@ -107,19 +112,107 @@ def compile_cases(cases: list[Case], axis_size: int, procs: int) -> None:
                 c.compile_s = time.perf_counter() - t0
 
 
-def time_calls(fn: Callable[[], Any], iters: int, barrier=None) -> tuple[float, float]:
+def cpu_ticks() -> tuple[int, int]:
+    """``(busy, total)`` clock ticks of all the machine's CPUs since boot, from the
+    first line of ``/proc/stat`` (``(0, 0)`` where there is none): busy is every
+    field but idle and iowait (user, nice, system, irq, softirq, steal - the
+    kernel's TCP and ``tc`` shaping work included, whoever it runs for)."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = [int(v) for v in fh.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    total = sum(fields)
+    return total - idle, total
+
+
+def own_cpu_s() -> float:
+    """CPU seconds (user + system, every thread) this process has used."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+class CpuMeter:
+    """How busy the CPUs were while timed things ran: a context manager that adds
+    up, over every ``with`` block, the machine's busy and total ticks
+    (:func:`cpu_ticks`), this process's CPU seconds and the wall seconds.
+
+    ``machine``: the share of all the machine's CPU time that was busy (any
+    process: the ranks, the kernel's network work, and whatever else runs);
+    ``own``: this process's CPU seconds over wall seconds x cores. A row whose
+    ``machine`` share is low was waiting (on the wire); near 1, the CPUs set the
+    time. Sum ``own_s`` over the ranks for the ranks' share (:func:`ranks_share`).
+    """
+
+    def __init__(self) -> None:
+        self.busy = self.total = 0
+        self.own_s = self.wall_s = 0.0
+        self._start: tuple = ()
+
+    def __enter__(self) -> CpuMeter:
+        self._start = (*cpu_ticks(), own_cpu_s(), time.perf_counter())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        b0, t0, o0, w0 = self._start
+        b1, t1 = cpu_ticks()
+        self.busy += b1 - b0
+        self.total += t1 - t0
+        self.own_s += own_cpu_s() - o0
+        self.wall_s += time.perf_counter() - w0
+
+    @property
+    def machine(self) -> float:
+        return self.busy / self.total if self.total > 0 else float("nan")
+
+    @property
+    def own(self) -> float:
+        cores = os.cpu_count() or 1
+        return self.own_s / (self.wall_s * cores) if self.wall_s > 0 else float("nan")
+
+
+def ranks_share(meters: list[CpuMeter], comm=None) -> tuple[list[float], list[float]]:
+    """Per meter: the machine's busy share (the busiest rank's reading: on a real
+    cluster each host has its own CPUs) and the ranks' share (their CPU seconds
+    summed over the ranks, over the slowest rank's wall seconds x this machine's
+    cores: all ranks on one machine, as in the emulated cluster). Collective
+    over ``comm`` (None: this process alone)."""
+    machine = np.array([m.machine for m in meters], np.float64)
+    own = np.array([m.own_s for m in meters], np.float64)
+    wall = np.array([m.wall_s for m in meters], np.float64)
+    if comm is not None:
+        from mpi4py import MPI
+
+        machine = np.nan_to_num(machine, nan=-1.0)
+        comm.Allreduce(MPI.IN_PLACE, machine, op=MPI.MAX)
+        machine[machine < 0] = np.nan
+        comm.Allreduce(MPI.IN_PLACE, own, op=MPI.SUM)
+        comm.Allreduce(MPI.IN_PLACE, wall, op=MPI.MAX)
+    cores = os.cpu_count() or 1
+    ranks = np.where(wall > 0, own / np.maximum(wall, 1e-12) / cores, np.nan)
+    return [round(float(x), 3) for x in machine], [round(float(x), 3) for x in ranks]
+
+
+def time_calls(
+    fn: Callable[[], Any], iters: int, barrier=None, meter: CpuMeter | None = None
+) -> tuple[float, float]:
     """Median seconds of ``iters`` calls of ``fn`` (each blocked until ready) and
-    the minor page faults per call. ``barrier`` synchronises processes first."""
+    the minor page faults per call. ``barrier`` synchronises processes first;
+    ``meter`` adds up the calls' CPU use."""
+    import contextlib
+
     import jax
 
     if barrier is not None:
         barrier()
     faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
+    with meter if meter is not None else contextlib.nullcontext():
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - t0)
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / iters
     return statistics.median(times), faults
 
@@ -151,6 +244,10 @@ class Row:
     correct: bool | None  # the result is the mean (None: not a mean)
     samples_ms: list[float]
     work: str = ""  # Case.work: equal for programs that differ only in the agreement check
+    # The share of the machine's CPU time busy during this case's timed calls
+    # (CpuMeter.machine, the busiest rank's) and the ranks' own (ranks_share).
+    cpu_busy: float = float("nan")
+    cpu_ranks: float = float("nan")
 
 
 def check_results(cases: list[Case]) -> dict[str, bool]:
@@ -193,8 +290,12 @@ def check_results(cases: list[Case]) -> dict[str, bool]:
     return out
 
 
-def make_rows(mode, tree_name, info, cases, iters, samples, faults, correct=None) -> list[Row]:
-    """Marginal statistics per case; ``samples[r, i]``: round r, case i (seconds)."""
+def make_rows(
+    mode, tree_name, info, cases, iters, samples, faults, correct=None, cpu=None
+) -> list[Row]:
+    """Marginal statistics per case; ``samples[r, i]``: round r, case i (seconds);
+    ``cpu``: ``(machine, ranks)`` shares per case (``ranks_share``)."""
+    machine, ranks = cpu or ([float("nan")] * len(cases), [float("nan")] * len(cases))
     index = {c.method: i for i, c in enumerate(cases)}
     samples = np.asarray(samples) * 1e3
     faults = np.median(np.asarray(faults), axis=0)
@@ -238,6 +339,8 @@ def make_rows(mode, tree_name, info, cases, iters, samples, faults, correct=None
                 (correct or {}).get(c.method),
                 [round(float(x), 4) for x in m],
                 c.work,
+                machine[index[c.method]],
+                ranks[index[c.method]],
             )
         )
     return rows
@@ -277,12 +380,17 @@ def run_tree(
     )
     samples = np.zeros((repeats, len(cases)))
     faults = np.zeros((repeats, len(cases)))
+    meters = [CpuMeter() for _ in cases]
     for r in range(repeats):
         k = r % len(cases)  # rotate the order so no case always follows the same one
         for i in [*range(k, len(cases)), *range(k)]:
-            samples[r, i], faults[r, i] = time_calls(cases[i].run, iters[i], bench.barrier)
+            samples[r, i], faults[r, i] = time_calls(
+                cases[i].run, iters[i], bench.barrier, meters[i]
+            )
     if bench.comm is not None:  # a step is done when the slowest process is
         from mpi4py import MPI
 
         bench.comm.Allreduce(MPI.IN_PLACE, samples, op=MPI.MAX)
-    return make_rows(bench.mode, tree_name, info, cases, iters, samples, faults, correct), skipped
+    cpu = ranks_share(meters, bench.comm)
+    rows = make_rows(bench.mode, tree_name, info, cases, iters, samples, faults, correct, cpu)
+    return rows, skipped

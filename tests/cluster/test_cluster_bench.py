@@ -32,3 +32,10 @@ def test_cluster_suite_quick(cluster, tmp_path):
         # the link's limit: the whole tree over the measured rate (2 hosts)
         assert abs(row["limit_ms"] - row["tree_bytes"] * 8 / res["rate_bps"] * 1e3) < 1e-6
     assert any(t["name"] == "hierarchical <= jax.distributed pmean" for t in d["targets"])
+    # beside every figure the CPU share: per case for the bench's rows, per run for
+    # the compression suite's
+    for row in d["table"]:
+        assert row["cpu_scope"] == ("run" if row["kind"] == "compress" else "case"), row
+        assert 0 <= row["cpu_busy"] <= 1 or row["cpu_scope"] == "case", row
+    assert any(0 < row["cpu_busy"] <= 1 for row in d["table"] if row["cpu_scope"] == "case")
+    assert "| CPU busy |" in (tmp_path / "cluster.md").read_text()

@@ -112,3 +112,10 @@ def test_bench_overlap_suite_smoke(tmp_path):
     assert any(c.startswith("overlap") for c in cases), cases
     assert all(v > 0 for v in record["median_s"].values()), record["median_s"]
     assert record["targets"] and all("ok" in t for t in record["targets"])
+    # beside every figure its CPU share (NaN where the calls were too short for a tick)
+    assert set(record["cpu_busy"]) == cases, record["cpu_busy"]
+    for share in record["cpu_busy"].values():
+        assert set(share) == {"machine", "ranks"}
+        assert all(not v >= 0 or 0 <= v <= 1.5 for v in share.values()), share
+    assert any(share["ranks"] > 0 for share in record["cpu_busy"].values())
+    assert "CPU busy" in text
