@@ -100,6 +100,8 @@ _PRIVATE_ALLOWED = {
     ("model.py", "jaxsync.auto._tune_tiers"),  # the cluster's shaped link, as tune reads it
     # host 0's address inside the emulated cluster (Spec.address)
     ("jaxdist.py", "jaxsync.cluster._spec"),
+    # the timeline picture of the cluster and overlap suites: python -m jaxsync timeline's code
+    ("report.py", "jaxsync._cli._timeline"),
 }
 
 
@@ -232,3 +234,53 @@ def test_cluster_table_has_the_cpu_share_beside_each_figure(tmp_path):
     assert "| 9.0 | 0.11 | 80% (run) |" in md and "| bare | 95.0 | 1.19 | - |" in md
     saved = json.loads((tmp_path / "cluster.json").read_text())["table"]
     assert [r.get("cpu_busy") for r in saved] == [0.21, 0.8, None]
+
+
+def test_draw_timeline_merges_the_ranks_files_and_draws_them(tmp_path):
+    from jaxsync.bench import report
+
+    assert report.draw_timeline(tmp_path, tmp_path / "t.png") is None  # no files
+    for rank in (0, 1):
+        doc = {
+            "traceEvents": [
+                {
+                    "ph": "M",
+                    "name": "thread_name",
+                    "pid": rank,
+                    "tid": 0,
+                    "args": {"name": "steps"},
+                },
+                {
+                    "ph": "X",
+                    "cat": "step",
+                    "name": "step 0",
+                    "pid": rank,
+                    "tid": 0,
+                    "ts": 0,
+                    "dur": 900,
+                },
+                {
+                    "ph": "M",
+                    "name": "thread_name",
+                    "pid": rank,
+                    "tid": 1,
+                    "args": {"name": "world"},
+                },
+                {
+                    "ph": "X",
+                    "cat": "communication",
+                    "name": "allreduce",
+                    "pid": rank,
+                    "tid": 1,
+                    "ts": 100,
+                    "dur": 500,
+                },
+            ],
+            "otherData": {"rank": rank},
+        }
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(doc))
+    got = report.draw_timeline(tmp_path, tmp_path / "t.png")
+    assert got["png"] == str(tmp_path / "t.png") and (tmp_path / "t.png").stat().st_size > 0
+    merged = json.loads((tmp_path / "timeline.json").read_text())
+    assert len(merged["traceEvents"]) == 8
+    assert got["summary"][1].startswith("rank 1: 1 calls, 1 steps, 0.5 ms in calls")

@@ -13,10 +13,11 @@ benchmark). Beside every figure ``cpu_busy``: the machine's busy CPU share
 while it was timed (``timing.CpuMeter``, ``/proc/stat``), per case for the MPI
 bench's rows, over the whole run for the compression suite's. Writes
 ``cluster.json`` (rows, rates, commands), ``cluster.md`` (the table),
-``cluster.png`` (each method's time over the link's limit).
+``cluster.png`` (each method's time over the link's limit) and, after the first
+configuration's timed runs, ``cluster-timeline.png`` (``trace``).
 What it may import: numpy, matplotlib, ``jaxsync.cluster``, the standard library,
-``timing.CpuMeter``, and mpi4py in the rate probe (run as
-``python -m jaxsync.bench.cluster probe`` inside the cluster).
+``timing.CpuMeter``, ``report.draw_timeline``; inside the cluster mpi4py (the
+rate probe, ``... cluster probe``), jax and jaxsync (``... cluster trace``).
 
 Example:
   >>> from jaxsync.bench import cluster
@@ -37,6 +38,7 @@ import time
 from pathlib import Path
 
 PROBE_BYTES = 16_000_000
+TRACE_STEPS = 3  # synchronisations in the timeline, after the first configuration's runs
 CPU_NOTE = (
     "CPU busy: the share of the machine's CPU time busy while the row's case was timed "
     "(/proc/stat, every process and the kernel's network work; 'run': over the compression "
@@ -91,6 +93,29 @@ def probe() -> int:
     return 0
 
 
+def trace(directory: str, tree_name: str) -> int:
+    """Inside the cluster: ``TRACE_STEPS`` synchronisations of ``tree_name`` with
+    ``hierarchical_mean`` (its defaults) inside ``jaxsync.timeline(directory)``."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxsync
+
+    from .trees import make_trees
+
+    trees = {**make_trees(False), **make_trees(True)}
+    grads = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), trees[tree_name]())
+    tx = jaxsync.hierarchical_mean(None)
+    state = tx.init(grads)
+    sync = jax.jit(lambda g: tx.update(g, state)[0])
+    jax.block_until_ready(sync(grads))  # compiled before the timeline starts
+    with jaxsync.timeline(directory) as tl:
+        for i in range(TRACE_STEPS):
+            with tl.step(f"{tree_name} hierarchical {i}"):
+                jax.block_until_ready(sync(grads))
+    return 0
+
+
 def _run(cfg: Config, cmd: list[str], timeout: float, log) -> tuple[int, str, float]:
     """Run ``cmd`` in the cluster: its exit status, output and the share of the
     machine's CPU time busy while it ran (the hosts share this machine)."""
@@ -113,8 +138,9 @@ def _run(cfg: Config, cmd: list[str], timeout: float, log) -> tuple[int, str, fl
     return r.returncode, r.output, round(meter.machine, 3)
 
 
-def measure(cfg: Config, out: Path, args, log) -> dict:
-    """One configuration: the rate probe, the MPI bench, the compression suite."""
+def measure(cfg: Config, out: Path, args, log, trace_dir: Path | None = None) -> dict:
+    """One configuration: the rate probe, the MPI bench, the compression suite and,
+    with ``trace_dir``, the traced run (after the timed ones)."""
     py = sys.executable
     d = out / cfg.name
     d.mkdir(parents=True, exist_ok=True)
@@ -130,6 +156,11 @@ def measure(cfg: Config, out: Path, args, log) -> dict:
     comp = [py, "-m", "jaxsync", "bench", "--suite", "compress", "--out", str(d)]
     comp += ["--quick"] if args.quick else ["--rounds", str(args.repeats)]
     rc_c, _, cpu_c = _run(cfg, comp, args.timeout, log)
+    rc_t = 0
+    if trace_dir is not None:
+        tree = "mixed_tiny" if args.quick else args.trees[0]
+        cmd = [py, "-m", "jaxsync.bench.cluster", "trace", str(trace_dir), tree]
+        rc_t = _run(cfg, cmd, args.timeout, log)[0]
     rows = []
     if rc_b == 0:
         for r in json.loads((d / "mpi.json").read_text())["rows"]:
@@ -170,7 +201,7 @@ def measure(cfg: Config, out: Path, args, log) -> dict:
         name=cfg.name,
         rate_bps=rate,
         cpu_busy_runs=dict(bench=cpu_b, compress=cpu_c),
-        returncodes=dict(probe=rc, bench=rc_b, compress=rc_c),
+        returncodes=dict(probe=rc, bench=rc_b, compress=rc_c, trace=rc_t),
         rows=rows,
     )
 
@@ -329,6 +360,13 @@ def _parse(argv) -> argparse.Namespace:
         help="time limit of each run inside the cluster, seconds (default 1800)",
     )
     p.add_argument("--out", type=Path, default=Path("bench-results/cluster"))
+    p.add_argument(
+        "--no-timeline",
+        action="store_true",
+        help="skip cluster-timeline.png (by default, after the first configuration's "
+        f"timed runs, {TRACE_STEPS} synchronisations of the first tree inside "
+        "jaxsync.timeline)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.hosts, args.procs, args.devices, args.links = [2], [1], [1], ["1gbit"]
@@ -340,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["probe"]:
         return probe()
+    if argv[:1] == ["trace"]:
+        return trace(argv[1], argv[2])
     args = _parse(argv)
     from jaxsync import cluster
 
@@ -350,9 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     t0 = time.time()
+    trace_dir = None if args.no_timeline else args.out / "timeline"
     results = [
-        measure(c, args.out, args, log)
-        for c in configs(args.hosts, args.procs, args.devices, args.links)
+        measure(c, args.out, args, log, trace_dir if i == 0 else None)
+        for i, c in enumerate(configs(args.hosts, args.procs, args.devices, args.links))
     ]
     table, targets = summarise(results)
     meta = dict(
@@ -363,6 +404,11 @@ def main(argv: list[str] | None = None) -> int:
         date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         cpu_busy="share of the machine's CPU time busy while each row was timed (/proc/stat)",
     )
+    if trace_dir is not None and results:
+        from .report import draw_timeline
+
+        got = draw_timeline(trace_dir, args.out / "cluster-timeline.png")
+        meta["timeline"] = dict(config=results[0]["name"], steps=TRACE_STEPS, **(got or {}))
     for path in write(args.out, results, table, targets, meta):
         print(f"wrote {path}")
     print((args.out / "cluster.md").read_text())

@@ -27,7 +27,10 @@ Figures on a shared machine are noisy: read ratios from one run.
 
 Beside each figure: the share of the machine's CPU time that was busy during
 that case's timed calls (``timing.CpuMeter``: ``/proc/stat``, every process,
-the kernel's network work included) and the ranks' own CPU share.
+the kernel's network work included) and the ranks' own CPU share. After the
+timed rounds the first overlap case runs ``TRACE_STEPS`` steps inside
+``jaxsync.timeline``, drawn to ``overlap-<mode>-timeline.png`` (``--no-timeline``:
+not).
 
 What it may import: numpy, jax, optax, mpi4py, ``jaxsync`` (public API) and the
 other ``jaxsync.bench`` modules.
@@ -43,9 +46,12 @@ import sys
 import time
 from pathlib import Path
 
+from .report import draw_timeline
 from .timing import CpuMeter, ranks_share
 
 MiB = 2**20
+TRACE_STEPS = 3
+"""Steps of the first overlap case recorded with the timeline, after the timed rounds."""
 
 
 def make_params(layers: int, width: int):
@@ -117,10 +123,12 @@ def _time(fn, iters, comm, meter=None):
     return comm.allreduce(statistics.median(times), op=MPI.MAX)
 
 
-def measure(comm, layers, width, batch, buckets, rounds, iters):
+def measure(comm, layers, width, batch, buckets, rounds, iters, trace_dir=None):
     """Median step seconds per case (interleaved rounds) and the bare allreduce,
     the samples, the gradients' bytes and each case's CPU share
-    (``{case: {"machine", "ranks"}}``, see ``timing.CpuMeter``)."""
+    (``{case: {"machine", "ranks"}}``, see ``timing.CpuMeter``). With
+    ``trace_dir``, after the timed rounds: the first overlap case run
+    ``TRACE_STEPS`` times inside ``jaxsync.timeline(trace_dir)``."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -162,6 +170,15 @@ def measure(comm, layers, width, batch, buckets, rounds, iters):
             samples[k].append(_time(fn, iters, comm, meters[k]))
     machine, ranks = ranks_share(list(meters.values()), comm)
     cpu = {k: {"machine": m, "ranks": r} for k, m, r in zip(meters, machine, ranks)}
+    if trace_dir is not None:  # after the timed rounds: it costs them nothing
+        import jaxsync
+
+        traced = next(k for k in fns if k.startswith("overlap"))
+        with jaxsync.timeline(trace_dir) as tl:
+            for i in range(TRACE_STEPS):
+                with tl.step(f"{traced} {i}"):
+                    fns[traced]()
+        comm.Barrier()  # every rank's file written before rank 0 draws them
     med = {k: statistics.median(v) for k, v in samples.items()}
     return med, samples, nbytes, cpu
 
@@ -265,6 +282,13 @@ def _parse(argv):
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7)")
     p.add_argument("--iters", type=int, default=None, help="calls per sample (default 5)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
+    p.add_argument(
+        "--no-timeline",
+        action="store_true",
+        help="skip the timeline picture (by default the first overlap case runs "
+        f"{TRACE_STEPS} more steps inside jaxsync.timeline after the timed rounds, drawn "
+        "to overlap-<mode>-timeline.png)",
+    )
     args = p.parse_args(argv)
     q = args.quick
     args.layers = args.layers or (3 if q else 10)
@@ -297,8 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     tuned = jaxsync.tune_host_allocator()
     hosts = jaxsync.topology(comm).hosts
     mode = "cluster" if hosts > 1 else "shm"
+    trace_dir = None if args.no_timeline else args.out / f"overlap-{mode}-timeline"
     med, samples, nbytes, cpu = measure(
-        comm, args.layers, args.width, args.batch, args.buckets, args.rounds, args.iters
+        comm, args.layers, args.width, args.batch, args.buckets, args.rounds, args.iters, trace_dir
     )
     if comm.Get_rank() != 0:
         return 0
@@ -357,6 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         "samples_s": samples,
         "targets": checks,
     }
+    if trace_dir is not None:
+        png = args.out / f"overlap-{mode}-timeline.png"
+        record["timeline"] = got = draw_timeline(trace_dir, png)
+        print(f"wrote {got and got['png']}")
     path.write_text(json.dumps(record, indent=1))
     print(f"wrote {path}")
     try:

@@ -2,9 +2,11 @@
 
 What it is for: turning the ``Row``s of a run into the issues' targets, a rich
 table on the terminal, the JSON and CSV files under ``--out`` (columns: the fields
-of ``timing.Row``; ``docs/bench/*.json`` are such files) and the bar plot.
-What it may import: matplotlib, rich, the standard library, and
-``jaxsync.bench.timing`` / ``methods`` / ``trees`` (for ``Row`` and constants).
+of ``timing.Row``; ``docs/bench/*.json`` are such files) and the bar plot; and
+the timeline picture the cluster and overlap suites store (``draw_timeline``).
+What it may import: matplotlib, rich, the standard library,
+``jaxsync.bench.timing`` / ``methods`` / ``trees`` (for ``Row`` and constants)
+and the timeline's merge and draw (``jaxsync._cli._timeline``).
 
 Example:
   >>> from jaxsync.bench import report
@@ -343,3 +345,25 @@ def plot(rows: list[Row], meta: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def draw_timeline(directory: Path, png: Path) -> dict | None:
+    """Merge the ranks' timeline files in ``directory`` into ``timeline.json`` there
+    and draw ``png`` with ``python -m jaxsync timeline``'s code. What was written,
+    for the JSON (``{"trace", "png", "summary"}``; ``png`` None without
+    matplotlib), or None: no ``rank*.json`` there."""
+    from jaxsync._cli import _timeline
+
+    if not list(directory.glob("rank*.json")):
+        return None
+    docs = _timeline.load(directory)
+    doc = _timeline.merge(docs)
+    (directory / "timeline.json").write_text(json.dumps(doc))
+    out: dict = {"trace": str(directory / "timeline.json"), "png": None}
+    try:
+        _timeline.draw(doc, png)
+        out["png"] = str(png)
+    except ImportError:
+        pass
+    out["summary"] = _timeline.summary(docs)
+    return out

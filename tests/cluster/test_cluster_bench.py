@@ -19,7 +19,7 @@ def test_cluster_suite_quick(cluster, tmp_path):
         env=worker_env(),
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    for name in ("cluster.json", "cluster.md", "cluster.png"):
+    for name in ("cluster.json", "cluster.md", "cluster.png", "cluster-timeline.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     d = json.loads((tmp_path / "cluster.json").read_text())
     (res,) = d["results"]
@@ -39,3 +39,6 @@ def test_cluster_suite_quick(cluster, tmp_path):
         assert 0 <= row["cpu_busy"] <= 1 or row["cpu_scope"] == "case", row
     assert any(0 < row["cpu_busy"] <= 1 for row in d["table"] if row["cpu_scope"] == "case")
     assert "| CPU busy |" in (tmp_path / "cluster.md").read_text()
+    # the timeline of the first configuration, after its timed runs
+    assert d["meta"]["timeline"]["config"] == "2x1x1@1gbit", d["meta"]["timeline"]
+    assert {"rank0.json", "rank1.json"} <= {p.name for p in (tmp_path / "timeline").iterdir()}

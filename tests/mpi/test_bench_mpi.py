@@ -119,3 +119,11 @@ def test_bench_overlap_suite_smoke(tmp_path):
         assert all(not v >= 0 or 0 <= v <= 1.5 for v in share.values()), share
     assert any(share["ranks"] > 0 for share in record["cpu_busy"].values())
     assert "CPU busy" in text
+    # one timeline picture beside the JSON, drawn from the ranks' files
+    assert (tmp_path / "overlap-shm-timeline.png").stat().st_size > 0
+    trace = tmp_path / "overlap-shm-timeline"
+    assert {p.name for p in trace.iterdir()} == {"rank0.json", "rank1.json", "timeline.json"}
+    assert record["timeline"]["png"] == str(tmp_path / "overlap-shm-timeline.png")
+    merged = json.loads((trace / "timeline.json").read_text())
+    steps = [e for e in merged["traceEvents"] if e.get("cat") == "step"]
+    assert len(steps) == 2 * 3  # TRACE_STEPS per rank
