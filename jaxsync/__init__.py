@@ -36,6 +36,13 @@ from jaxsync.sparse import (
     sparse_adagrad,
     sparse_sgd,
 )
+from jaxsync.zero import (
+    ShardedState,
+    clip_by_global_norm,
+    gather_state,
+    shard_state,
+    sharded,
+)
 
 __version__ = "0.1.0"
 
@@ -47,6 +54,7 @@ __all__ = [
     "Plan",
     "PowerSGDState",
     "RowSparse",
+    "ShardedState",
     "SignState",
     "SparseOptions",
     "DoubleBufferState",
@@ -55,10 +63,12 @@ __all__ = [
     "Topology",
     "apply_sparse_updates",
     "broadcast_params",
+    "clip_by_global_norm",
     "default_comm",
     "densify",
     "flat_mean",
     "free_communicators",
+    "gather_state",
     "hierarchical_mean",
     "host_allocator_state",
     "make_plan",
@@ -66,6 +76,8 @@ __all__ = [
     "powersgd_mean",
     "replica_mean",
     "row_sparse_grad",
+    "shard_state",
+    "sharded",
     "sign_mean",
     "single_node_mean",
     "sparse_adagrad",

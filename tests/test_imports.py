@@ -17,6 +17,7 @@ OPTIONAL = (
     "jaxsync.auto",
     "jaxsync.bench",
     "jaxsync.cluster",
+    "jaxsync.zero",
 )
 
 

@@ -107,7 +107,8 @@ def state_specs(state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
     :class:`SignState`, and also as the mappings with their field names that
     flax NNX makes of them (``nnx.state(optimizer)``). The same holds for the
     gradients a double-buffered transform keeps (``pending`` of
-    :class:`jaxsync.DoubleBufferState`, ``double_buffering=True``). A scalar
+    :class:`jaxsync.DoubleBufferState`, ``double_buffering=True``) and the
+    slices of a :class:`jaxsync.ShardedState` (:func:`jaxsync.sharded`). A scalar
     parameter's residual and pending gradient are kept as ``(1,)``, so every
     per-replica leaf has a first axis to stack the devices' values along.
 
@@ -136,6 +137,8 @@ def state_specs(state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
     replicated = PartitionSpec()
 
     def one(node):
+        if hasattr(node, "jaxsync_state_specs"):  # jaxsync.ShardedState
+            return node.jaxsync_state_specs(per_replica, replicated)
         if not _is_compression_state(node):
             return replicated
         # A NamedTuple or (NNX) a mapping with its field names: the subtree under
@@ -149,7 +152,9 @@ def state_specs(state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
             node,
         )
 
-    return jax.tree_util.tree_map(one, state, is_leaf=_is_compression_state)
+    return jax.tree_util.tree_map(
+        one, state, is_leaf=lambda n: hasattr(n, "jaxsync_state_specs") or _is_compression_state(n)
+    )
 
 
 def _per_replica(path, leaf, spec):

@@ -1,0 +1,180 @@
+"""Sharded states across world sizes: ``gather_state`` and ``shard_state``.
+
+Each process saves its own :class:`jaxsync.ShardedState` (its devices'
+slices, stacked along a leading axis). ``gather_state`` joins the processes'
+states into the inner optimizer's whole state, the one
+``optax.chain(jaxsync.hierarchical_mean(...), inner)`` would hold;
+``shard_state`` cuts a whole state for another number of replicas. Both run
+on the host (numpy), outside any step.
+
+Imports: ``_layout``, ``_sharded``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._layout import make_layout, slice_shape
+from ._sharded import ShardedState, per_replica_flags
+
+
+def gather_state(inner, states: ShardedState | Sequence[ShardedState], params) -> Any:
+    """The inner optimizer's whole state from the processes' sharded states.
+
+    Args:
+      inner: the optimizer given to :func:`jaxsync.sharded`.
+      states: every process's state, in rank order (one state when one process
+        holds every replica), each as its step holds it: the slices of its
+        devices stacked along the leaves' first axis.
+      params: the parameters (arrays or ``jax.ShapeDtypeStruct``s): the shapes
+        the state follows.
+
+    Returns:
+      the state ``inner.init(params)`` has the structure of, holding the
+      sharded state's values (numpy arrays).
+
+    Raises:
+      ValueError: the states do not belong together (structure, replica count)
+        or to ``inner`` and ``params``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxsync
+      >>> inner, params = optax.adam(0.1), {"w": jnp.arange(5.0)}
+      >>> whole = inner.init(params)
+      >>> parts = [jaxsync.shard_state(inner, whole, params, replicas=4, process=p,
+      ...                              processes=2) for p in range(2)]
+      >>> parts[0].inner[0].mu["w"].shape  # 2 devices x a (2,) slice
+      (2, 2)
+      >>> back = jaxsync.gather_state(inner, parts, params)
+      >>> back[0].mu["w"].shape
+      (5,)
+    """
+    fn = "gather_state"
+    if isinstance(states, ShardedState):
+        states = [states]
+    states = list(states)
+    if not states or not all(isinstance(s, ShardedState) for s in states):
+        raise TypeError(
+            f"{fn}: states must be a ShardedState or a sequence of them (one per "
+            f"process), got {type(states).__name__}. Fix: pass what each process's "
+            "sharded transform holds, in rank order."
+        )
+    flags = states[0].per_replica
+    for r, s in enumerate(states[1:], 1):
+        if s.per_replica != flags:
+            raise ValueError(
+                f"{fn}: states[{r}] and states[0] differ in which leaves are slices: "
+                "states of one run are expected. Fix: pass the states every process "
+                "of one run saved at the same step."
+            )
+    whole = jax.eval_shape(inner.init, params)
+    w_flat, w_def = jax.tree_util.tree_flatten_with_path(whole)
+    parts = [jax.tree.flatten(s.inner) for s in states]
+    for r, (_, treedef) in enumerate(parts):
+        if str(treedef) != str(w_def):
+            raise ValueError(
+                f"{fn}: states[{r}].inner has the structure {treedef}, and inner.init"
+                f"(params) {w_def}. Fix: pass the optimizer and parameters the states "
+                "were made with."
+            )
+    # The replica count: the slices' rows, over every process.
+    rows_of = [j for j, f in enumerate(flags) if f]
+    n = sum(np.shape(p[0][rows_of[0]])[0] for p in parts) if rows_of else 1
+    out = []
+    for j, ((path, w), f) in enumerate(zip(w_flat, flags)):
+        name = jax.tree_util.keystr(path)
+        if not f:
+            x = np.asarray(parts[0][0][j])
+            _same(fn, name, x.shape, tuple(w.shape))
+            out.append(x)
+            continue
+        rows = np.concatenate([np.asarray(p[0][j]) for p in parts], axis=0)
+        size = int(np.prod(w.shape))
+        k = -(-size // n)
+        _same(fn, name, rows.shape, (n, *slice_shape(tuple(w.shape), k)))
+        out.append(rows.reshape(-1)[:size].reshape(w.shape))
+    return jax.tree_util.tree_unflatten(w_def, out)
+
+
+def shard_state(
+    inner,
+    state: Any,
+    params,
+    *,
+    replicas: int,
+    process: int = 0,
+    processes: int = 1,
+    check_finite: bool = False,
+) -> ShardedState:
+    """One process's :class:`jaxsync.ShardedState` cut from a whole state.
+
+    Args:
+      inner: the optimizer given to :func:`jaxsync.sharded`.
+      state: the inner optimizer's whole state (from :func:`jaxsync.gather_state`,
+        or ``optax.chain(jaxsync.hierarchical_mean(...), inner)``'s second part).
+      params: the parameters (arrays or ``jax.ShapeDtypeStruct``s).
+      replicas: the replica count of the run that will use the state (devices
+        x processes).
+      process: this process's rank.
+      processes: the run's process count (``replicas`` a multiple of it).
+      check_finite: the ``check_finite`` of the sharded transform (it keeps
+        ``all_finite`` in its state).
+
+    Returns:
+      the state of process ``process``: its devices' slices, stacked.
+
+    Raises:
+      ValueError: the counts do not fit, or ``state`` is not ``inner``'s state
+        for ``params``.
+    """
+    fn = "shard_state"
+    for name, v in (("replicas", replicas), ("processes", processes)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{fn}: {name} must be a positive int, got {v!r}.")
+    if replicas % processes or not 0 <= process < processes:
+        raise ValueError(
+            f"{fn}: replicas={replicas} over processes={processes} with process="
+            f"{process}: replicas must be a multiple of processes and 0 <= process < "
+            "processes. Fix: replicas=devices per process x processes."
+        )
+    devices = replicas // processes
+    layout = make_layout(params, devices, processes, fn)
+    flags = per_replica_flags(inner, layout)
+    whole = jax.eval_shape(inner.init, params)
+    w_flat, w_def = jax.tree_util.tree_flatten_with_path(whole)
+    got, got_def = jax.tree.flatten(state)
+    if str(got_def) != str(w_def):
+        raise ValueError(
+            f"{fn}: state has the structure {got_def}, and inner.init(params) {w_def}. "
+            "Fix: pass the inner optimizer's state (the second part of optax.chain("
+            "hierarchical_mean(...), inner)'s state)."
+        )
+    out = []
+    lo, hi = process * devices, (process + 1) * devices
+    for (path, w), x, f in zip(w_flat, got, flags):
+        x = np.asarray(x)
+        _same(fn, jax.tree_util.keystr(path), x.shape, tuple(w.shape))
+        if not f:
+            out.append(jnp.asarray(x))
+            continue
+        k = -(-x.size // replicas)
+        flat = np.zeros(replicas * k, x.dtype)
+        flat[: x.size] = x.reshape(-1)
+        rows = flat.reshape(replicas, *slice_shape(x.shape, k))[lo:hi]
+        out.append(jnp.asarray(rows))
+    inner_state = jax.tree_util.tree_unflatten(w_def, out)
+    finite = jnp.array(True) if check_finite else None
+    return ShardedState(inner_state, finite, flags)
+
+
+def _same(fn, name, got, want) -> None:
+    if tuple(got) != tuple(want):
+        raise ValueError(
+            f"{fn}: the state leaf {name} has shape {tuple(got)}, expected {tuple(want)}. "
+            "Fix: pass the state, optimizer and parameters of one run."
+        )

@@ -1,0 +1,277 @@
+"""``jaxsync.sharded``: the optimizer state sharded over the replicas (ZeRO).
+
+The factory validates its options when called; ``init`` slices the
+parameters and makes the inner state of this replica's slices; ``update``
+reduce-scatters the gradients, checks (once, when traced) that the inner
+optimizer is elementwise, runs it on the slices and all-gathers the updates.
+
+Imports: the core's config and sync (the mean's factors), ``_layout``,
+``_elementwise``, ``_sharded``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxsync._core import _sync
+from jaxsync._core._config import AUTO, make_config
+
+from . import _elementwise, _sharded
+from ._layout import Layout, make_layout
+from ._sharded import ShardedState
+
+
+def sharded(
+    inner: optax.GradientTransformation,
+    *,
+    axis_name,
+    comm=AUTO,
+    reduce="mean",
+    comm_dtype=None,
+    predivide: float | None = None,
+    check_finite=False,
+    staging="device",
+    timeout: float | None = None,
+    on_timeout="report",
+) -> optax.GradientTransformation:
+    """Synchronise gradients and run ``inner`` on a 1/N slice of them (ZeRO).
+
+    Takes the place of ``optax.chain(jaxsync.hierarchical_mean(...), inner)``:
+    the same updates, with the optimizer's state and compute per replica cut to
+    ``1/N`` of the whole (N replicas: devices x processes). The gradients are
+    reduce-scattered so that each replica holds the mean of a 1/N slice of
+    every leaf, ``inner`` updates that slice (a tree of the same structure,
+    with the matching slices of ``params``), and the updates are all-gathered:
+    the bytes on the wire are those of one allreduce.
+
+    ``inner`` must be elementwise: ``sgd`` (momentum, nesterov), ``adam``,
+    ``adamw``, ``lion``, ``rmsprop``, ``adagrad``, ``add_decayed_weights``,
+    schedules, ``inject_hyperparams``, ``masked`` and ``multi_transform`` are;
+    clip with :func:`jaxsync.clip_by_global_norm`. Anything that reads across a
+    leaf (``optax.clip_by_global_norm``, LAMB/LARS trust ratios, adafactor) is
+    refused when the step is traced, with its name and the way out. A mask or
+    label function sees the slices: ``ndim`` and ``dtype`` are the leaf's, the
+    shape is not (give such masks as trees).
+
+    Args:
+      inner: the optimizer to run on the slices (an optax transformation).
+      axis_name: the local mesh axis (or axes) of the step, as for
+        :func:`jaxsync.hierarchical_mean`; None under plain ``jit`` with one
+        device per process.
+      comm: as for :func:`jaxsync.hierarchical_mean` (an mpi4py communicator,
+        ``"auto"``, a :class:`jaxsync.AxisComm`, or None: one process).
+      reduce: ``"mean"`` or ``"sum"`` of the gradients.
+      comm_dtype: the dtype the gradients' reduce-scatter travels in (e.g.
+        ``jnp.bfloat16``; 16-bit data is summed in float32); the updates are
+        gathered in their own dtype.
+      predivide: as for :func:`jaxsync.hierarchical_mean`.
+      check_finite: ``True`` keeps ``all_finite`` (over every replica's slice)
+        in the state; ``"raise"`` raises ``FloatingPointError`` when a reduced
+        gradient is not finite.
+      staging: as for :func:`jaxsync.hierarchical_mean`.
+      timeout: as for :func:`jaxsync.hierarchical_mean`.
+      on_timeout: as for :func:`jaxsync.hierarchical_mean`.
+
+    Returns:
+      an optax ``GradientTransformation`` whose state is a
+      :class:`jaxsync.ShardedState`; lay it out under ``shard_map`` with
+      :func:`jaxsync.state_specs`.
+
+    Raises:
+      TypeError: ``inner`` is not an optax transformation, or an option has the
+        wrong type.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxsync
+      >>> from jax.sharding import Mesh, PartitionSpec as P
+      >>> mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
+      >>> tx = jaxsync.sharded(optax.adam(0.1), axis_name="d", comm=None)
+      >>> params = {"w": jnp.ones((3, 2))}
+      >>> shapes = jax.eval_shape(tx.init, params)  # outside: for the specs
+      >>> specs = jaxsync.state_specs(shapes, "d")
+      >>> init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(),
+      ...                              out_specs=specs))
+      >>> state = init(params)
+      >>> state.inner[0].mu["w"].shape  # 4 replicas x a (1, 2) slice each
+      (4, 1, 2)
+      >>> def step(g, state, params):
+      ...     u, state = tx.update(g, state, params)
+      ...     return optax.apply_updates(params, u), state
+      >>> run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("d"), specs, P()),
+      ...                             out_specs=(P(), specs)))
+      >>> g = {"w": jnp.arange(24.0).reshape(12, 2)}  # 4 replicas x (3, 2)
+      >>> params, state = run(g, state, params)
+      >>> params["w"][0].round(4)  # Adam's first step: about -lr
+      Array([0.9, 0.9], dtype=float32)
+    """
+    fn = "sharded"
+    if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+        raise TypeError(
+            f"{fn}: inner must be an optax GradientTransformation (with init and "
+            f"update), got {type(inner).__name__}. Fix: e.g. jaxsync.sharded("
+            "optax.adam(1e-3), axis_name=...)."
+        )
+    cfg = make_config(
+        fn,
+        "two_dimensional",
+        axis_name,
+        comm,
+        reduce=reduce,
+        comm_dtype=comm_dtype,
+        predivide=predivide,
+        check_finite=check_finite,
+        staging=staging,
+        timeout=timeout,
+        on_timeout=on_timeout,
+        host_tier=False,
+    )
+    sums = dataclasses.replace(
+        cfg, strategy="hierarchical", reduce="sum", comm_dtype=None, predivide=None,
+        check_finite=False,
+    )  # fmt: skip
+    return optax.GradientTransformation(*_fns(fn, inner, cfg, sums))
+
+
+def _fns(fn, inner, cfg, sums):
+    def layout_of(tree, strict=True) -> tuple[Layout, _sharded.Place]:
+        place = _sharded.Place(cfg, strict)
+        return make_layout(tree, place.devices, place.processes, fn), place
+
+    def init_fn(params):
+        layout, place = layout_of(params, strict=False)
+        slices = layout.take(jax.tree.leaves(params), place.index)
+        state = inner.init(layout.tree(slices))
+        flags = _sharded.per_replica_flags(inner, layout)
+        finite = jnp.array(True) if cfg.check_finite else None
+        return ShardedState(_sharded.wrap(state, flags), finite, flags)
+
+    def update_fn(updates, state, params=None):
+        layout, place = layout_of(updates)
+        _check_state(fn, inner, layout, state)
+        n = layout.replicas
+        # The gradients: cast, scaled (as the other strategies), packed by slice.
+        travel = {dt: jnp.dtype(cfg.comm_dtype or dt) for dt in layout.groups()}
+        pres = {dt: _sync._predivide(cfg, t, n) for dt, t in travel.items()}
+        grads = jax.tree.leaves(_sharded.share(updates, cfg))
+        leaves = [
+            _sync._scale_before(x.astype(travel[s.dtype]), pres[s.dtype])
+            for x, s in zip(grads, layout.slots)
+        ]
+        bufs = layout.pack_rows(leaves)
+        agreed = f"{layout.describe()}\n{cfg.describe()}\nsharded"
+        bufs = cfg.backend.agree(agreed, "gradient tree", bufs)
+        bufs = _sharded.scatter(place.intra, cfg.backend, bufs)
+
+        def finish(i, piece):
+            s = layout.slots[i]
+            pre = pres[s.dtype]
+            post = (n / pre) if cfg.reduce == "mean" else (1.0 / pre)
+            if post != 1.0:
+                wide = jnp.float32 if str(piece.dtype) in _sharded._LOW else piece.dtype
+                piece = piece.astype(wide) / jnp.asarray(post, wide)
+            return piece.astype(s.dtype)
+
+        g_slices = layout.split(bufs, finish)
+        finite = state.all_finite
+        if cfg.check_finite:
+            finite = _finite(fn, cfg, sums, layout, g_slices)
+        p_tree = None
+        if params is not None:
+            p_tree = layout.tree(layout.take(jax.tree.leaves(params), place.index))
+        g_tree = layout.tree(g_slices)
+        inner_state = _sharded.unwrap(state.inner, state.per_replica)
+        _elementwise.check(
+            inner.update, jax.eval_shape(lambda *a: a, g_tree, inner_state, p_tree), fn
+        )
+        allsum = lambda x: _sharded.allsum(sums, x)
+        with _elementwise.sharded_context(allsum):
+            u_tree, inner_state = inner.update(g_tree, inner_state, p_tree)
+        u_slices = _updates(fn, layout, u_tree)
+        ulayout = dataclasses.replace(
+            layout,
+            slots=tuple(
+                dataclasses.replace(s, dtype=str(u.dtype)) for s, u in zip(layout.slots, u_slices)
+            ),
+        )
+        bufs = _sharded.gather(place.intra, cfg.backend, ulayout.join(u_slices))
+        full = layout.tree(ulayout.unpack_rows(bufs))
+        new = ShardedState(_sharded.wrap(inner_state, state.per_replica), finite, state.per_replica)
+        return full, new
+
+    return init_fn, update_fn
+
+
+def _check_state(fn, inner, layout: Layout, state) -> None:
+    if not isinstance(state, ShardedState):
+        raise TypeError(
+            f"{fn}: update got a state of type {type(state).__name__}, expected "
+            "ShardedState from this transform's init. Fix: pass the state that "
+            "tx.init (or the previous tx.update) returned."
+        )
+    n = layout.replicas
+    want = jax.eval_shape(inner.init, layout.tree(layout.slice_structs()))
+    want_flat, want_def = jax.tree_util.tree_flatten_with_path(want)
+    got, got_def = jax.tree.flatten(state.inner)
+    if str(got_def) != str(want_def):
+        raise ValueError(
+            f"{fn}: the state's inner structure is {got_def}, and the inner optimizer's "
+            f"for this gradient tree is {want_def}: a state made for another tree or "
+            "another optimizer. Fix: make it with this transform's init on these "
+            "parameters."
+        )
+    for (path, w), g, f in zip(want_flat, got, state.per_replica):
+        shape = (1, *w.shape) if f else tuple(w.shape)
+        if tuple(g.shape) != shape:
+            raise ValueError(
+                f"{fn}: the state leaf {jax.tree_util.keystr(path)} has shape "
+                f"{tuple(g.shape)}, expected {shape}: this replica's slice for {n} "
+                f"replicas ({layout.devices} devices x {layout.processes} processes). "
+                "The state was made for another tree or world size (or by init "
+                "outside the map, which places one device per process). Fix: make it "
+                "with this transform's init inside the map, or re-shard a saved one: "
+                "jaxsync.shard_state(inner, jaxsync.gather_state(inner, states, "
+                f"params), params, replicas={n}, ...)."
+            )
+
+
+def _updates(fn, layout: Layout, u_tree) -> list:
+    leaves = jax.tree.leaves(u_tree)
+    if len(leaves) != len(layout.slots):
+        raise ValueError(
+            f"{fn}: the inner optimizer returned {len(leaves)} update leaves for "
+            f"{len(layout.slots)} gradient leaves; it must keep the tree's structure."
+        )
+    for u, s in zip(leaves, layout.slots):
+        if tuple(u.shape) != s.slice_shape:
+            raise ValueError(
+                f"{fn}: the inner optimizer's update of {s.path} has shape "
+                f"{tuple(u.shape)}, expected the slice's {s.slice_shape}: it must be "
+                "elementwise (keep each leaf's shape)."
+            )
+    return leaves
+
+
+def _finite(fn, cfg, sums, layout: Layout, slices):
+    bad = jnp.stack([jnp.sum(~jnp.isfinite(x)).astype(jnp.float32) for x in slices])
+    bad = _sharded.allsum(sums, bad)
+    if cfg.check_finite == "raise":
+        names = [s.path for s in layout.slots]
+
+        def check(counts):
+            hit = [m for m, c in zip(names, np.asarray(counts)) if c]
+            if hit:
+                raise FloatingPointError(
+                    f"jaxsync: non-finite values after the gradient reduction in "
+                    f"{len(hit)} leaf/leaves: {', '.join(hit[:10])}"
+                    f"{' ...' if len(hit) > 10 else ''}. Every replica sees the same "
+                    "values. Use check_finite=True and optax.apply_if_finite to skip "
+                    "such steps instead of failing."
+                )
+
+        jax.debug.callback(check, bad)
+    return jnp.all(bad == 0)

@@ -1,0 +1,132 @@
+"""jaxsync.sharded across processes, against optax.chain(hierarchical_mean, inner).
+
+Replica ``r = D * rank + d`` has, at step ``t``, integer gradients (a closed
+form of r, t and the element's index, in [-5, 5]). Each inner optimizer runs
+STEPS steps as ``jaxsync.sharded(inner)`` and as the chain, under
+``shard_map`` over the D local devices (and, with D == 1, plain ``jit`` with
+``axis_name=None``), ``reduce="sum"`` with power-of-two hyperparameters (every
+product exact: equal bit for bit), and ``optax.adam``'s defaults with the
+mean (a tolerance: the chain's allreduce and sharded's reduce-scatter may sum
+in different orders). The states of every rank are gathered (``gather_state``)
+and compared with the chain's, and cut again (``shard_state``) into this
+rank's own.
+"""
+
+from _worker import Results, init, to_numpy
+
+STEPS = 20
+
+
+def main():
+    ns, jax, MPI = init([(("--cases",), dict(default="all"))])
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    import jaxsync
+
+    comm = MPI.COMM_WORLD
+    rank, size, dev = comm.Get_rank(), comm.Get_size(), ns.devices
+    n = size * dev
+    res = Results(ns.out, rank)
+    res.add("meta", {"size": size, "devices": dev})
+    params = {
+        "b": jnp.zeros(()),
+        "c": jnp.arange(7.0),
+        "w": jnp.ones((3, 5)),
+        "k": jnp.full((2, 3, 4), 2.0),
+    }
+    mask = {"b": False, "c": False, "w": True, "k": True}
+
+    def grads(t):
+        """This process's rows: (dev * leading, ...) per leaf."""
+        out = {}
+        for j, (name, p) in enumerate(sorted(params.items())):
+            m = int(np.prod(p.shape))
+            r = (rank * dev + np.arange(dev, dtype=np.float32))[:, None]
+            v = ((r * 3 + np.arange(m) + 5 * t + j) % 11) - 5
+            out[name] = jnp.asarray(v.reshape((dev,) + p.shape))
+        return out
+
+    inners = {
+        "sgd": lambda: optax.sgd(0.125),
+        "momentum": lambda: optax.sgd(0.125, momentum=0.5, nesterov=True),
+        "adamw": lambda: optax.adamw(0.125, b1=0.5, b2=0.5, weight_decay=0.25, mask=mask),
+        "lion": lambda: optax.lion(0.125, b1=0.5, b2=0.5),
+        "clip": lambda: optax.chain(jaxsync.clip_by_global_norm(64.0), optax.sgd(0.125)),
+    }
+    cases = list(inners) if ns.cases == "all" else ns.cases.split(",")
+    mesh = Mesh(np.array(jax.local_devices()), ("d",))
+
+    def run(tx, jit_only):
+        if jit_only:  # one device per process, no map
+
+            def step(g, st, p):
+                g = jax.tree.map(lambda x: x[0], g)
+                u, st = tx.update(g, st, p)
+                return optax.apply_updates(p, u), st
+
+            state, f = jax.jit(tx.init)(params), jax.jit(step)
+        else:
+            specs = jaxsync.state_specs(jax.eval_shape(tx.init, params), "d")
+
+            def step(g, st, p):
+                g = jax.tree.map(lambda x, q: x.reshape(q.shape), g, p)
+                u, st = tx.update(g, st, p)
+                return optax.apply_updates(p, u), st
+
+            state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(
+                params
+            )
+            f = jax.jit(
+                jax.shard_map(
+                    step, mesh=mesh, in_specs=(P("d"), specs, P()), out_specs=(P(), specs)
+                )
+            )
+        p = params
+        for t in range(STEPS):
+            g = grads(t)
+            if not jit_only:
+                g = jax.tree.map(
+                    lambda x: x.reshape((dev * x.shape[1],) + x.shape[2:]) if x.ndim > 1 else x, g
+                )
+            p, state = f(g, state, p)
+        return to_numpy(p), state
+
+    modes = [False] + ([True] if dev == 1 else [])
+    with jax.numpy_dtype_promotion("standard"):
+        for jit_only in modes:
+            axis = None if jit_only else "d"
+            tag = "jit" if jit_only else "shard_map"
+            for name in cases:
+                inner = inners[name]
+                got, state = run(jaxsync.sharded(inner(), axis_name=axis, reduce="sum"), jit_only)
+                want, cstate = run(
+                    optax.chain(jaxsync.hierarchical_mean(axis_name=axis, reduce="sum"), inner()),
+                    jit_only,
+                )
+                res.add(f"{tag}:{name}", (got, want))
+                local = jax.device_get(state)
+                every = comm.allgather(local)
+                whole = jaxsync.gather_state(inner(), every, params)
+                res.add(
+                    f"{tag}:{name}:state",
+                    (to_numpy(whole), to_numpy(jax.device_get(cstate[1]))),
+                )
+                mine = jaxsync.shard_state(
+                    inner(), whole, params, replicas=n, process=rank, processes=size
+                )
+                res.add(f"{tag}:{name}:reshard", (to_numpy(mine.inner), to_numpy(local.inner)))
+            # optax's defaults and the mean: within a tolerance of the chain
+            got, _ = run(jaxsync.sharded(optax.adam(1e-2), axis_name=axis), jit_only)
+            want, _ = run(
+                optax.chain(jaxsync.hierarchical_mean(axis_name=axis), optax.adam(1e-2)), jit_only
+            )
+            res.add(f"{tag}:adam_mean", (got, want))
+    res.write()
+
+
+if __name__ == "__main__":
+    main()
