@@ -172,3 +172,49 @@ def test_tune_records_the_rule(monkeypatch):
     assert _tiers_on(SimpleNamespace(hosts=1, size=4)) is False
     monkeypatch.setenv(_host_tier.HOST_TIER_ENV, "1")
     assert _tiers_on(cluster) is True
+
+
+def test_tier_chunks_counts_the_chunks_jaxsync_tier_cuts():
+    """The pipelined tier (``jaxsync_tier``) is taken where a sync is more than one
+    chunk: leader_only, consecutive buffers of one dtype fill chunks (a boundary
+    may fall inside a buffer); two_dimensional, each buffer's slice in chunks."""
+    from jaxsync._comm._mpi_ops import tier_chunks
+
+    f32 = lambda n: np.zeros(n, np.float32)
+    bf16 = lambda n: np.zeros(n, jnp.bfloat16)
+    assert tier_chunks([f32(16)], 64, True, 2) == 1  # exactly one chunk
+    assert tier_chunks([f32(17)], 64, True, 2) == 2
+    assert tier_chunks([f32(10), f32(6), f32(1)], 64, True, 2) == 2  # shared chunks
+    assert tier_chunks([f32(10), bf16(6), f32(1)], 64, True, 2) == 3  # a dtype closes one
+    assert tier_chunks([bf16(32)], 64, True, 2) == 1  # bytes of the buffer's elements
+    assert tier_chunks([f32(0)], 64, True, 2) == 0
+    assert tier_chunks([f32(0), f32(3)], 64, False, 2) == 1  # empty: no chunk
+    assert tier_chunks([f32(33)], 64, False, 2) == 3  # slices of 17 in chunks of 8
+    assert tier_chunks([f32(5)], 1, False, 4) == 2  # at least one element a chunk
+
+
+def test_program_takes_the_pipelined_call_where_the_host_ops_offer_it():
+    calls = []
+
+    class Ops:
+        def __init__(self, name, pipe=False):
+            self.name = name
+            if pipe:
+                self.pipelined = lambda cross, bufs, lo: calls.append(("tier", lo)) or ["p"]
+
+        def reduce(self, bufs):
+            calls.append((self.name, "reduce"))
+            return bufs
+
+        def bcast(self, bufs):
+            calls.append((self.name, "bcast"))
+            return bufs
+
+    prog = lambda ops, bufs: calls.append((ops.name, "sum")) or bufs
+    assert _host_tier.program(prog, Ops("host", True), Ops("cross"), True)(None, [1]) == ["p"]
+    assert calls == [("tier", True)]
+    calls.clear()
+    none = Ops("host")
+    none.pipelined = lambda cross, bufs, lo: None  # one chunk: the three calls
+    assert _host_tier.program(prog, none, Ops("cross"), True)(None, [1]) == [1]
+    assert calls == [("host", "reduce"), ("cross", "sum"), ("host", "bcast")]

@@ -26,6 +26,10 @@ HOST_TIER_ENV = "JAXSYNC_HOST_TIER"
 """``1`` forces the host tier on, ``0`` off, for every transform; unset: the
 ``host_tier`` option decides (the processes compare it before their first sum)."""
 
+FAKE_HOSTS_ENV = "JAXSYNC_TESTING_HOSTS"
+"""Private, for tests and measurements on one machine: ``k`` splits the processes
+into ``k`` hosts of consecutive ranks instead of by shared memory."""
+
 OPTIONS = (True, False, "auto")
 """The values of the factories' ``host_tier`` option."""
 
@@ -127,7 +131,11 @@ def decide(control: Any, rank: int) -> tuple[HostTier | None, tuple, int]:
     from mpi4py import MPI
 
     on = override() is not False  # made wherever it could be used, unless forced off
-    host = control.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    fake = int(os.environ.get(FAKE_HOSTS_ENV, "0") or 0)
+    if fake > 0:
+        host = control.Split(rank * fake // control.Get_size(), key=rank)
+    else:
+        host = control.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     local_rank, local_size = host.Get_rank(), host.Get_size()
     seen = control.allgather((local_rank == 0, local_size, on))
     hosts = sum(1 for first, _, _ in seen if first)
@@ -163,10 +171,16 @@ def program(prog, host, cross, leader_only: bool):
     active on local rank 0 only), the leader's result broadcast on the host.
     Otherwise (``two_dimensional``): a reduce-scatter over the host, each local
     rank's slice through ``prog`` with the same local rank of the other hosts,
-    an all-gather over the host.
+    an all-gather over the host. Where ``host`` can (``pipelined``: jaxsync's
+    native targets, more than one chunk's bytes), the three stages run in one call,
+    at once over chunks.
     """
 
     def run(_, bufs):
+        pipe = getattr(host, "pipelined", None)
+        got = None if pipe is None else pipe(cross, bufs, leader_only)
+        if got is not None:
+            return got
         if leader_only:
             return host.bcast(prog(cross, host.reduce(bufs)))
         slices = prog(cross, host.reduce_scatter(bufs))

@@ -11,6 +11,8 @@
 * ``jaxsync_reduce``, ``jaxsync_bcast`` (in place, any number of buffers) and
   ``jaxsync_reduce_scatter`` (buffer -> this rank's slice): the host tier's
   steps among the processes of one host (rank 0 of the communicator is the root);
+* ``jaxsync_tier``: the host tier's three steps in one call (in place), pipelined
+  over chunks (its ``comm`` and ``active`` are int32[2]: host, cross);
 * ``jaxsync_agree`` checks the processes agree (see ``_mpi_load.register_agreement``).
 
 Every call takes and returns an XLA token as a regular operand and result, the
@@ -60,9 +62,9 @@ def _drop_varying(aval, axes):
 
 
 def _native_abstract_eval(
-    token, comm, active, *xs, kind, size, invariant, agree, group, inplace=True, poll=0
+    token, comm, active, *xs, kind, size, invariant, agree, group, inplace=True, poll=0, chunk=0
 ):
-    del agree, group, inplace, poll
+    del agree, group, inplace, poll, chunk
     del token, comm, active
     outs = []
     for x in xs:
@@ -89,14 +91,29 @@ native_p.def_abstract_eval(_native_abstract_eval)
 # Kinds whose results are aliased to their inputs (unless ``inplace=False``) and
 # that take ``group_bytes``.
 _IN_PLACE = ("allreduce", "allreduce_async", "reduce", "bcast")
+# The host tier in one call (``jaxsync_tier``, registered by ``tier_available``):
+# ``chunk`` > 0 bytes a chunk, leader_only; < 0: two_dimensional.
+_KINDS = (*_NATIVE_KINDS, "tier")
 native_p.def_impl(functools.partial(_dispatch.apply_primitive, native_p))
 
 
 def _native_lowering(
-    ctx, token, comm, active, *xs, kind, size, invariant, agree, group, inplace=True, poll=0
+    ctx,
+    token,
+    comm,
+    active,
+    *xs,
+    kind,
+    size,
+    invariant,
+    agree,
+    group,
+    inplace=True,
+    poll=0,
+    chunk=0,
 ):
     del size, invariant
-    if kind in _IN_PLACE and inplace:  # in place: result i is operand 3 + i
+    if (kind in _IN_PLACE and inplace) or kind == "tier":  # result i is operand 3 + i
         aliases = {3 + i: 1 + i for i in range(len(xs))}
     else:
         aliases = None
@@ -107,6 +124,16 @@ def _native_lowering(
         )
     if kind in _IN_PLACE:
         return rule(ctx, token, comm, active, *xs, group_bytes=np.int64(group))
+    if kind == "tier":
+        return rule(
+            ctx,
+            token,
+            comm,
+            active,
+            *xs,
+            chunk_bytes=np.int64(abs(chunk)),
+            leader_only=np.int64(chunk > 0),
+        )
     if kind != "agree":
         return rule(ctx, token, comm, active, *xs)
     return rule(
@@ -125,7 +152,9 @@ def _native_lowering(
 mlir.register_lowering(native_p, _native_lowering, platform="cpu")
 
 
-def _native_batching(args, dims, *, kind, size, invariant, agree, group, inplace=True, poll=0):
+def _native_batching(
+    args, dims, *, kind, size, invariant, agree, group, inplace=True, poll=0, chunk=0
+):
     # Under vmap every mapped replica takes part as a slice of one larger message.
     token, comm, active, *xs = args
     nm = None  # not mapped
@@ -135,9 +164,9 @@ def _native_batching(args, dims, *, kind, size, invariant, agree, group, inplace
             "be batched (vmap them outside the synchronisation)"
         )
     xdims = dims[3:]
-    if kind == "reduce_scatter":
+    if kind in ("reduce_scatter", "tier"):
         raise NotImplementedError(
-            "jaxsync: the host tier's reduce-scatter is not batched (under vmap the "
+            f"jaxsync: the host tier's {kind} is not batched (under vmap the "
             "synchronisation uses the world communicator)"
         )
     if kind == "alltoall":  # the leading (peer) axis must stay first
@@ -155,6 +184,7 @@ def _native_batching(args, dims, *, kind, size, invariant, agree, group, inplace
         group=group,
         inplace=inplace,
         poll=poll,
+        chunk=chunk,
     )
     if kind == "allgather":
         xdims = [d if d is nm else d + 1 for d in xdims]
@@ -180,6 +210,7 @@ def native_call(
     group=GROUP_BYTES,
     inplace=True,
     poll=0,
+    chunk=0,
 ):
     """Bind one native collective: returns ``(token, [results])``.
 
@@ -216,9 +247,15 @@ def native_call(
       poll: for ``kind="allreduce_async"``, how the communicator's thread waits
         for its sums: 0 spins in ``MPI_Waitall``; ``> 0`` tests, then sleeps
         this many microseconds (the cores stay with the step's compute).
+      chunk: for ``kind="tier"`` (``comm``, ``active``: int32[2], the host's
+        and the cross communicator's), bytes a chunk: ``> 0`` leader_only
+        (reduce, allreduce, broadcast), ``< 0`` two_dimensional (reduce-scatter,
+        allreduce, all-gather); see ``_mpi_ops._NativeOps.pipelined``.
     """
-    assert kind in _NATIVE_KINDS, kind
+    assert kind in _KINDS, kind
     require_native()
+    if kind == "tier" and not tier_available():
+        raise RuntimeError("jaxsync: the native library has no jaxsync_tier (rebuild it)")
     token, *ys = native_p.bind(
         token,
         comm,
@@ -231,8 +268,21 @@ def native_call(
         group=int(group),
         inplace=bool(inplace),
         poll=int(poll),
+        chunk=int(chunk),
     )
     return token, ys
+
+
+@functools.cache
+def tier_available() -> bool:
+    """Whether the native library has ``jaxsync_tier`` (registered here, once)."""
+    from . import _mpi_load
+
+    lib = _mpi_load._native()
+    if not hasattr(lib, "jaxsync_tier"):
+        return False  # a library built before it: the tier's three calls
+    jax.ffi.register_ffi_target("jaxsync_tier", jax.ffi.pycapsule(lib.jaxsync_tier), platform="cpu")
+    return True
 
 
 _ordering.register_native(native_call, native_loaded)

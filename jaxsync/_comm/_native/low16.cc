@@ -45,6 +45,14 @@ ffi::Error Direct(MPI_Comm c, size_t p, size_t rank, const uint16_t* src, uint16
 
 }  // namespace
 
+void SumRows16(const uint16_t* rows, size_t p, size_t m, uint16_t* out, bool bf16) {
+  if (bf16) {
+    SumRows(rows, p, m, out, Bf16ToF32, F32ToBf16);
+  } else {
+    SumRows(rows, p, m, out, F16ToF32, F32ToF16);
+  }
+}
+
 ffi::Error Low16::Run(MPI_Comm c, bool bf16) {
   if (parts_.empty()) return ffi::Error::Success();
   int size = 0, rank = 0;

@@ -10,8 +10,10 @@
 //   move.cc     jaxsync_allgather, jaxsync_alltoall
 //   agree.cc    jaxsync_agree
 //   tier.cc     the host tier: jaxsync_reduce, jaxsync_bcast, jaxsync_reduce_scatter
+//   tier_pipe.cc  jaxsync_tier: the host tier's three steps in one call,
+//               pipelined over chunks with nonblocking MPI
 //
-// Every handler but jaxsync_tie takes (token, comm, active, buffers...) and returns
+// Every handler but jaxsync_tie (and jaxsync_tier, below) takes (token, comm, active, buffers...) and returns
 // (token, results...):
 //   token   orders the calls: each call consumes the token of the previous one.
 //   comm    int32 scalar: a Fortran handle of an MPI communicator
@@ -39,15 +41,17 @@
 // once to nearest even, one MPI_Allgather of the rounded slices. The bits are
 // those of jaxsync's XLA path for 16-bit data (_strategies._sum_low).
 // jaxsync_allreduce_async is the same sum, done on a communication thread of
-// the communicator while XLA runs on (overlap; see "Overlap" below).
+// the communicator while XLA runs on (overlap; see "Overlap" in sums.cc).
 // jaxsync_allgather / jaxsync_alltoall move one buffer each.
 // jaxsync_tie (no token, no communicator) returns its buffers: an ordering
-// point that XLA keeps (see "jaxsync_tie" below).
+// point that XLA keeps (see "jaxsync_tie" in sums.cc).
 // MPI's counts are int: every call is given at most MaxCount() (INT_MAX)
 // elements, longer buffers are split into several calls, so a buffer of any
 // size travels.
 // jaxsync_reduce / jaxsync_bcast / jaxsync_reduce_scatter are the host tier's
-// steps among the processes of one host (see "The host tier" below).
+// steps among the processes of one host (see "The host tier" in tier.cc);
+// jaxsync_tier (comm and active int32[2]) does the three in one call, pipelined
+// over chunks (tier_pipe.cc).
 //
 // MPI failures come back as ffi::Error carrying MPI's error string (the
 // communicators need MPI_ERRORS_RETURN, mpi4py's default).
@@ -174,6 +178,23 @@ inline uint16_t F32ToF16(float f) {
   return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
 }
 
+// n 16-bit floats widened to float32 (exact) / float32 rounded to nearest even.
+inline void Widen(const uint16_t* src, float* dst, size_t n, bool bf16) {
+  if (bf16) {
+    for (size_t i = 0; i < n; ++i) dst[i] = Bf16ToF32(src[i]);
+  } else {
+    for (size_t i = 0; i < n; ++i) dst[i] = F16ToF32(src[i]);
+  }
+}
+
+inline void Narrow(const float* src, uint16_t* dst, size_t n, bool bf16) {
+  if (bf16) {
+    for (size_t i = 0; i < n; ++i) dst[i] = F32ToBf16(src[i]);
+  } else {
+    for (size_t i = 0; i < n; ++i) dst[i] = F32ToF16(src[i]);
+  }
+}
+
 inline bool IsLow(ffi::DataType t) {
   return t == ffi::DataType::F16 || t == ffi::DataType::BF16;
 }
@@ -210,6 +231,10 @@ class Low16 {
 // copies). With more processes MPI would round after every partial sum, so
 // they take Low16's all-to-all instead.
 ffi::Error Sum16Op(bool bf16, MPI_Op* out);
+
+// p rows of m 16-bit floats summed per column in float32, row after row, and
+// rounded once into `out` (m elements): Low16's step, and the pipelined tier's.
+void SumRows16(const uint16_t* rows, size_t p, size_t m, uint16_t* out, bool bf16);
 
 // Calls begun and finished, for the drain at exit: Python waits until no call
 // is running and none has started or finished for a while, so no step is still

@@ -17,22 +17,6 @@ namespace {
 // scratch arena (one message of at most max(group_bytes, 4 MiB)). Every MPI
 // call here moves at most kTierChunk elements (MPI's count is an int).
 
-void Widen(const uint16_t* src, float* dst, size_t n, bool bf16) {
-  if (bf16) {
-    for (size_t i = 0; i < n; ++i) dst[i] = Bf16ToF32(src[i]);
-  } else {
-    for (size_t i = 0; i < n; ++i) dst[i] = F16ToF32(src[i]);
-  }
-}
-
-void Narrow(const float* src, uint16_t* dst, size_t n, bool bf16) {
-  if (bf16) {
-    for (size_t i = 0; i < n; ++i) dst[i] = F32ToBf16(src[i]);
-  } else {
-    for (size_t i = 0; i < n; ++i) dst[i] = F32ToF16(src[i]);
-  }
-}
-
 // How a buffer is summed on the host tier: its MPI type and element width
 // there (16-bit floats: float32).
 struct TierType {
