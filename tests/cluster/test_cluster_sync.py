@@ -191,3 +191,22 @@ def test_selftest_on_2_hosts_x_2_processes(cluster):
     assert "[host0 r0] selftest passed" in r.output
     assert "topology: 2 host(s), 4 process(es), 1 device(s) each" in r.output
     assert "hosts, one process each (MPI, network)" in r.output
+
+
+def test_sharded_equals_the_chain_on_2_hosts(cluster, tmp_path):
+    """jaxsync.sharded on 2 hosts x 2 processes (tests/mpi/worker_zero.py): the
+    reduce-scatter and all-gather cross the shaped links; the parameters equal
+    the chain's bit for bit, the gathered state is the chain's."""
+    from test_zero_mpi import _check_run, _check_states
+
+    cmd = [PY, MPI_DIR / "worker_zero.py", "--out", tmp_path, "--devices", "1"]
+    r = cluster.run(
+        [*cmd, "--cases", "sgd,adamw,clip"],
+        hosts=2,
+        procs_per_host=2,
+        env=worker_env(),
+        timeout=480,
+    )
+    assert r.returncode == 0, r.output
+    _check_run(results(tmp_path, 4), {"sgd", "adamw", "clip"})
+    _check_states(results(tmp_path, 4))

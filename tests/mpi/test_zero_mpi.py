@@ -42,9 +42,17 @@ def _leaves(tree):
 
 
 def test_sharded_equals_the_chain_across_processes(zero_run):
-    results = zero_run.results
+    _check_run(zero_run.results, {"sgd", "momentum", "adamw", "lion", "clip"})
+
+
+def test_gathered_state_is_the_chains_and_reshards_to_each_rank(zero_run):
+    _check_states(zero_run.results)
+
+
+def _check_run(results, cases):
+    """Every rank: the chain's parameters, bit for bit, and rank 0's."""
     keys = [k for k in results[0] if k.count(":") == 1 and not k.endswith("adam_mean")]
-    assert {k.split(":")[1] for k in keys} >= {"sgd", "momentum", "adamw", "lion", "clip"}
+    assert {k.split(":")[1] for k in keys} >= cases
     for rank, res in enumerate(results):
         for key in keys:
             got, want = res[key]
@@ -57,8 +65,8 @@ def test_sharded_equals_the_chain_across_processes(zero_run):
                 np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
-def test_gathered_state_is_the_chains_and_reshards_to_each_rank(zero_run):
-    for rank, res in enumerate(zero_run.results):
+def _check_states(results):
+    for rank, res in enumerate(results):
         for key in [k for k in res if k.endswith(":state")]:
             whole, chained = res[key]
             for a, b in zip(_leaves(whole), _leaves(chained)):
