@@ -360,13 +360,8 @@ def _parse(argv) -> argparse.Namespace:
         help="time limit of each run inside the cluster, seconds (default 1800)",
     )
     p.add_argument("--out", type=Path, default=Path("bench-results/cluster"))
-    p.add_argument(
-        "--no-timeline",
-        action="store_true",
-        help="skip cluster-timeline.png (by default, after the first configuration's "
-        f"timed runs, {TRACE_STEPS} synchronisations of the first tree inside "
-        "jaxsync.timeline)",
-    )
+    no_tl = "skip cluster-timeline.png (the first configuration's, after its timed runs)"
+    p.add_argument("--no-timeline", action="store_true", help=no_tl)
     args = p.parse_args(argv)
     if args.quick:
         args.hosts, args.procs, args.devices, args.links = [2], [1], [1], ["1gbit"]
