@@ -26,10 +26,11 @@ ONE_PROCESS = pytest.mark.filterwarnings("ignore:.* no inter-process stage:UserW
     "kw, err, words",
     [
         (dict(overlap=1), TypeError, "'overlap'"),
+        (dict(overlap="on"), ValueError, r"overlap must be one of \(True, False, 'auto'\)"),
         (dict(double_buffering="yes"), TypeError, "'double_buffering'"),
         (dict(overlap=True, overlap_bucket_bytes=0), ValueError, "overlap_bucket_bytes"),
         (dict(overlap=True, overlap_bucket_bytes=1.5), TypeError, "overlap_bucket_bytes"),
-        (dict(overlap_bucket_bytes=2**20), ValueError, "overlap=True"),
+        (dict(overlap=False, overlap_bucket_bytes=2**20), ValueError, "overlap=True"),
     ],
 )
 @pytest.mark.parametrize("factory", ["hierarchical_mean", "auto_mean"])
@@ -142,3 +143,54 @@ def test_an_inter_process_stage_does_not_warn():
         jaxsync.hierarchical_mean("i", comm=jaxsync.AxisComm("h"), overlap=True)
         jaxsync.flat_mean("i", comm=jaxsync.AxisComm("h"), double_buffering=True)
         jaxsync.hierarchical_mean("i", comm=None)  # neither option: nothing to say
+
+
+TRANSFORMS = ["naive_mean", "flat_mean", "hierarchical_mean", "two_dimensional_mean"]
+
+
+def test_the_default_is_auto():
+    import inspect
+
+    for name in TRANSFORMS:
+        fac = getattr(jaxsync, name)
+        assert inspect.signature(fac).parameters["overlap"].default == "auto", name
+        assert '``"auto"`` (default): on where the inter-process stage' in fac.__doc__
+    # a bucket size with the default is for when it is on: accepted
+    jaxsync.hierarchical_mean("i", comm=None, overlap_bucket_bytes=2**20)
+
+
+def test_auto_is_on_where_the_sync_spans_hosts():
+    """``resolve_overlap``: "auto" follows the communicator's host count (the
+    topology's, ``Comms.hosts``); True and False force it."""
+    from types import SimpleNamespace
+
+    from jaxsync._comm import _axis_backend
+    from jaxsync._core._overlap import resolve_overlap
+
+    def mpi(hosts):
+        return SimpleNamespace(comms=SimpleNamespace(hosts=hosts))
+
+    assert resolve_overlap("auto", mpi(2)) and resolve_overlap("auto", mpi(4))
+    assert not resolve_overlap("auto", mpi(1))
+    assert not resolve_overlap("auto", _axis_backend.LocalBackend())
+    assert not resolve_overlap("auto", _axis_backend.AxisBackend(jaxsync.AxisComm("h")))
+    assert resolve_overlap(True, mpi(1)) and not resolve_overlap(False, mpi(2))
+
+
+@pytest.mark.parametrize("name", TRANSFORMS)
+def test_the_default_lowers_to_overlap_false_in_one_process(name):
+    """One process (no inter-process stage): the default is off, no warning, and
+    the lowered step is overlap=False's. Under mpirun on one host and with two
+    hosts: tests/mpi/test_overlap_mpi.py."""
+    fac = getattr(jaxsync, name)
+    tree = {"w": jnp.ones((4, 300)), "b": jnp.ones((4, 7))}
+
+    def lowered(**kw):
+        tx = fac("i", comm=None, **kw)
+        f = jax.vmap(lambda t: tx.update(t, tx.init(t))[0], axis_name="i")
+        return jax.jit(f).lower(tree).as_text()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        default = lowered()
+        assert default == lowered(overlap=False)

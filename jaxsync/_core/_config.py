@@ -22,7 +22,7 @@ from jaxsync._comm import _axis_backend, _host_tier, _mpi_backend
 from jaxsync._comm._topology import default_comm
 
 from . import _plugins, _strategies
-from ._overlap import OVERLAP_BUCKET_BYTES, warn_no_inter_stage
+from ._overlap import OVERLAP_BUCKET_BYTES, check_overlap, resolve_overlap, warn_no_inter_stage
 from ._plan import DEFAULT_BUCKET_BYTES, DEFAULT_PACK_THRESHOLD, REDUCED_DTYPES, _check_bytes
 
 # flat packs every leaf: its default buckets stay below glibc's largest mmap
@@ -189,7 +189,7 @@ class SyncConfig:
     check_finite: Any = False
     sparse: Any = None  # _sparse.SparseOptions: how RowSparse leaves travel
     auto: Any = None  # strategy="auto": what it decides from (_auto.AutoSpec)
-    overlap: bool = False  # one async call per bucket, in backward's order
+    overlap: bool = False  # one async call per bucket, in backward's order ("auto" resolved)
     overlap_bucket_bytes: int = OVERLAP_BUCKET_BYTES
     double_buffering: bool = False  # apply step t-1's mean at step t
     host_tier: Any = AUTO  # True, False or "auto" (_host_tier.chosen)
@@ -233,7 +233,7 @@ def make_config(
     on_timeout="report",
     sparse=None,
     profile=None,
-    overlap=False,
+    overlap=AUTO,
     overlap_bucket_bytes=AUTO,
     double_buffering=False,
     host_tier=AUTO,
@@ -345,7 +345,7 @@ def make_config(
             "inter-process stage, e.g. timeout=300.0, on_timeout='abort'."
         )
     sparse = _plugins.check_option("sparse", fn, sparse)
-    overlap_bucket_bytes = _check_overlap(fn, overlap, overlap_bucket_bytes, double_buffering)
+    overlap_bucket_bytes = check_overlap(fn, overlap, overlap_bucket_bytes, double_buffering)
     _host_tier.check(fn, host_tier)
     if strategy == "single_node":
         # No inter-process stage: a communicator would be silently ignored.
@@ -359,6 +359,7 @@ def make_config(
         backend = _axis_backend.LocalBackend()
     else:
         backend = _make_backend(fn, comm, staging, timeout, on_timeout)
+    overlap = resolve_overlap(overlap, backend)  # "auto": on where the sync spans hosts
     if (overlap or double_buffering) and isinstance(backend, _axis_backend.LocalBackend):
         warn_no_inter_stage(fn, comm, overlap, double_buffering)
     return SyncConfig(
@@ -377,36 +378,3 @@ def make_config(
         double_buffering=double_buffering,
         host_tier=host_tier,
     )
-
-
-def _check_overlap(fn, overlap, overlap_bucket_bytes, double_buffering) -> int:
-    """Validate ``overlap``, ``overlap_bucket_bytes`` and ``double_buffering``."""
-    for name, value in (("overlap", overlap), ("double_buffering", double_buffering)):
-        if not isinstance(value, bool):
-            raise _bad_type(
-                fn, name, "a bool", value, f"pass {name}=True or {name}=False (the default)"
-            )
-    if isinstance(overlap_bucket_bytes, str) and overlap_bucket_bytes == AUTO:
-        return OVERLAP_BUCKET_BYTES
-    if isinstance(overlap_bucket_bytes, bool) or not isinstance(
-        overlap_bucket_bytes, (int, np.integer)
-    ):
-        raise _bad_type(
-            fn,
-            "overlap_bucket_bytes",
-            "a positive int or 'auto'",
-            overlap_bucket_bytes,
-            f"pass e.g. overlap_bucket_bytes={OVERLAP_BUCKET_BYTES} ('auto': 4 MiB)",
-        )
-    if overlap_bucket_bytes < 1:
-        raise ValueError(
-            f"{fn}: overlap_bucket_bytes must be >= 1, got {overlap_bucket_bytes}. "
-            f"Fix: overlap_bucket_bytes='auto' ({OVERLAP_BUCKET_BYTES} bytes)."
-        )
-    if not overlap:
-        raise ValueError(
-            f"{fn}: overlap_bucket_bytes={overlap_bucket_bytes} sizes overlap's "
-            "buckets, but overlap=False. Fix: pass overlap=True, or drop "
-            "overlap_bucket_bytes."
-        )
-    return int(overlap_bucket_bytes)

@@ -5,10 +5,13 @@ the gradients, inside ``_async.asynchronous()`` (``overlap=True``);
 ``double_buffer_fns`` is the init/update pair of ``double_buffering=True``
 (ChainerMN's double-buffering optimizer);
 ``document_overlap`` adds the three options to a factory's docstring;
-``warn_no_inter_stage`` is their warning where no inter-process stage exists.
+``warn_no_inter_stage`` is their warning where no inter-process stage exists;
+``check_overlap`` validates the options and ``resolve_overlap`` decides
+``overlap="auto"`` (on where the inter-process stage spans hosts).
 
-Imports: jax, ``_async``, ``_invariance``, ``_tie``, ``_plugins`` and ``_strategies``; ``_config``
-(the defaults, the warning), ``_sync``, ``_mpi_backend`` and ``_transforms`` import it.
+Imports: jax, ``_async``, ``_invariance``, ``_tie``, ``_plugins`` and ``_strategies``
+(and ``_config``'s ``_bad_type``, inside ``check_overlap``); ``_config`` (the defaults,
+the checks, the warning), ``_sync``, ``_mpi_backend`` and ``_transforms`` import it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,20 @@ from . import _plugins, _strategies
 # the emulated 1 Gb/s cluster and in shared memory (docs/benchmarks.md).
 OVERLAP_BUCKET_BYTES = 4 * 2**20
 OVERLAP_FIRST_BYTES = 1 * 2**20
+_AUTO = "auto"
+
+
+def resolve_overlap(overlap, backend) -> bool:
+    """``overlap`` as a synchronisation takes it. ``"auto"`` (the default): on where
+    its inter-process stage spans more than one host (an MPI communicator whose
+    processes the topology counts on several hosts, ``Comms.hosts``: there the
+    wire sets the time; on the emulated cluster at 100 Mb/s overlap took the step
+    to 0.72-0.76x the blocking one, docs/benchmarks.md), off within one host (shared memory:
+    nothing to hide, the lowered step unchanged) and without MPI (one process,
+    ``AxisComm``); ``True`` / ``False`` force it."""
+    if not (isinstance(overlap, str) and overlap == _AUTO):
+        return bool(overlap)
+    return getattr(getattr(backend, "comms", None), "hosts", 0) > 1
 
 
 def overlap_groups(nbytes: list, bucket_bytes: int, first_bytes: int | None = None) -> list:
@@ -296,8 +313,10 @@ _ARGS = """      overlap: ``True`` sends the gradients in buckets, in the order 
         it exists; with MPI on CPU the sums run on a communication thread while
         the step computes on (see "Overlap" in docs/strategies.md). The same bits as
         ``False``. The buckets' order assumes the tree lists the model's layers
-        first to last. Without an inter-process stage (one process) it hides
-        nothing, and the factory warns.
+        first to last. ``"auto"`` (default): on where the inter-process stage
+        spans more than one host (MPI, the topology's host count), off within
+        one host and without MPI. ``True`` without an inter-process stage (one
+        process) hides nothing, and the factory warns.
       overlap_bucket_bytes: with ``overlap``, about this many bytes per bucket
         (``"auto"``: 4 MiB; the first bucket 1 MiB).
       double_buffering: ``True`` applies, at step ``t``, the mean of the
@@ -347,3 +366,53 @@ def document_overlap(factory):
     )
     factory.__doc__ = doc
     return factory
+
+
+def check_overlap(fn, overlap, overlap_bucket_bytes, double_buffering) -> int:
+    """Validate ``overlap``, ``overlap_bucket_bytes`` and ``double_buffering``; the
+    bucket size in bytes."""
+    import numpy as np
+
+    from ._config import _bad_type
+
+    if isinstance(overlap, str) and overlap != _AUTO:
+        raise ValueError(
+            f"{fn}: overlap must be one of (True, False, 'auto'), got {overlap!r}. Fix: "
+            "overlap='auto' (default: on where the sync spans hosts), True or False."
+        )
+    for name, value, default in (
+        ("overlap", overlap, "'auto'"),
+        ("double_buffering", double_buffering, "False"),
+    ):
+        if not (isinstance(value, bool) or (name == "overlap" and isinstance(value, str))):
+            raise _bad_type(
+                fn,
+                name,
+                "a bool" + (" or 'auto'" if name == "overlap" else ""),
+                value,
+                f"pass {name}=True or {name}=False (the default: {default})",
+            )
+    if isinstance(overlap_bucket_bytes, str) and overlap_bucket_bytes == _AUTO:
+        return OVERLAP_BUCKET_BYTES
+    if isinstance(overlap_bucket_bytes, bool) or not isinstance(
+        overlap_bucket_bytes, (int, np.integer)
+    ):
+        raise _bad_type(
+            fn,
+            "overlap_bucket_bytes",
+            "a positive int or 'auto'",
+            overlap_bucket_bytes,
+            f"pass e.g. overlap_bucket_bytes={OVERLAP_BUCKET_BYTES} ('auto': 4 MiB)",
+        )
+    if overlap_bucket_bytes < 1:
+        raise ValueError(
+            f"{fn}: overlap_bucket_bytes must be >= 1, got {overlap_bucket_bytes}. "
+            f"Fix: overlap_bucket_bytes='auto' ({OVERLAP_BUCKET_BYTES} bytes)."
+        )
+    if not overlap:
+        raise ValueError(
+            f"{fn}: overlap_bucket_bytes={overlap_bucket_bytes} sizes overlap's "
+            "buckets, but overlap=False. Fix: pass overlap=True, or drop "
+            "overlap_bucket_bytes."
+        )
+    return int(overlap_bucket_bytes)

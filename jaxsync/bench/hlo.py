@@ -57,6 +57,7 @@ def _wire(kind: str, nbytes: int, p: int) -> float:
         return 0.0
     return {
         "allreduce": 2 * (p - 1) / p * nbytes,
+        "allreduce_async": 2 * (p - 1) / p * nbytes,  # overlap's, per bucket
         "reduce_scatter": (p - 1) / p * nbytes,
         "alltoall": (p - 1) / p * nbytes,
         "allgather": (p - 1) * nbytes,

@@ -8,19 +8,24 @@ interleaved rounds (every sample the median of ``--iters`` calls, the slowest
 rank's; the figure the median over rounds):
 
 * ``nosync``: the step without synchronisation;
-* ``blocking``: with ``hierarchical_mean`` as it was (one blocking call after
+* ``blocking``: ``hierarchical_mean(overlap=False)`` (one blocking call after
   the whole gradient exists);
 * ``overlap``: ``hierarchical_mean(overlap=True)`` for each ``--buckets`` size;
-* ``double``: ``hierarchical_mean(double_buffering=True)``;
+* ``double``: ``hierarchical_mean(double_buffering=True)`` (``overlap=False``);
+* ``default``: ``hierarchical_mean()``, its defaults (``overlap="auto"``: the
+  overlap case across hosts, the blocking one within a host);
+* ``forward``: the forward pass alone (the loss);
 * ``bare``: ``mpi4py`` ``Allreduce`` of the gradients' bytes (float32,
   preallocated, out of place).
 
-Targets (the issue's): with overlap the step at most 1.25 x max(nosync, bare)
-and below blocking by at least a third of bare; with double buffering at most
-1.1 x that max; in shared memory (one host) neither slower than blocking by
-more than 5%. Run it under ``mpirun -n 2`` (shared memory) and on the emulated
-cluster (``python -m jaxsync cluster --hosts 2 --procs-per-host 1 --link 1gbit
--- python -m jaxsync bench --suite overlap``). Writes ``overlap-<mode>.json``
+Targets (the issues'): with overlap the step at most 1.25 x max(nosync, bare),
+below blocking by at least a third of bare and (issue 31) at most 1.05 x
+max(nosync, forward + bare); with double buffering at most 1.05 x max(nosync,
+bare); in shared memory (one host) none slower than blocking by more than 5%.
+Run it under ``mpirun -n 2`` (shared memory) and on the emulated cluster
+(``python -m jaxsync cluster --hosts 2 --procs-per-host 1 --link 100mbit --
+python -m jaxsync bench --suite overlap``: 100 Mb/s, where the wire sets the
+time on this machine, and 1gbit). Writes ``overlap-<mode>.json``
 and ``overlap-<mode>.png`` (matplotlib, if installed) to ``--out``.
 
 Figures on a shared machine are noisy: read ratios from one run.
@@ -97,12 +102,15 @@ def make_step(tx, lr: float = 1e-2):
 def _cases(comm, buckets):
     import jaxsync
 
-    cases = {"nosync": None, "blocking": jaxsync.hierarchical_mean(None, comm)}
+    blocking = jaxsync.hierarchical_mean(None, comm, overlap=False)
+    cases = {"nosync": None, "blocking": blocking}
     for b in buckets:
         cases[f"overlap {b / MiB:g}MiB"] = jaxsync.hierarchical_mean(
             None, comm, overlap=True, overlap_bucket_bytes=b
         )
-    cases["double"] = jaxsync.hierarchical_mean(None, comm, double_buffering=True)
+    cases["double"] = jaxsync.hierarchical_mean(None, comm, overlap=False, double_buffering=True)
+    # the defaults (overlap="auto": on across hosts, off within one host)
+    cases["default"] = jaxsync.hierarchical_mean(None, comm)
     return cases
 
 
@@ -158,7 +166,9 @@ def measure(comm, layers, width, batch, buckets, rounds, iters, trace_dir=None):
     def bare():
         comm.Allreduce(send, recv, op=MPI.SUM)
 
+    forward = jax.jit(loss)
     fns = {name: runner(name) for name in steps}
+    fns["forward"] = lambda: jax.block_until_ready(forward(params, x))
     fns["bare"] = bare
     for fn in fns.values():  # compile and warm up
         for _ in range(2):
@@ -183,48 +193,27 @@ def measure(comm, layers, width, batch, buckets, rounds, iters, trace_dir=None):
     return med, samples, nbytes, cpu
 
 
+def _target(what: str, value: float, limit: float, at_least: bool = False) -> dict:
+    ok = value >= limit if at_least else value <= limit
+    return {"what": what, "value": value, "limit": limit, "ok": ok, "at_least": at_least}
+
+
 def targets(med: dict, shared_memory: bool) -> list[dict]:
-    """The issue's targets, each ``{"what", "value", "limit", "ok"}``."""
+    """The issues' targets, each ``{"what", "value", "limit", "ok", "at_least"}``:
+    issue 31's against max(nosync, forward + bare) (the forward pass comes before
+    any gradient, so overlap cannot hide the sums behind it) and max(nosync, bare)."""
     floor = max(med["nosync"], med["bare"])
+    reach = max(med["nosync"], med["forward"] + med["bare"])
     out = []
     for k in (k for k in med if k.startswith("overlap")):
-        out.append(
-            {
-                "what": f"{k} / max(nosync, bare)",
-                "value": med[k] / floor,
-                "limit": 1.25,
-                "ok": med[k] / floor <= 1.25,
-            }
-        )
+        out.append(_target(f"{k} / max(nosync, bare)", med[k] / floor, 1.25))
         saved = (med["blocking"] - med[k]) / med["bare"]
-        out.append(
-            {
-                "what": f"(blocking - {k}) / bare",
-                "value": saved,
-                "limit": 1 / 3,
-                "ok": saved >= 1 / 3,
-                "at_least": True,
-            }
-        )
-    out.append(
-        {
-            "what": "double / max(nosync, bare)",
-            "value": med["double"] / floor,
-            "limit": 1.1,
-            "ok": med["double"] / floor <= 1.1,
-        }
-    )
+        out.append(_target(f"(blocking - {k}) / bare", saved, 1 / 3, at_least=True))
+        out.append(_target(f"{k} / max(nosync, forward + bare)", med[k] / reach, 1.05))
+    out.append(_target("double / max(nosync, bare)", med["double"] / floor, 1.05))
     if shared_memory:
-        for k in (k for k in med if k.startswith("overlap") or k == "double"):
-            r = med[k] / med["blocking"]
-            out.append(
-                {
-                    "what": f"{k} / blocking (shared memory)",
-                    "value": r,
-                    "limit": 1.05,
-                    "ok": r <= 1.05,
-                }
-            )
+        for k in (k for k in med if k.startswith("overlap") or k in ("double", "default")):
+            out.append(_target(f"{k} / blocking (shared memory)", med[k] / med["blocking"], 1.05))
     return out
 
 

@@ -1,4 +1,6 @@
-"""overlap=True and double_buffering=True under ``mpirun -n 2`` and ``-n 3``.
+"""overlap=True and double_buffering=True under ``mpirun -n 2`` and ``-n 3``, and
+``overlap="auto"``, the default (``worker_overlap_auto.py``: off within one host,
+on across hosts).
 
 Exact, bit for bit (``worker_overlap.py`` describes the cases): overlap gives
 the blocking sync's bits (one and two synchronisations in one step, many
@@ -135,3 +137,17 @@ def test_the_update_waits_for_the_backward_without_copying_parameters(compiled, 
         assert res[f"{case}:copied_state"] == [], f"rank {rank}: {res[f'{case}:copied_state']}"
     a, b = (_bits(r[f"{case}:result"]) for r in compiled.results)
     assert a == b  # the same parameters on both ranks
+
+
+def test_the_default_is_off_within_one_host_and_on_across_hosts():
+    """overlap="auto" (the default): on one host the lowered step is the one
+    overlap=False lowers to; with two hosts (faked: the topology's host count) it
+    is overlap=True's, and its result has the blocking sync's bits."""
+    got = run_mpi("worker_overlap_auto.py", n=2, devices=1, timeout=240).check()
+    for rank, r in enumerate(got.results):
+        assert r["one:hosts"] == 1 and r["two:hosts"] == 2, r
+        assert r["one:same_as_off"] and not r["one:same_as_on"], f"rank {rank}: {r}"
+        assert "jaxsync_allreduce_async" not in r["one:calls"], r["one:calls"]
+        assert r["two:same_as_on"] and not r["two:same_as_off"], f"rank {rank}: {r}"
+        assert "jaxsync_allreduce_async" in r["two:calls"], r["two:calls"]
+        assert r["one:bits_as_blocking"] and r["two:bits_as_blocking"], r
