@@ -313,7 +313,7 @@ def test_a_state_from_another_world_size_or_tree_is_refused():
     tx8 = jaxsync.sharded(INNER["adam"](), axis_name="i", comm=None)
     _, state8 = _steps(tx8, 8, 1)
     with pytest.raises(
-        ValueError, match=r"(?s)state leaf .*has shape \(2, .*expected \(1, .*shard_state"
+        ValueError, match=r"(?s)state leaf .*has shape \(2,.*expected \(1,.*shard_state"
     ):
         _steps(tx8, 4, 1, state=jax.device_get(state8))  # 8 replicas' slices on 4
     other = dict(PARAMS, extra=jnp.ones(3))

@@ -23,7 +23,9 @@ from ._layout import make_layout, slice_shape
 from ._sharded import ShardedState, per_replica_flags
 
 
-def gather_state(inner, states: ShardedState | Sequence[ShardedState], params) -> Any:
+def gather_state(
+    inner, states: ShardedState | Sequence[ShardedState], params, *, replicas: int | None = None
+) -> Any:
     """The inner optimizer's whole state from the processes' sharded states.
 
     Args:
@@ -33,6 +35,9 @@ def gather_state(inner, states: ShardedState | Sequence[ShardedState], params) -
         devices stacked along the leaves' first axis.
       params: the parameters (arrays or ``jax.ShapeDtypeStruct``s): the shapes
         the state follows.
+      replicas: the replica count of the run that saved the states; read from
+        the states when None (it needs it only when every parameter is a
+        vector and their lengths fit several counts).
 
     Returns:
       the state ``inner.init(params)`` has the structure of, holding the
@@ -44,15 +49,15 @@ def gather_state(inner, states: ShardedState | Sequence[ShardedState], params) -
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxsync
-      >>> inner, params = optax.adam(0.1), {"w": jnp.arange(5.0)}
+      >>> inner, params = optax.adam(0.1), {"w": jnp.ones((5, 3))}
       >>> whole = inner.init(params)
       >>> parts = [jaxsync.shard_state(inner, whole, params, replicas=4, process=p,
       ...                              processes=2) for p in range(2)]
-      >>> parts[0].inner[0].mu["w"].shape  # 2 devices x a (2,) slice
-      (2, 2)
+      >>> parts[0].inner[0].mu["w"].shape  # 2 devices' (1, 4) slices, stacked
+      (2, 4)
       >>> back = jaxsync.gather_state(inner, parts, params)
       >>> back[0].mu["w"].shape
-      (5,)
+      (5, 3)
     """
     fn = "gather_state"
     if isinstance(states, ShardedState):
@@ -82,9 +87,7 @@ def gather_state(inner, states: ShardedState | Sequence[ShardedState], params) -
                 f"(params) {w_def}. Fix: pass the optimizer and parameters the states "
                 "were made with."
             )
-    # The replica count: the slices' rows, over every process.
-    rows_of = [j for j, f in enumerate(flags) if f]
-    n = sum(np.shape(p[0][rows_of[0]])[0] for p in parts) if rows_of else 1
+    n = replicas if replicas is not None else _replicas(flags, w_flat, parts)
     out = []
     for j, ((path, w), f) in enumerate(zip(w_flat, flags)):
         name = jax.tree_util.keystr(path)
@@ -96,7 +99,8 @@ def gather_state(inner, states: ShardedState | Sequence[ShardedState], params) -
         rows = np.concatenate([np.asarray(p[0][j]) for p in parts], axis=0)
         size = int(np.prod(w.shape))
         k = -(-size // n)
-        _same(fn, name, rows.shape, (n, *slice_shape(tuple(w.shape), k)))
+        one = slice_shape(tuple(w.shape), k)
+        _same(fn, name, rows.shape, (n * one[0], *one[1:]))
         out.append(rows.reshape(-1)[:size].reshape(w.shape))
     return jax.tree_util.tree_unflatten(w_def, out)
 
@@ -165,11 +169,40 @@ def shard_state(
         k = -(-x.size // replicas)
         flat = np.zeros(replicas * k, x.dtype)
         flat[: x.size] = x.reshape(-1)
-        rows = flat.reshape(replicas, *slice_shape(x.shape, k))[lo:hi]
-        out.append(jnp.asarray(rows))
+        one = slice_shape(x.shape, k)
+        rows = flat.reshape(replicas, *one)[lo:hi]
+        out.append(jnp.asarray(rows.reshape(devices * one[0], *one[1:])))
     inner_state = jax.tree_util.tree_unflatten(w_def, out)
     finite = jnp.array(True) if check_finite else None
     return ShardedState(inner_state, finite, flags)
+
+
+def _replicas(flags, w_flat, parts) -> int:
+    """The replica count: how many slices the processes' states stack.
+
+    A slice of a leaf of rank 0 or >= 2 has a first axis of 1: the stacked
+    first axes count the replicas. A vector's slices are ``(k,)``: the counts
+    whose slices fill the stacked length, common to every such leaf.
+    """
+    candidates: set | None = None
+    for j, f in enumerate(flags):
+        if not f:
+            continue
+        shape = tuple(w_flat[j][1].shape)
+        if len(shape) != 1:
+            return sum(int(np.shape(p[0][j])[0]) for p in parts)
+        size, total = shape[0], sum(int(np.size(p[0][j])) for p in parts)
+        fits = {n for n in range(1, total + 1) if n * -(-size // n) == total}
+        candidates = fits if candidates is None else candidates & fits
+    if candidates is None:
+        return 1
+    if len(candidates) != 1:
+        raise ValueError(
+            "gather_state: the states' vectors fit several replica counts "
+            f"({sorted(candidates)}). Fix: pass replicas=devices x processes of the "
+            "run that saved them."
+        )
+    return candidates.pop()
 
 
 def _same(fn, name, got, want) -> None:

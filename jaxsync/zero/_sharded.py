@@ -44,10 +44,10 @@ class ShardedState:
     Attributes:
       inner: the inner optimizer's state for this replica's slices. A leaf
         that follows the parameters (Adam's moments) holds this replica's
-        slice with a leading axis of 1 (``(1, *slice)``), so under
-        ``shard_map`` the devices' slices stack along it
-        (:func:`jaxsync.state_specs`) and the processes' saved states
-        concatenate along it in slice order; the other leaves (the step count)
+        slice (its leaf's rank: ``(1, ..., 1, k)``, ``(k,)`` for a vector);
+        under ``shard_map`` the devices' slices stack along its first axis
+        (:func:`jaxsync.state_specs`), and the processes' saved states
+        concatenate along it in slice order. The other leaves (the step count)
         are the same on every replica.
       all_finite: with ``check_finite``, whether the last reduced gradients
         were all finite (the same on every replica); else None.
@@ -75,20 +75,6 @@ def per_replica_flags(inner, layout: Layout) -> tuple:
     a = jax.eval_shape(inner.init, layout.tree(layout.slice_structs(0)))
     b = jax.eval_shape(inner.init, layout.tree(layout.slice_structs(1)))
     return tuple(x.shape != y.shape for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-
-
-def wrap(inner_state, flags) -> Any:
-    leaves, treedef = jax.tree.flatten(inner_state)
-    return jax.tree_util.tree_unflatten(
-        treedef, [x[None] if f else x for x, f in zip(leaves, flags)]
-    )
-
-
-def unwrap(inner_state, flags) -> Any:
-    leaves, treedef = jax.tree.flatten(inner_state)
-    return jax.tree_util.tree_unflatten(
-        treedef, [x.reshape(x.shape[1:]) if f else x for x, f in zip(leaves, flags)]
-    )
 
 
 class Place:

@@ -97,8 +97,8 @@ def sharded(
       >>> init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(),
       ...                              out_specs=specs))
       >>> state = init(params)
-      >>> state.inner[0].mu["w"].shape  # 4 replicas x a (1, 2) slice each
-      (4, 1, 2)
+      >>> state.inner[0].mu["w"].shape  # 4 replicas' (1, 2) slices, stacked
+      (4, 2)
       >>> def step(g, state, params):
       ...     u, state = tx.update(g, state, params)
       ...     return optax.apply_updates(params, u), state
@@ -148,7 +148,7 @@ def _fns(fn, inner, cfg, sums):
         state = inner.init(layout.tree(slices))
         flags = _sharded.per_replica_flags(inner, layout)
         finite = jnp.array(True) if cfg.check_finite else None
-        return ShardedState(_sharded.wrap(state, flags), finite, flags)
+        return ShardedState(state, finite, flags)
 
     def update_fn(updates, state, params=None):
         layout, place = layout_of(updates)
@@ -184,7 +184,7 @@ def _fns(fn, inner, cfg, sums):
         if params is not None:
             p_tree = layout.tree(layout.take(jax.tree.leaves(params), place.index))
         g_tree = layout.tree(g_slices)
-        inner_state = _sharded.unwrap(state.inner, state.per_replica)
+        inner_state = state.inner
         _elementwise.check(
             inner.update, jax.eval_shape(lambda *a: a, g_tree, inner_state, p_tree), fn
         )
@@ -200,7 +200,7 @@ def _fns(fn, inner, cfg, sums):
         )
         bufs = _sharded.gather(place.intra, cfg.backend, ulayout.join(u_slices))
         full = layout.tree(ulayout.unpack_rows(bufs))
-        new = ShardedState(_sharded.wrap(inner_state, state.per_replica), finite, state.per_replica)
+        new = ShardedState(inner_state, finite, state.per_replica)
         return full, new
 
     return init_fn, update_fn
@@ -224,8 +224,8 @@ def _check_state(fn, inner, layout: Layout, state) -> None:
             "another optimizer. Fix: make it with this transform's init on these "
             "parameters."
         )
-    for (path, w), g, f in zip(want_flat, got, state.per_replica):
-        shape = (1, *w.shape) if f else tuple(w.shape)
+    for (path, w), g in zip(want_flat, got):
+        shape = tuple(w.shape)
         if tuple(g.shape) != shape:
             raise ValueError(
                 f"{fn}: the state leaf {jax.tree_util.keystr(path)} has shape "
