@@ -77,11 +77,15 @@ def _check_states(results):
                 np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{rank} {key}")
 
 
-def test_the_donated_step_copies_no_state(zero_run):
+def test_the_donated_step_copies_no_state_and_host_staging(zero_run):
     """With one device per process, the compiled step with params and state
     donated has no copy: the state is updated where it is (a reshape between
-    the inner state and the stored one once made XLA copy all of it in)."""
+    the inner state and the stored one once made XLA copy all of it in). And
+    ``staging="host"`` (float32 and bfloat16 on the wire) equals the chain."""
     if zero_run.results[0]["meta"]["devices"] != 1:
         pytest.skip("checked with one device per process")
-    for res in zero_run.results:
+    for rank, res in enumerate(zero_run.results):
         assert res["copies"] == 0, res["copies"]
+        for key in ("host:f32", "host:bf16"):  # staging="host", and 16-bit on the wire
+            got, want = res[key]
+            _equal(got, want, f"rank {rank} {key}")

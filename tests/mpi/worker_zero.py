@@ -136,6 +136,13 @@ def main():
             hlo = jax.jit(donated, donate_argnums=(0, 1)).lower(params, st, params).compile()
             entry = hlo.as_text().split("ENTRY", 1)[1]
             res.add("copies", entry.count(" copy("))
+            # host staging (mpi4py through the host; GPUs without CUDA-aware MPI)
+            for dt in (None, jnp.bfloat16):
+                opts = dict(axis_name=None, staging="host", reduce="sum", comm_dtype=dt)
+                got, _ = run(jaxsync.sharded(inners["momentum"](), **opts), True)
+                chain = jaxsync.hierarchical_mean(**opts)
+                want, _ = run(optax.chain(chain, inners["momentum"]()), True)
+                res.add(f"host:{'bf16' if dt else 'f32'}", (got, want))
     res.write()
 
 
