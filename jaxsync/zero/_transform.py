@@ -129,6 +129,7 @@ def sharded(
         timeout=timeout,
         on_timeout=on_timeout,
         host_tier=False,
+        overlap=False,  # one reduce-scatter and one all-gather, in the step's order
     )
     sums = dataclasses.replace(
         cfg, strategy="hierarchical", reduce="sum", comm_dtype=None, predivide=None,
