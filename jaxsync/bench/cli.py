@@ -34,6 +34,7 @@ SUITES = {
     "model": "jaxsync.bench.model",
     "cluster": "jaxsync.bench.cluster",
     "overlap": "jaxsync.bench.overlap",
+    "sharded": "jaxsync.bench.sharded",
 }
 """``--suite NAME``: the module whose ``main(argv)`` runs it."""
 
@@ -46,6 +47,8 @@ SUITE_HELP = {
     "link's limit (hosts x processes x devices, 1 and 10 Gb/s)",
     "overlap": "a whole train step with overlap=True / double_buffering=True against "
     "the blocking sync, the step without sync and the bare allreduce",
+    "sharded": "jaxsync.sharded(adam) against chain(hierarchical_mean, adam): optimizer "
+    "state bytes per device, the step's memory and time, the update's own compute",
 }
 
 

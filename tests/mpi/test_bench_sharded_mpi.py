@@ -1,0 +1,31 @@
+"""``python -m jaxsync bench --suite sharded --quick`` under ``mpirun -n 2`` (one
+device each): the docs' step with ``sharded`` and the chain over MPI, the bare
+mpi4py collectives, and sharded-shm.json with the state's bytes per device
+those of one replica's slices (N = 2). Speed is not asserted."""
+
+import json
+import math
+import os
+import sys
+
+from mpi_harness import MPIRUN, ROOT, requires_mpi, run_command
+
+pytestmark = requires_mpi
+
+
+def test_sharded_suite_under_mpirun(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(ROOT)
+    cmd = [str(MPIRUN), "-n", "2", sys.executable, "-m", "jaxsync", "bench", "--suite"]
+    cmd += ["sharded", "--quick", "--trees", "tiny", "--rounds", "1", "--iters", "1"]
+    cmd += ["--out", str(tmp_path)]
+    returncode, text, timed_out = run_command(cmd, timeout=300, env=env)
+    if timed_out:
+        raise AssertionError("sharded bench under mpirun timed out:\n" + text[-3000:])
+    assert returncode == 0, text[-3000:]
+    result = json.loads((tmp_path / "sharded-shm.json").read_text())
+    assert (result["meta"]["processes"], result["meta"]["devices"]) == (2, 1)
+    (row,) = result["rows"]
+    assert row["replicas"] == 2 and row["state_bytes"] == row["expected_bytes"]
+    assert row["state_bytes"]["sharded"] == 2 * 4 * row["params"] // 2 + 4
+    assert all(math.isfinite(v) and v > 0 for v in row["median_ms"].values()), row
