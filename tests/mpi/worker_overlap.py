@@ -148,7 +148,7 @@ def main():
         axis = axis_of[mode]
         # vmap's replicas are rows of one message: then D replicas per process too
         for name, kw in (
-            ("blocking", {}),
+            ("blocking", dict(overlap=False)),
             ("overlap", dict(overlap=True, overlap_bucket_bytes=512)),
         ):
             tx = jaxsync.hierarchical_mean(axis, comm, **kw)
@@ -157,7 +157,7 @@ def main():
                 lambda tx=tx: train(mode, [tx], mlp_loss, mlp_params(), local_batches, STEPS),
             )
         for name, kw in (
-            ("blocking", {}),
+            ("blocking", dict(overlap=False)),
             ("overlap", dict(overlap=True, overlap_bucket_bytes=64)),
         ):
             txs = [
