@@ -32,7 +32,7 @@ extra="${JAXSYNC_SETUP_EXTRA_PACKAGES:-}"
 
 stamp="$venv/.jaxsync-setup"
 inputs=(pyproject.toml setup.py scripts/setup.sh scripts/verify_install.py jaxsync/_cli/_toolkit.py
-        jaxsync/_comm/_native/*.cc)
+        jaxsync/_comm/_native/*.cc jaxsync/_comm/_native/*.h)
 want="$(for f in "${inputs[@]}"; do if [ -f "$f" ]; then cat "$f"; fi; done | sha256sum | cut -c1-16)"
 want="$want cuda=$cuda extra=$extra"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
