@@ -91,6 +91,20 @@ class Layout:
             bufs.append(self._to_positions(rows).reshape(-1))
         return bufs
 
+    def leaf_rows(self, leaves: list) -> list:
+        """Each leaf flattened and padded to ``N * k`` (one device per process:
+        its rows are in slice order already, nothing to pack)."""
+        return [_rows(x, s, self.replicas).reshape(-1) for x, s in zip(leaves, self.slots)]
+
+    def split_leaves(self, pieces: list, finish=None) -> list:
+        """Each leaf's ``(k,)`` slice -> its slice shape (``finish`` first)."""
+        out = []
+        for i, (piece, s) in enumerate(zip(pieces, self.slots)):
+            piece = piece if s.k else jnp.zeros((0,), piece.dtype)
+            piece = finish(i, piece) if finish is not None else piece
+            out.append(piece.reshape(s.slice_shape))
+        return out
+
     def _to_positions(self, rows):
         p, d = self.processes, self.devices
         if p == 1 or d == 1:

@@ -95,6 +95,14 @@ class Place:
         self.intra = _intra.AxisOps(axes)
         self.devices = self.intra.size
         backend = cfg.backend
+        # One device per process and jaxsync's native target: no in-process
+        # stage at all (XLA keeps a reduce-scatter and an all-gather over a
+        # size-1 axis, each a copy), and each leaf goes to the native
+        # reduce-scatter as it is (no packing): its results are typed
+        # invariant over the size-1 axes, as sync's are.
+        self.alone = self.devices == 1 and getattr(backend, "native", False)
+        if self.alone and axes:
+            self.intra = _intra.AxisOps((), unit_axes=axes)
         d = lax.axis_index(axes) if axes else 0
         if isinstance(backend, _mpi_backend.MPIBackend):
             self.processes = backend.size()
@@ -130,6 +138,16 @@ def scatter(intra, backend, bufs: list) -> list:
     got = [_strategies._scatter_sum(intra, bufs[i]) for i in live]
     got = backend.run(_inter_scatter, got, intra, leader_only=False) if got else []
     for i, y in zip(live, got):
+        out[i] = y
+    return out
+
+
+def scatter_leaves(intra, backend, bufs: list) -> list:
+    """One device per process: each leaf's ``(P * k,)`` rows -> its ``(k,)``."""
+    live = [i for i, b in enumerate(bufs) if b.shape[0]]
+    out = list(bufs)
+    got = backend.run(_inter_scatter, [bufs[i] for i in live], intra, leader_only=False)
+    for i, y in zip(live, got if live else []):
         out[i] = y
     return out
 

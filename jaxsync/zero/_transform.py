@@ -163,10 +163,13 @@ def _fns(fn, inner, cfg, sums):
             _sync._scale_before(x.astype(travel[s.dtype]), pres[s.dtype])
             for x, s in zip(grads, layout.slots)
         ]
-        bufs = layout.pack_rows(leaves)
+        bufs = layout.leaf_rows(leaves) if place.alone else layout.pack_rows(leaves)
         agreed = f"{layout.describe()}\n{cfg.describe()}\nsharded"
         bufs = cfg.backend.agree(agreed, "gradient tree", bufs)
-        bufs = _sharded.scatter(place.intra, cfg.backend, bufs)
+        if place.alone:
+            bufs = _sharded.scatter_leaves(place.intra, cfg.backend, bufs)
+        else:
+            bufs = _sharded.scatter(place.intra, cfg.backend, bufs)
 
         def finish(i, piece):
             s = layout.slots[i]
@@ -177,7 +180,7 @@ def _fns(fn, inner, cfg, sums):
                 piece = piece.astype(wide) / jnp.asarray(post, wide)
             return piece.astype(s.dtype)
 
-        g_slices = layout.split(bufs, finish)
+        g_slices = layout.split_leaves(bufs, finish) if place.alone else layout.split(bufs, finish)
         finite = state.all_finite
         if cfg.check_finite:
             finite = _finite(fn, cfg, sums, layout, g_slices)
