@@ -23,6 +23,7 @@ from jaxsync._comm._topology import default_comm
 
 from . import _plugins, _strategies
 from ._overlap import OVERLAP_BUCKET_BYTES, check_overlap, resolve_overlap, warn_no_inter_stage
+from ._overlap import bad_type as _bad_type
 from ._plan import DEFAULT_BUCKET_BYTES, DEFAULT_PACK_THRESHOLD, REDUCED_DTYPES, _check_bytes
 
 # flat packs every leaf: its default buckets stay below glibc's largest mmap
@@ -74,13 +75,6 @@ _REDUCES = ("mean", "sum")
 _STAGINGS = ("device", "host")
 _CHECKS = (False, True, "raise")
 _ON_TIMEOUTS = ("report", "abort")
-
-
-def _bad_type(fn, arg, expected, got, fix):
-    return TypeError(
-        f"{fn} got unexpected type for argument {arg!r} (expected: "
-        f"{expected}, got: {type(got).__name__} {got!r}). Fix: {fix}"
-    )
 
 
 def _normalize_axes(fn: str, axis_name) -> tuple:

@@ -9,9 +9,8 @@ the gradients, inside ``_async.asynchronous()`` (``overlap=True``);
 ``check_overlap`` validates the options and ``resolve_overlap`` decides
 ``overlap="auto"`` (on where the inter-process stage spans hosts).
 
-Imports: jax, ``_async``, ``_invariance``, ``_tie``, ``_plugins`` and ``_strategies``
-(and ``_config``'s ``_bad_type``, inside ``check_overlap``); ``_config`` (the defaults,
-the checks, the warning), ``_sync``, ``_mpi_backend`` and ``_transforms`` import it.
+Imports: jax, ``_async``, ``_invariance``, ``_tie``, ``_plugins``, ``_strategies``;
+``_config`` (defaults, checks, ``bad_type``), ``_sync``, ``_transforms`` import it.
 """
 
 from __future__ import annotations
@@ -368,12 +367,15 @@ def document_overlap(factory):
     return factory
 
 
-def check_overlap(fn, overlap, overlap_bucket_bytes, double_buffering) -> int:
-    """Validate ``overlap``, ``overlap_bucket_bytes`` and ``double_buffering``; the
-    bucket size in bytes."""
-    import numpy as np
+def bad_type(fn, arg, expected, got, fix):
+    """The TypeError of an option of the wrong type (``_config``'s too)."""
+    msg = f"(expected: {expected}, got: {type(got).__name__} {got!r}). Fix: {fix}"
+    return TypeError(f"{fn} got unexpected type for argument {arg!r} {msg}")
 
-    from ._config import _bad_type
+
+def check_overlap(fn, overlap, overlap_bucket_bytes, double_buffering) -> int:
+    """Validate overlap, overlap_bucket_bytes and double_buffering; the bucket bytes."""
+    import numpy as np
 
     if isinstance(overlap, str) and overlap != _AUTO:
         raise ValueError(
@@ -385,7 +387,7 @@ def check_overlap(fn, overlap, overlap_bucket_bytes, double_buffering) -> int:
         ("double_buffering", double_buffering, "False"),
     ):
         if not (isinstance(value, bool) or (name == "overlap" and isinstance(value, str))):
-            raise _bad_type(
+            raise bad_type(
                 fn,
                 name,
                 "a bool" + (" or 'auto'" if name == "overlap" else ""),
@@ -397,7 +399,7 @@ def check_overlap(fn, overlap, overlap_bucket_bytes, double_buffering) -> int:
     if isinstance(overlap_bucket_bytes, bool) or not isinstance(
         overlap_bucket_bytes, (int, np.integer)
     ):
-        raise _bad_type(
+        raise bad_type(
             fn,
             "overlap_bucket_bytes",
             "a positive int or 'auto'",
