@@ -58,12 +58,12 @@ def main():
     outs = []
     for step in range(ns.steps):
         if rank == 1 and step == ns.stall_step:
-            # Stall only once rank 0 has started this step (its marker is there):
+            # Die only once rank 0 has started this step (its marker is there):
             # the fault follows rank 0's progress, not the clock (a death before
             # it got there ended the job with no marker to measure from).
             marker = os.path.join(ns.out, f"rank0.step{step}")
             deadline = time.monotonic() + 120
-            while not os.path.exists(marker) and time.monotonic() < deadline:
+            while ns.how == "die" and not os.path.exists(marker) and time.monotonic() < deadline:
                 time.sleep(0.01)
             if ns.how == "stop":  # an unreachable peer: alive, but silent for good
                 os.kill(os.getpid(), signal.SIGSTOP)
