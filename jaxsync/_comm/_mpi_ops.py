@@ -131,8 +131,10 @@ class _NativeOps:
     def bcast(self, bufs):
         return self._call("bcast", list(bufs)) if bufs else []
 
-    def reduce_scatter(self, bufs):
-        return self._call("reduce_scatter", list(bufs)) if bufs else []
+    def reduce_scatter(self, bufs, inplace=False):
+        """This rank's slice of each buffer; ``inplace``: the buffer itself,
+        the slice in its first ``ceil(n / size)`` elements."""
+        return self._call("reduce_scatter", list(bufs), inplace=inplace) if bufs else []
 
     def pipelined(self, cross, bufs, leader_only):
         """The host tier's sum of ``bufs`` in one call (``self``: this host's

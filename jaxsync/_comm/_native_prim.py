@@ -64,7 +64,7 @@ def _drop_varying(aval, axes):
 def _native_abstract_eval(
     token, comm, active, *xs, kind, size, invariant, agree, group, inplace=True, poll=0, chunk=0
 ):
-    del agree, group, inplace, poll, chunk
+    del agree, group, poll, chunk
     del token, comm, active
     outs = []
     for x in xs:
@@ -78,7 +78,7 @@ def _native_abstract_eval(
             spec = x.sharding.spec
             sharding = x.sharding.update(spec=type(spec)(None, *spec))
             out = x.update(shape=(size, *x.shape), sharding=sharding)
-        elif kind == "reduce_scatter":  # 1-D: this rank's slice of ceil(n / size)
+        elif kind == "reduce_scatter" and not inplace:  # 1-D: this rank's slice
             out = x.update(shape=(-(-x.shape[0] // size),))
         else:
             out = x.update(shape=x.shape)
@@ -113,7 +113,9 @@ def _native_lowering(
     chunk=0,
 ):
     del size, invariant
-    if (kind in _IN_PLACE and inplace) or kind == "tier":  # result i is operand 3 + i
+    if (
+        kind in _IN_PLACE + ("reduce_scatter",) and inplace
+    ) or kind == "tier":  # result i is operand 3 + i
         aliases = {3 + i: 1 + i for i in range(len(xs))}
     else:
         aliases = None
@@ -223,7 +225,8 @@ def native_call(
         ``size``), ``"reduce"`` (sums onto rank 0, in place there; other ranks'
         buffers unchanged), ``"bcast"`` (rank 0's buffers to every rank, in
         place) or ``"reduce_scatter"`` (1-D buffers: this rank's slice of
-        ``ceil(n / size)`` elements, zeros past the end); ``reduce`` and
+        ``ceil(n / size)`` elements, zeros past the end; in place, the
+        buffer, the slice in its first elements, the rest undefined); ``reduce`` and
         ``reduce_scatter`` sum 16-bit floats in float32, rounded once.
       xs: the local arrays.
       token: the previous call's token (see ``_ordering.chain_token``).
@@ -241,7 +244,8 @@ def native_call(
         bytes are copied into one scratch buffer of at most ``max(group, 4 MiB)``
         bytes and summed by one MPI call (``flat`` passes its ``bucket_bytes``:
         one message per bucket, packed by the target).
-      inplace: for these kinds, results aliased to the inputs (``MPI_IN_PLACE``);
+      inplace: for these kinds and ``reduce_scatter``, results aliased to the
+        inputs (``MPI_IN_PLACE``);
         ``False`` writes fresh results (an input XLA must keep, such as a
         parameter of the step, is then read where it is instead of copied).
       poll: for ``kind="allreduce_async"``, how the communicator's thread waits

@@ -160,6 +160,14 @@ class Layout:
                 a += s.k
         return out
 
+    def unleaf_rows(self, bufs: list) -> list:
+        """Each leaf's gathered ``(N * k,)`` slices -> the leaf (one device per
+        process: the inverse of ``leaf_rows``)."""
+        return [
+            b.reshape(-1)[: s.n].reshape(s.shape) if s.k else jnp.zeros(s.shape, b.dtype)
+            for b, s in zip(bufs, self.slots)
+        ]
+
     # -- one replica's slice of a full tree (the parameters) -----------------
     def take(self, leaves: list, index) -> list:
         """Slice ``index`` (traced or static) of every leaf."""

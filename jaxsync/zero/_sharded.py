@@ -143,17 +143,19 @@ def scatter(intra, backend, bufs: list) -> list:
 
 
 def scatter_leaves(intra, backend, bufs: list) -> list:
-    """One device per process: each leaf's ``(P * k,)`` rows -> its ``(k,)``."""
+    """One device per process: each leaf's ``(P * k,)`` rows -> its ``(k,)``,
+    reduce-scattered in place (the slice is the buffer's first ``k``)."""
     live = [i for i, b in enumerate(bufs) if b.shape[0]]
     out = list(bufs)
-    got = backend.run(_inter_scatter, [bufs[i] for i in live], intra, leader_only=False)
+    got = backend.run(_scatter_in_place, [bufs[i] for i in live], intra, leader_only=False)
     for i, y in zip(live, got if live else []):
         out[i] = y
     return out
 
 
 def gather(intra, backend, bufs: list) -> list:
-    """``(K,)`` buffers -> ``(N * K,)``: processes, then devices."""
+    """``(K,)`` buffers -> ``(N * K,)``: processes, then devices (one device
+    per process: each leaf's ``(k,)`` slice as it is, one call each)."""
     live = [i for i, b in enumerate(bufs) if b.shape[0]]
     out = list(bufs)
     got = [bufs[i] for i in live]
@@ -185,6 +187,11 @@ def _inter_scatter(ops, bufs):
                 total = total + got[j]
             out.append(total)
     return out
+
+
+def _scatter_in_place(ops, bufs):
+    got = ops.reduce_scatter(bufs, inplace=True)
+    return [y[: -(-b.shape[0] // ops.size)] for b, y in zip(bufs, got)]
 
 
 def _inter_gather(ops, bufs):

@@ -202,8 +202,12 @@ def _fns(fn, inner, cfg, sums):
                 dataclasses.replace(s, dtype=str(u.dtype)) for s, u in zip(layout.slots, u_slices)
             ),
         )
-        bufs = _sharded.gather(place.intra, cfg.backend, ulayout.join(u_slices))
-        full = layout.tree(ulayout.unpack_rows(bufs))
+        if place.alone:  # no packing: each leaf's slice is gathered as it is
+            bufs = _sharded.gather(place.intra, cfg.backend, [u.reshape(-1) for u in u_slices])
+            full = layout.tree(ulayout.unleaf_rows(bufs))
+        else:
+            bufs = _sharded.gather(place.intra, cfg.backend, ulayout.join(u_slices))
+            full = layout.tree(ulayout.unpack_rows(bufs))
         new = ShardedState(inner_state, finite, state.per_replica)
         return full, new
 

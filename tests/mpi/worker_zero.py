@@ -136,6 +136,10 @@ def main():
             hlo = jax.jit(donated, donate_argnums=(0, 1)).lower(params, st, params).compile()
             entry = hlo.as_text().split("ENTRY", 1)[1]
             res.add("copies", entry.count(" copy("))
+            # nor packs: each leaf reduce-scattered in place, its slice gathered as it is
+            rs = [ln for ln in entry.splitlines() if "jaxsync_reduce_scatter" in ln]
+            res.add("rs_in_place", [("output_to_operand_aliasing" in ln) for ln in rs])
+            res.add("concatenates", entry.count(" concatenate("))
             # host staging (mpi4py through the host; GPUs without CUDA-aware MPI)
             for dt in (None, jnp.bfloat16):
                 opts = dict(axis_name=None, staging="host", reduce="sum", comm_dtype=dt)

@@ -240,6 +240,9 @@ ffi::Error BcastImpl(ffi::Token, CommArg comm, ActiveArg active, ffi::RemainingA
 }
 
 // Buffer i (n elements) -> this rank's slice of m = ceil(n / size) elements.
+// In place (the result aliased to the buffer, n elements): the slice is left
+// in the buffer's first m elements (MPI_IN_PLACE), the rest undefined; no
+// result buffer of its own (sharded's gradients: one copy fewer per step).
 ffi::Error ReduceScatterImpl(ffi::Token, CommArg comm, ActiveArg active, ffi::RemainingArgs args,
                              ffi::Result<ffi::Token>, ffi::RemainingRets rets) {
   Counted counted;
@@ -277,14 +280,18 @@ ffi::Error ReduceScatterImpl(ffi::Token, CommArg comm, ActiveArg active, ffi::Re
     const size_t n = in->element_count();
     const size_t m = (n + p - 1) / p;
     const size_t item = ffi::ByteWidth(type.t);
-    if ((*res)->element_count() != m) {
+    const char* src = static_cast<const char*>(in->untyped_data());
+    // In place: every chunk below reads its columns of every row before it
+    // writes them to the first row's place, so the rows still to read stay.
+    const bool in_place = out == src && (*res)->element_count() == n;
+    if ((*res)->element_count() != m && !in_place) {
       return ffi::Error::InvalidArgument(
           "jaxsync_reduce_scatter: the result must hold ceil(n / size) elements");
     }
-    const char* src = static_cast<const char*>(in->untyped_data());
     if (!type.low && n == m * p && m <= kTierChunk) {  // summed from where it is
       if (m == 0) continue;
-      int rc = MPI_Reduce_scatter_block(src, out, static_cast<int>(m), type.mpi, MPI_SUM, c);
+      int rc = MPI_Reduce_scatter_block(in_place ? MPI_IN_PLACE : src, out,
+                                        static_cast<int>(m), type.mpi, MPI_SUM, c);
       if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Reduce_scatter_block");
       continue;
     }
