@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 # Not started by mpirun: a child that inherits these would try to join an MPI job.
 _MPI_ENV = ("PMI_", "PMIX_", "OMPI_", "HYDI_", "HYDRA_", "MPI_LOCAL", "MV2_")
@@ -284,3 +286,34 @@ def test_draw_timeline_merges_the_ranks_files_and_draws_them(tmp_path):
     merged = json.loads((tmp_path / "timeline.json").read_text())
     assert len(merged["traceEvents"]) == 8
     assert got["summary"][1].startswith("rank 1: 1 calls, 1 steps, 0.5 ms in calls")
+
+
+def test_collective_stats_counts_the_pipelined_tier():
+    # the bench's wire column once crashed (KeyError: 'tier') on any step that took
+    # jaxsync_tier: bf16 on the wire (host_tier="auto") on 2 hosts x 2 processes
+    import jax
+    import jax.numpy as jnp
+
+    from jaxsync._comm import _native_prim, _ordering
+    from jaxsync.bench.hlo import collective_stats
+
+    if not _native_prim.tier_available():
+        pytest.skip("the native library has no jaxsync_tier")
+
+    def step(x, chunk):
+        _, ys = _native_prim.native_call(
+            "tier",
+            [x],
+            _ordering.chain_token(),
+            jnp.zeros(2, jnp.int32),
+            jnp.ones(2, jnp.int32),
+            2,
+            chunk=chunk,
+        )
+        return ys[0]
+
+    x = jnp.zeros(1000, jnp.float32)  # 4,000 bytes, 2 processes a host, 2 hosts
+    hier = jax.make_jaxpr(lambda x: step(x, 1 << 21))(x)
+    assert collective_stats(hier.jaxpr, 1, 4) == (1, 4000 + 4000 + 4000)
+    two_d = jax.make_jaxpr(lambda x: step(x, -(1 << 21)))(x)
+    assert collective_stats(two_d.jaxpr, 1, 4) == (1, 2000 + 2000 + 2000)

@@ -138,7 +138,11 @@ class MPIBench(_MeshBench):
         self.barrier = comm.Barrier
         self.n = devices
         self.mesh = Mesh(np.array(jax.local_devices()[:devices]), (LOCAL,))
-        self.methods = jaxsync_methods(LOCAL, comm, mpi=True)
+        import jaxsync
+
+        topo = jaxsync.topology(comm)
+        tiered = topo.hosts > 1 and topo.local_size > 1
+        self.methods = jaxsync_methods(LOCAL, comm, mpi=True, tiered=tiered)
         self.jit_methods = (
             {f"{m} (jit)": s for m, s in jaxsync_methods(None, comm, mpi=True, host=True).items()}
             if devices == 1

@@ -155,7 +155,8 @@ def measure(cfg: Config, out: Path, args, log, trace_dir: Path | None = None) ->
     rc_b, _, cpu_b = _run(cfg, bench, args.timeout, log)
     comp = [py, "-m", "jaxsync", "bench", "--suite", "compress", "--out", str(d)]
     comp += ["--quick"] if args.quick else ["--rounds", str(args.repeats)]
-    rc_c, _, cpu_c = _run(cfg, comp, args.timeout, log)
+    skip = (0, "", float("nan"))
+    rc_c, _, cpu_c = skip if args.no_compress else _run(cfg, comp, args.timeout, log)
     rc_t = 0
     if trace_dir is not None:
         tree = "mixed_tiny" if args.quick else args.trees[0]
@@ -179,7 +180,7 @@ def measure(cfg: Config, out: Path, args, log, trace_dir: Path | None = None) ->
                         cpu_scope="case",
                     )
                 )
-    if rc_c == 0:
+    if rc_c == 0 and not args.no_compress:
         comp_rows = json.loads((d / "compress-mpi.json").read_text())["rows"]
         # hierarchical_mean's payload is the tree's bytes
         full = {r["tree"]: r["payload_bytes"] for r in comp_rows if r["sync"] == "hierarchical"}
@@ -359,6 +360,8 @@ def _parse(argv) -> argparse.Namespace:
         default=1800.0,
         help="time limit of each run inside the cluster, seconds (default 1800)",
     )
+    no_comp = "leave out the compression suite (its powersgd and sign rows)"
+    p.add_argument("--no-compress", action="store_true", help=no_comp)
     p.add_argument("--out", type=Path, default=Path("bench-results/cluster"))
     no_tl = "skip cluster-timeline.png (the first configuration's, after its timed runs)"
     p.add_argument("--no-timeline", action="store_true", help=no_tl)

@@ -51,7 +51,7 @@ _HOST_KIND = {
 }
 
 
-def _wire(kind: str, nbytes: int, p: int) -> float:
+def _wire(kind: str, nbytes: float, p: int) -> float:
     """Bytes one member sends for a collective whose local operand has nbytes."""
     if p <= 1:
         return 0.0
@@ -64,6 +64,20 @@ def _wire(kind: str, nbytes: int, p: int) -> float:
         "bcast": nbytes,
         "reduce": nbytes,  # the host tier's: onto one member
     }[kind]
+
+
+def _tier_wire(nbytes: int, host_size: int, procs: int, leader_only: bool) -> float:
+    """Bytes one member sends in ``jaxsync_tier`` (the host tier's three steps in
+    one call): as the three calls it stands for send them (``procs // host_size``
+    hosts; ``leader_only``: reduce, the leaders' allreduce, broadcast, counted on
+    a leader; else reduce-scatter, allreduce of the slice, all-gather)."""
+    hosts = max(1, procs // max(1, host_size))
+    if leader_only:
+        host = _wire("reduce", nbytes, host_size) + _wire("bcast", nbytes, host_size)
+        return host + _wire("allreduce", nbytes, hosts)
+    part = nbytes / max(1, host_size)
+    host = _wire("reduce_scatter", nbytes, host_size) + _wire("allgather", part, host_size)
+    return host + _wire("allreduce", part, hosts)
 
 
 def _eqn_collective(eqn, axis_size: int, procs: int):
@@ -99,7 +113,11 @@ def collective_stats(jaxpr, axis_size: int, procs: int) -> tuple[int, float]:
             operands = eqn.invars[3:] if eqn.primitive.name == "jaxsync_native" else eqn.invars
             avals = [v.aval for v in operands if hasattr(v.aval, "dtype")]  # not tokens
             arrays += len(avals)
-            wire += _wire(kind, sum(a.size * a.dtype.itemsize for a in avals), p)
+            nbytes = sum(a.size * a.dtype.itemsize for a in avals)
+            if kind == "tier":  # the host tier in one call (chunk > 0: leader_only)
+                wire += _tier_wire(nbytes, p, procs, eqn.params["chunk"] > 0)
+            else:
+                wire += _wire(kind, nbytes, p)
         subs = [collective_stats(j, axis_size, procs) for j in jaxprs_in_params(eqn.params)]
         if eqn.primitive.name == "cond" and subs:
             subs = [max(subs, key=lambda s: s[1])]

@@ -50,8 +50,12 @@ def _transform_sync(factory, **options):
     return sync
 
 
-def jaxsync_methods(axis_name, comm, mpi: bool, host: bool = False) -> dict[str, Callable]:
-    """jaxsync's strategies as per-replica ``tree -> tree`` functions."""
+def jaxsync_methods(
+    axis_name, comm, mpi: bool, host: bool = False, tiered: bool = False
+) -> dict[str, Callable]:
+    """jaxsync's strategies as per-replica ``tree -> tree`` functions; ``tiered``
+    (several hosts, several processes on one) adds float32 forced through the host
+    tier (``host_tier=True``) beside the defaults' choice."""
     import jax.numpy as jnp
 
     import jaxsync
@@ -71,6 +75,12 @@ def jaxsync_methods(axis_name, comm, mpi: bool, host: bool = False) -> dict[str,
     out[f"{DEFAULT_METHOD} bf16"] = _transform_sync(
         jaxsync.hierarchical_mean, comm_dtype=jnp.bfloat16, **common
     )
+    if tiered:  # float32 through the host tier too, beside the default's choice
+        for name, factory in (
+            (DEFAULT_METHOD, jaxsync.hierarchical_mean),
+            ("two_dimensional", jaxsync.two_dimensional_mean),
+        ):
+            out[f"{name} host_tier=True"] = _transform_sync(factory, host_tier=True, **common)
     return out
 
 
