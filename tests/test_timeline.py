@@ -58,7 +58,7 @@ def test_a_rank_file_is_a_chrome_trace_with_lanes_and_steps(tmp_path):
     ]
     assert {e["pid"] for e in doc["traceEvents"]} == {3}
     a, lane, b = xs[2:]
-    want = {"communicator": "world", "bytes": 400, "step": 0}
+    want = {"communicator": "world", "bytes": 400, "step": 0, "call": 0}
     assert (a["ts"], a["dur"], a["args"]) == (1000.0, 2000.0, want)
     assert lane["args"]["queued_us"] == 500.0 and lane["args"]["step"] == 0
     assert b["args"]["step"] == 1 and a["tid"] == b["tid"] != lane["tid"]
@@ -68,6 +68,32 @@ def test_a_rank_file_is_a_chrome_trace_with_lanes_and_steps(tmp_path):
         a["tid"]: "XLA thread 1",
         lane["tid"]: "communication lane (world)",
     }
+
+
+def test_calls_are_numbered_per_step_and_overlaps_sums_by_bucket(tmp_path):
+    # one step: three async sums queued out of their recording order, two
+    # allreduces on another communicator and the host tier's pipelined call
+    q = lambda ms: T0 + ms * MS
+    events = np.array(
+        [
+            [1, 7, 100, q(2), q(6), q(7), 12, 1],
+            [1, 7, 100, q(1), q(2), q(3), 12, 1],
+            [0, 8, 100, -1, q(4), q(5), 11, 0],
+            [1, 7, 100, q(3), q(7), q(8), 12, 1],
+            [0, 8, 100, -1, q(1), q(2), 11, 0],
+            [8, 9, 100, -1, q(8), q(9), 11, 0],
+        ],
+        np.int64,
+    )
+    path = _timeline.write(tmp_path, 0, events, [("s", T0, q(10))], T0, {7: "world", 8: "x"})
+    xs = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "communication"]
+    sums = [(e["ts"], e["args"]["bucket"]) for e in xs if e["name"] == "allreduce_async"]
+    assert sorted(sums) == [(2000.0, 0), (6000.0, 1), (7000.0, 2)]  # in the order queued
+    calls = [(e["ts"], e["args"]["call"]) for e in xs if e["name"] == "allreduce"]
+    assert sorted(calls) == [(1000.0, 0), (4000.0, 1)]
+    assert all("bucket" not in e["args"] for e in xs if e["name"] != "allreduce_async")
+    (tier,) = [e for e in xs if e["name"] == "tier"]
+    assert tier["args"]["call"] == 0
 
 
 def test_the_command_merges_ranks_draws_and_summarises(tmp_path):

@@ -25,8 +25,21 @@ from . import _async, _mpi4jax_prim, _native_prim, _ordering
 # takes a core from the step's compute it overlaps: on the emulated cluster
 # (2 hosts at 1 Gb/s, 2 cores) overlap=True took 285 ms a step polling and 343
 # spinning, double_buffering=True 226 and 260 (docs/benchmarks.md). Within a
-# host (shared memory) the thread spins: the copies need the CPU.
+# host (shared memory) the thread spins: the copies need the CPU. The pipelined
+# host tier (jaxsync_tier, which always spans hosts) polls the same way: spinning,
+# every process of the emulated hosts kept the 2 cores busy (100% against 20% for
+# the sums that poll) at 100 Mb/s.
 LANE_POLL_US = 100
+
+# The largest sum one MPI call makes on a communicator that spans hosts (a larger
+# buffer is cut into pieces of this many bytes, all in flight at once). Measured on
+# the emulated cluster at 100 Mb/s (2 hosts x 2 processes, wire-bound): the
+# ResNet-like tree's 22 MB as MPI_Iallreduces, medians of 9 (7) against the
+# link's limit: one buffer 1.20x (1.29x, and its spread 1.04-1.47x), the leaves
+# as they are, all in flight 1.10x, one after another 1.05x; 1 / 2 / 4 / 8 MiB
+# pieces (7 each) 1.09x / 1.05x / 1.10x / 1.09x, 2 MiB again 1.035x all in flight
+# and one after another alike. Within a host (shared memory) buffers are not cut.
+PIECE_BYTES = 2 << 20
 
 # The host tier's chunk (bytes of a buffer's elements; see _NativeOps.pipelined):
 # a synchronisation of more bytes than one chunk runs its three stages at once
@@ -89,6 +102,7 @@ class _NativeOps:
     ):
         self.comm = comm
         self.poll = LANE_POLL_US if spans_hosts else 0
+        self.piece = PIECE_BYTES if spans_hosts else 0
         self.active = active
         self.size = size
         self.invariant = tuple(invariant)
@@ -107,6 +121,7 @@ class _NativeOps:
             group=self.group,
             inplace=inplace,
             poll=self.poll,
+            piece=self.piece,
         )
         _ordering.set_chain_token(token)
         return ys
@@ -160,6 +175,7 @@ class _NativeOps:
             self.size,
             self.invariant,
             chunk=chunk if leader_only else -chunk,
+            poll=LANE_POLL_US,  # it spans hosts: its waits poll (tier_pipe.cc's Pipe::Wait)
         )
         _ordering.set_chain_token(token)
         return ys

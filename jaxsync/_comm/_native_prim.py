@@ -62,9 +62,21 @@ def _drop_varying(aval, axes):
 
 
 def _native_abstract_eval(
-    token, comm, active, *xs, kind, size, invariant, agree, group, inplace=True, poll=0, chunk=0
+    token,
+    comm,
+    active,
+    *xs,
+    kind,
+    size,
+    invariant,
+    agree,
+    group,
+    inplace=True,
+    poll=0,
+    chunk=0,
+    piece=0,
 ):
-    del agree, group, poll, chunk
+    del agree, group, poll, chunk, piece
     del token, comm, active
     outs = []
     for x in xs:
@@ -111,6 +123,7 @@ def _native_lowering(
     inplace=True,
     poll=0,
     chunk=0,
+    piece=0,
 ):
     del size, invariant
     if (
@@ -122,7 +135,18 @@ def _native_lowering(
     rule = jax.ffi.ffi_lowering(f"jaxsync_{kind}", operand_output_aliases=aliases)
     if kind == "allreduce_async":
         return rule(
-            ctx, token, comm, active, *xs, group_bytes=np.int64(group), poll_us=np.int64(poll)
+            ctx,
+            token,
+            comm,
+            active,
+            *xs,
+            group_bytes=np.int64(group),
+            poll_us=np.int64(poll),
+            piece_bytes=np.int64(piece),
+        )
+    if kind == "allreduce":
+        return rule(
+            ctx, token, comm, active, *xs, group_bytes=np.int64(group), piece_bytes=np.int64(piece)
         )
     if kind in _IN_PLACE:
         return rule(ctx, token, comm, active, *xs, group_bytes=np.int64(group))
@@ -135,6 +159,7 @@ def _native_lowering(
             *xs,
             chunk_bytes=np.int64(abs(chunk)),
             leader_only=np.int64(chunk > 0),
+            poll_us=np.int64(poll),
         )
     if kind != "agree":
         return rule(ctx, token, comm, active, *xs)
@@ -155,7 +180,7 @@ mlir.register_lowering(native_p, _native_lowering, platform="cpu")
 
 
 def _native_batching(
-    args, dims, *, kind, size, invariant, agree, group, inplace=True, poll=0, chunk=0
+    args, dims, *, kind, size, invariant, agree, group, inplace=True, poll=0, chunk=0, piece=0
 ):
     # Under vmap every mapped replica takes part as a slice of one larger message.
     token, comm, active, *xs = args
@@ -187,6 +212,7 @@ def _native_batching(
         inplace=inplace,
         poll=poll,
         chunk=chunk,
+        piece=piece,
     )
     if kind == "allgather":
         xdims = [d if d is nm else d + 1 for d in xdims]
@@ -213,6 +239,7 @@ def native_call(
     inplace=True,
     poll=0,
     chunk=0,
+    piece=0,
 ):
     """Bind one native collective: returns ``(token, [results])``.
 
@@ -249,8 +276,13 @@ def native_call(
         ``False`` writes fresh results (an input XLA must keep, such as a
         parameter of the step, is then read where it is instead of copied).
       poll: for ``kind="allreduce_async"``, how the communicator's thread waits
-        for its sums: 0 spins in ``MPI_Waitall``; ``> 0`` tests, then sleeps
-        this many microseconds (the cores stay with the step's compute).
+        for its sums (for ``kind="tier"``, how the call waits for its stages):
+        0 spins in ``MPI_Waitall``; ``> 0`` tests, then sleeps this many
+        microseconds (the cores stay with the step's compute).
+      piece: for ``kind="allreduce"`` and ``"allreduce_async"``, ``> 0``: no MPI
+        call sums more than this many bytes (larger buffers are cut into pieces,
+        all in flight at once; see ``_mpi_ops.PIECE_BYTES``); 0: one call per
+        buffer (up to MPI's int count).
       chunk: for ``kind="tier"`` (``comm``, ``active``: int32[2], the host's
         and the cross communicator's), bytes a chunk: ``> 0`` leader_only
         (reduce, allreduce, broadcast), ``< 0`` two_dimensional (reduce-scatter,
@@ -273,6 +305,7 @@ def native_call(
         inplace=bool(inplace),
         poll=int(poll),
         chunk=int(chunk),
+        piece=int(piece),
     )
     return token, ys
 

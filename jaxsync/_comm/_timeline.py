@@ -10,7 +10,9 @@ Chrome trace event format (Perfetto, ``chrome://tracing``): a lane per thread
 (the steps marked with :meth:`Timeline.step`, XLA's threads that made calls,
 each communicator's lane), one complete event per call with its communicator
 (world, per device, the host tier's host and leaders communicators), bytes,
-queueing time and step in its arguments. ``python -m jaxsync timeline DIR``
+queueing time, step and place in the step (``call``: the n-th call of its kind
+on its communicator in that step; ``bucket`` for overlap's sums, one a bucket)
+in its arguments; the pipelined tier's one call is kind ``tier``. ``python -m jaxsync timeline DIR``
 (``jaxsync._cli._timeline``) merges the ranks into one trace and draws them.
 
 Times are ``CLOCK_MONOTONIC`` (Python's ``time.monotonic_ns``) from the moment
@@ -49,6 +51,7 @@ KINDS = (
     "bcast",
     "reduce_scatter",
     "agree",
+    "tier",
 )  # the native target's TimelineKind, in order
 _FIELDS = 8  # kind, comm, bytes, queued, started, ended, thread, lane
 
@@ -240,7 +243,9 @@ def write(directory, rank, events, steps, t0, labels, native=True) -> Path:
             )
         )
     tids: dict[tuple, int] = {}
-    for kind, comm, nbytes, queued, start, end, thread, lane in events.tolist():
+    rows = sorted(events.tolist(), key=lambda e: e[3] if e[3] >= 0 else e[4])  # queued or began
+    counts: dict[tuple, int] = {}
+    for kind, comm, nbytes, queued, start, end, thread, lane in rows:
         label = labels.get(int(comm), f"communicator {int(comm)}")
         key = ("lane", label) if lane else ("thread", thread)
         if key not in tids:
@@ -257,6 +262,12 @@ def write(directory, rank, events, steps, t0, labels, native=True) -> Path:
             )
         step = next((n for n, s, e in steps if s <= start <= e), None)
         args = {"communicator": label, "bytes": int(nbytes), "step": step}
+        # its place among the step's calls of this kind on this communicator, in
+        # the order they were issued: with overlap (allreduce_async) the bucket
+        key_n = (step, int(kind), int(comm))
+        args["call"] = counts[key_n] = counts.get(key_n, -1) + 1
+        if KINDS[int(kind)] == "allreduce_async":
+            args["bucket"] = args["call"]
         if queued >= 0:
             args["queued_us"] = round((start - queued) / 1e3, 3)
         out.append(

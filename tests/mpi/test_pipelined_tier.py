@@ -56,6 +56,8 @@ def test_pipelined_tier_is_one_call_and_bitwise_the_three_calls(tier_run, case):
     for rank, res in enumerate(run.results):
         assert "jaxsync_tier" in res[f"{case}:pipelined:calls"], res[f"{case}:pipelined:calls"]
         assert "jaxsync_tier" not in res[f"{case}:calls:calls"], res[f"{case}:calls:calls"]
+        if dtype == "f32" or hosts == 2:  # the hosts' allreduce, in 12-byte pieces
+            assert "12" in res[f"{case}:calls:pieces"], res[f"{case}:calls:pieces"]
         new, old = res[f"{case}:pipelined"], res[f"{case}:calls"]
         for leaf, n in SIZES.items():
             got = new[leaf]
@@ -83,3 +85,19 @@ def test_a_tree_of_one_chunks_bytes_keeps_the_three_calls(tier_run):
         assert "jaxsync_reduce" in res["small:calls"], res["small:calls"]
         for d in range(devices):
             np.testing.assert_array_equal(res["small"][d], want)
+
+
+def test_the_timeline_names_the_pipelined_call(tier_run):
+    # one event of kind "tier" per call (it was recorded as a "reduce"), on the
+    # host's communicator, with the whole buffer's bytes; none of the three calls
+    hosts, devices, run = tier_run
+    nbytes = 4 * sum(SIZES.values())  # float32
+    for rank, res in enumerate(run.results):
+        names = {name for name, *_ in res["timeline"]} - {"agree"}
+        assert names == {"tier"}, (rank, res["timeline"])
+        for name, comm, got, call in res["timeline"]:
+            if name == "tier":
+                assert comm.startswith("host, device") and got == nbytes and call == 0, (
+                    rank,
+                    res["timeline"],
+                )

@@ -51,6 +51,14 @@ def test_the_files_parse_and_every_call_sits_in_its_step(timeline_run):
             assert all(a[1] <= b[0] + 1e-3 for a, b in zip(spans, spans[1:])), spans
         lanes = [e for e in calls if e["name"] == "allreduce_async"]
         assert all("queued_us" in e["args"] for e in lanes)
+        # overlap's sums are numbered by bucket, in each step 0, 1, ... as issued
+        for s in steps:
+            got = [e["args"]["bucket"] for e in lanes if e["args"]["step"] == s["args"]["step"]]
+            if s["name"].startswith("step overlap"):
+                assert got and sorted(got) == list(range(len(got))), (s, got)
+            else:
+                assert got == [], (s, got)
+        assert all(isinstance(e["args"]["call"], int) for e in calls)
         for e in calls:  # named: the agreement's communicator, the world's (per device)
             want = "agreement" if e["name"] == "agree" else "world"
             assert e["args"]["communicator"].startswith(want), e

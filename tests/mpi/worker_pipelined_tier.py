@@ -6,10 +6,11 @@ integer-valued tree twice: with a 64-byte chunk (the leaves cut into chunks,
 chunk boundaries inside a leaf, a leaf smaller than a chunk, an empty leaf: one
 ``jaxsync_tier`` call) and with the chunk larger than the tree (the tier's three
 calls, as before). Recorded per case: both results, and the custom calls of
-each lowered step. Replica ``r`` (process-major) holds ``VALUE(r, i)`` at
-element ``i``.
+each lowered step; and the timeline of one pipelined step. Replica ``r``
+(process-major) holds ``VALUE(r, i)`` at element ``i``.
 """
 
+import json
 import os
 import re
 
@@ -73,6 +74,9 @@ def main():
 
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
 
+    # The sums across hosts cut into 12-byte pieces (PIECE_BYTES): piece boundaries
+    # inside the leaves of the three-call path, whose results must not change
+    _mpi_ops.PIECE_BYTES = 12
     for strategy, reduce, dtype in CASES:
         name = f"{strategy}-{reduce}-{dtype}"
         for chunk, path in ((64, "pipelined"), (1 << 30, "calls")):
@@ -82,6 +86,7 @@ def main():
             res.add(
                 f"{name}:{path}:calls", sorted(set(re.findall(r"custom_call @(jaxsync_\w+)", text)))
             )
+            res.add(f"{name}:{path}:pieces", sorted(set(re.findall(r"piece_bytes = (\d+)", text))))
             out = jax.block_until_ready(fn(tree))
             res.add(f"{name}:{path}", {k: np.asarray(v) for k, v in out.items()})
     # Leaves of two dtypes, 30 bytes in all (two chunks, but less than one
@@ -94,6 +99,22 @@ def main():
         sorted(set(re.findall(r"custom_call @(jaxsync_\w+)", fn.lower(small).as_text()))),
     )
     res.add("small", np.asarray(jax.block_until_ready(fn(small))["b"]))
+    # The pipelined call in the timeline: one event of kind "tier"
+    _mpi_ops.TIER_CHUNK_BYTES = 64
+    fn = step("hierarchical", "sum", "f32")
+    jax.block_until_ready(fn(tree))  # compiled before the timeline starts
+    with jaxsync.timeline(os.path.join(ns.out, f"timeline{rank}")) as tl:
+        with tl.step("tier"):
+            jax.block_until_ready(fn(tree))
+    doc = json.loads(tl.path.read_text())
+    res.add(
+        "timeline",
+        [
+            (e["name"], e["args"]["communicator"], e["args"]["bytes"], e["args"]["call"])
+            for e in doc["traceEvents"]
+            if e.get("cat") == "communication"
+        ],
+    )
     res.write()
 
 

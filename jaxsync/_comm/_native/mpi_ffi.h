@@ -255,7 +255,8 @@ struct Counted {
 // lane). Off (the default) it costs one relaxed atomic load per call; nothing
 // of it is in the lowered step. Python drains the events (jaxsync_timeline_drain).
 enum TimelineKind : int64_t {
-  kAllreduce = 0, kAllreduceAsync, kAllgather, kAlltoall_, kReduce, kBcast, kReduceScatter, kAgree
+  kAllreduce = 0, kAllreduceAsync, kAllgather, kAlltoall_, kReduce, kBcast, kReduceScatter, kAgree,
+  kTier  // jaxsync_tier: the host tier's three steps in one call (on the host's communicator)
 };
 extern std::atomic<bool> g_timeline;
 extern std::mutex g_timeline_mu;

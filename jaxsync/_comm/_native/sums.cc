@@ -9,11 +9,13 @@ namespace {
 // The 32/64-bit sums of one call. Every MPI_Iallreduce is started before any
 // is waited for, so MPI overlaps their latencies (one blocking call per
 // buffer waits for the slowest process once per buffer); grouped buffers are
-// copied into the arena, summed in place there and copied back.
+// copied into the arena, summed in place there and copied back. `piece`
+// bytes > 0: no MPI call sums more than that (a buffer is cut into pieces, all
+// in flight at once): see PIECE_BYTES in _mpi_ops.py.
 class Sums {
  public:
-  Sums(MPI_Comm c, size_t small, size_t grouped_bytes)
-      : c_(c), small_(small), group_cap_(std::max(small, kGroupBytes)) {
+  Sums(MPI_Comm c, size_t small, size_t grouped_bytes, size_t piece = 0)
+      : c_(c), small_(small), group_cap_(std::max(small, kGroupBytes)), piece_(piece) {
     static thread_local std::vector<char> arena;
     const size_t want = std::min(grouped_bytes, std::max(kArenaBytes, group_cap_));
     if (arena.size() < want) {
@@ -66,10 +68,12 @@ class Sums {
     std::vector<Part> parts;
   };
 
-  // One MPI_Iallreduce per MaxCount() elements (one for any buffer below it).
+  // One MPI_Iallreduce per MaxCount() elements, or per piece_ bytes where set
+  // (one for any buffer below it).
   ffi::Error Start(const void* src, void* dst, size_t count, size_t width,
                    MPI_Datatype dtype, MPI_Op op) {
-    const size_t most = MaxCount();
+    const size_t most =
+        piece_ > 0 ? std::min(MaxCount(), std::max<size_t>(piece_ / width, 1)) : MaxCount();
     for (size_t o = 0; o < count; o += most) {
       const int n = static_cast<int>(std::min(most, count - o));
       const void* s = src == MPI_IN_PLACE ? MPI_IN_PLACE
@@ -135,7 +139,7 @@ class Sums {
   }
 
   MPI_Comm c_;
-  size_t small_, group_cap_;
+  size_t small_, group_cap_, piece_;
   char* arena_ = nullptr;
   size_t arena_size_ = 0, used_ = 0;
   std::vector<MPI_Request> reqs_;
@@ -193,7 +197,8 @@ void Untouched(const std::vector<BufRef>& parts) {
 }
 
 // Sums every buffer of `parts` over `c` (see the top of this file).
-ffi::Error SumParts(MPI_Comm c, const std::vector<BufRef>& parts, int64_t group_bytes) {
+ffi::Error SumParts(MPI_Comm c, const std::vector<BufRef>& parts, int64_t group_bytes,
+                    int64_t piece_bytes) {
   // Small buffers of one dtype are summed together: copied into a scratch
   // arena, one MPI call in place, copied back (memcpy of a few KiB costs far
   // less than an MPI call each, or than packing them in XLA).
@@ -206,7 +211,7 @@ ffi::Error SumParts(MPI_Comm c, const std::vector<BufRef>& parts, int64_t group_
   for (const BufRef& b : parts) {
     if ((procs == 2 || !IsLow(b.type)) && b.bytes < small) grouped += b.bytes;
   }
-  Sums sums(c, small, grouped);
+  Sums sums(c, small, grouped, piece_bytes > 0 ? static_cast<size_t>(piece_bytes) : 0);
   Low16 bf16, f16;
   for (const BufRef& b : parts) {
     const ffi::DataType t = b.type;
@@ -237,7 +242,7 @@ ffi::Error SumParts(MPI_Comm c, const std::vector<BufRef>& parts, int64_t group_
 ffi::Error AllreduceImpl(ffi::Token, CommArg comm,
                          ActiveArg active, ffi::RemainingArgs args,
                          ffi::Result<ffi::Token>, ffi::RemainingRets rets,
-                         int64_t group_bytes) {
+                         int64_t group_bytes, int64_t piece_bytes) {
   Counted counted;
   std::vector<BufRef> parts;
   if (auto e = Collect(args, rets, &parts); e.failure()) return e;
@@ -246,7 +251,7 @@ ffi::Error AllreduceImpl(ffi::Token, CommArg comm,
     return ffi::Error::Success();
   }
   Span span(kAllreduce, comm.typed_data()[0], PartsBytes(parts));
-  return SumParts(CommOf(comm), parts, group_bytes);
+  return SumParts(CommOf(comm), parts, group_bytes, piece_bytes);
 }
 
 // ---- jaxsync_tie: an ordering point XLA:CPU keeps --------------------------
@@ -330,7 +335,7 @@ Lane& LaneOf(MPI_Fint handle) {
 ffi::Future AllreduceAsyncImpl(ffi::Token, CommArg comm, ActiveArg active,
                                ffi::RemainingArgs args, ffi::Result<ffi::Token>,
                                ffi::RemainingRets rets, int64_t group_bytes,
-                               int64_t poll_us) {
+                               int64_t poll_us, int64_t piece_bytes) {
   ffi::Promise promise;
   ffi::Future future(promise);
   std::vector<BufRef> parts;
@@ -350,11 +355,11 @@ ffi::Future AllreduceAsyncImpl(ffi::Token, CommArg comm, ActiveArg active,
   if (poll_env != nullptr) poll_us = std::atoll(poll_env);
   const auto queued = std::chrono::steady_clock::now();
   const bool timeline = g_timeline.load(std::memory_order_relaxed);
-  LaneOf(handle).Push([promise, handle, group_bytes, poll_us, queued, timeline,
+  LaneOf(handle).Push([promise, handle, group_bytes, poll_us, piece_bytes, queued, timeline,
                        parts = std::move(parts)]() mutable {
     const auto began = std::chrono::steady_clock::now();
     t_poll_us = poll_us;  // this lane's thread, for this job's waits
-    ffi::Error e = SumParts(MPI_Comm_f2c(handle), parts, group_bytes);
+    ffi::Error e = SumParts(MPI_Comm_f2c(handle), parts, group_bytes, piece_bytes);
     if (timeline) {
       auto ns = [](auto t) {
         return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch())
@@ -395,7 +400,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_allreduce, jaxsync::AllreduceImpl,
                                   .RemainingArgs()
                                   .Ret<ffi::Token>()
                                   .RemainingRets()
-                                  .Attr<int64_t>("group_bytes"));
+                                  .Attr<int64_t>("group_bytes")
+                                  .Attr<int64_t>("piece_bytes"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_allreduce_async, jaxsync::AllreduceAsyncImpl,
                               ffi::Ffi::Bind()
@@ -406,7 +412,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_allreduce_async, jaxsync::AllreduceAsyncIm
                                   .Ret<ffi::Token>()
                                   .RemainingRets()
                                   .Attr<int64_t>("group_bytes")
-                                  .Attr<int64_t>("poll_us"));
+                                  .Attr<int64_t>("poll_us")
+                                  .Attr<int64_t>("piece_bytes"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_tie, jaxsync::TieImpl,
                               ffi::Ffi::Bind().RemainingArgs().RemainingRets());

@@ -28,6 +28,8 @@
 // the rounded values summed across the hosts in float32 and rounded once more
 // (two hosts: MPI's sum with jaxsync's 16-bit operation; more: an all-to-all
 // of the 16-bit payload, float32 sums in host order, an all-gather).
+//
+// Waits poll (poll_us > 0: MPI_Test, then sleep) rather than spin: see Pipe::Wait.
 
 #include "mpi_ffi.h"
 
@@ -85,8 +87,8 @@ constexpr size_t kSlots = 4;  // chunk t is in flight from step t to step t + 3
 
 class Pipe {
  public:
-  Pipe(MPI_Comm host, MPI_Comm cross, bool lead, bool leader_only)
-      : host_(host), cross_(cross), lead_(lead), leader_only_(leader_only) {
+  Pipe(MPI_Comm host, MPI_Comm cross, bool lead, bool leader_only, int64_t poll_us)
+      : host_(host), cross_(cross), lead_(lead), leader_only_(leader_only), poll_us_(poll_us) {
     static thread_local Slot slots[kSlots];  // scratch reused by the calls of a thread
     slots_ = slots;
   }
@@ -133,8 +135,21 @@ class Pipe {
   }
 
  private:
-  static ffi::Error Wait(MPI_Request* r, const char* what) {
-    int rc = MPI_Wait(r, MPI_STATUS_IGNORE);
+  // poll_us_ > 0: test, then sleep (the call spans hosts: the wire sets its pace,
+  // and every process of a host spinning in MPI_Wait took the cores from the
+  // kernel's network work and the leaders' sums); MPI_Test drives every request
+  // in flight, so the host stages progress in each test too.
+  ffi::Error Wait(MPI_Request* r, const char* what) const {
+    int rc = MPI_SUCCESS;
+    if (poll_us_ <= 0) {
+      rc = MPI_Wait(r, MPI_STATUS_IGNORE);
+    } else {
+      for (int done = 0; rc == MPI_SUCCESS;) {
+        rc = MPI_Test(r, &done, MPI_STATUS_IGNORE);
+        if (done) break;
+        std::this_thread::sleep_for(std::chrono::microseconds(poll_us_));
+      }
+    }
     return rc == MPI_SUCCESS ? ffi::Error::Success() : MpiError(rc, what);
   }
 
@@ -304,9 +319,16 @@ class Pipe {
 
   MPI_Comm host_, cross_;
   bool lead_, leader_only_;
+  int64_t poll_us_;
   int rank_ = 0, size_ = 1, hosts_ = 1;
   Slot* slots_;
 };
+
+// The call's poll_us, or JAXSYNC_TESTING_POLL_US where set (as for the lanes).
+int64_t PollUs(int64_t poll_us) {
+  static const char* env = std::getenv("JAXSYNC_TESTING_POLL_US");
+  return env != nullptr ? std::atoll(env) : poll_us;
+}
 
 // The most elements of a chunk: `chunk_bytes` of the buffer's elements, within
 // MPI's int counts (two_dimensional: per rank's slice, p of them per message).
@@ -319,7 +341,7 @@ size_t ChunkElems(int64_t chunk_bytes, size_t item, size_t p) {
 
 ffi::Error TierImpl(ffi::Token, Pair comms, Pair active, ffi::RemainingArgs args,
                     ffi::Result<ffi::Token>, ffi::RemainingRets rets, int64_t chunk_bytes,
-                    int64_t leader_only) {
+                    int64_t leader_only, int64_t poll_us) {
   Counted counted;
   if (args.size() != rets.size()) {
     return ffi::Error::InvalidArgument("jaxsync_tier: as many results as buffers expected");
@@ -349,9 +371,9 @@ ffi::Error TierImpl(ffi::Token, Pair comms, Pair active, ffi::RemainingArgs args
   }
   if (active.typed_data()[0] == 0) return ffi::Error::Success();
   const int32_t* h = comms.typed_data();
-  Span span(kReduce, h[0], bytes);
+  Span span(kTier, h[0], bytes);
   Pipe pipe(MPI_Comm_f2c(static_cast<MPI_Fint>(h[0])), MPI_Comm_f2c(static_cast<MPI_Fint>(h[1])),
-            active.typed_data()[1] != 0, leader_only != 0);
+            active.typed_data()[1] != 0, leader_only != 0, PollUs(poll_us));
   if (auto e = pipe.Init(); e.failure()) return e;
   std::vector<Chunk> chunks;
   if (leader_only) {  // consecutive buffers of one dtype share chunks
@@ -397,4 +419,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_tier, jaxsync::TierImpl,
                                   .Ret<ffi::Token>()
                                   .RemainingRets()
                                   .Attr<int64_t>("chunk_bytes")
-                                  .Attr<int64_t>("leader_only"));
+                                  .Attr<int64_t>("leader_only")
+                                  .Attr<int64_t>("poll_us"));
