@@ -31,14 +31,16 @@ from . import _async, _mpi4jax_prim, _native_prim, _ordering
 # the sums that poll) at 100 Mb/s.
 LANE_POLL_US = 100
 
-# The largest sum one MPI call makes on a communicator that spans hosts (a larger
-# buffer is cut into pieces of this many bytes, all in flight at once). Measured on
-# the emulated cluster at 100 Mb/s (2 hosts x 2 processes, wire-bound): the
-# ResNet-like tree's 22 MB as MPI_Iallreduces, medians of 9 (7) against the
-# link's limit: one buffer 1.20x (1.29x, and its spread 1.04-1.47x), the leaves
-# as they are, all in flight 1.10x, one after another 1.05x; 1 / 2 / 4 / 8 MiB
-# pieces (7 each) 1.09x / 1.05x / 1.10x / 1.09x, 2 MiB again 1.035x all in flight
-# and one after another alike. Within a host (shared memory) buffers are not cut.
+# The largest sum one MPI call makes on a communicator that spans hosts: a larger
+# buffer is cut into pieces of this many bytes, and the native target keeps at
+# most 2 sums in flight there (kPiecesInFlight), each new one waiting for the
+# oldest. Measured on the emulated cluster at 100 Mb/s (2 hosts x 2 processes,
+# wire-bound): the ResNet-like tree's 22 MB as MPI_Iallreduces, interleaved in one
+# run, medians of 9 against the link's limit: one buffer 1.20x (spread 1.04-1.47x),
+# the leaves all in flight 1.10x (what the native sum did), one after another
+# 1.05x; 1 / 2 / 4 / 8 MiB pieces (7 each, all in flight) 1.09x / 1.05x / 1.10x /
+# 1.09x; 2 MiB pieces (7 each) with at most 1 / 2 / 4 / all in flight 1.041x /
+# 1.030x / 1.066x / 1.109x. Within a host (shared memory) nothing changes.
 PIECE_BYTES = 2 << 20
 
 # The host tier's chunk (bytes of a buffer's elements; see _NativeOps.pipelined):

@@ -111,6 +111,17 @@ int WaitAll(std::vector<MPI_Request>& reqs, std::vector<MPI_Status>& st) {
 }
 
 
+int WaitOne(MPI_Request* req) {
+  if (t_poll_us <= 0) return MPI_Wait(req, MPI_STATUS_IGNORE);
+  for (;;) {
+    int done = 0;
+    int rc = MPI_Test(req, &done, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS || done) return rc;
+    std::this_thread::sleep_for(std::chrono::microseconds(t_poll_us));
+  }
+}
+
+
 std::atomic<int64_t> g_started{0};
 std::atomic<int64_t> g_finished{0};
 

@@ -125,6 +125,11 @@ constexpr size_t kTierChunk = size_t{1} << 28;
 // JAXSYNC_TESTING_POLL_US overrides it for every lane, to profile.
 extern thread_local int64_t t_poll_us;
 int WaitAll(std::vector<MPI_Request>& reqs, std::vector<MPI_Status>& st);
+int WaitOne(MPI_Request* req);  // the same, for one request (its status ignored)
+
+// A communicator that spans hosts keeps at most this many sums in flight (see
+// Sums in sums.cc; measured in _mpi_ops.py's PIECE_BYTES).
+constexpr size_t kPiecesInFlight = 2;
 
 // ---- 16-bit floats <-> float32, exact, round to nearest even -------------
 // (bfloat16: the top half of a float32; float16: IEEE binary16, as in the FP16

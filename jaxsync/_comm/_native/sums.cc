@@ -10,8 +10,9 @@ namespace {
 // is waited for, so MPI overlaps their latencies (one blocking call per
 // buffer waits for the slowest process once per buffer); grouped buffers are
 // copied into the arena, summed in place there and copied back. `piece`
-// bytes > 0: no MPI call sums more than that (a buffer is cut into pieces, all
-// in flight at once): see PIECE_BYTES in _mpi_ops.py.
+// bytes > 0 (a communicator that spans hosts): no MPI call sums more than that
+// (a buffer is cut into pieces) and at most kPiecesInFlight sums are in flight,
+// each new one waiting for the oldest: see PIECE_BYTES in _mpi_ops.py.
 class Sums {
  public:
   Sums(MPI_Comm c, size_t small, size_t grouped_bytes, size_t piece = 0)
@@ -78,6 +79,11 @@ class Sums {
       const int n = static_cast<int>(std::min(most, count - o));
       const void* s = src == MPI_IN_PLACE ? MPI_IN_PLACE
                                           : static_cast<const char*>(src) + o * width;
+      while (piece_ > 0 && reqs_.size() - waited_ >= kPiecesInFlight) {
+        int rc = WaitOne(&reqs_[waited_]);
+        if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Iallreduce");
+        ++waited_;
+      }
       MPI_Request req;
       int rc = MPI_Iallreduce(s, static_cast<char*>(dst) + o * width, n, dtype, op, c_, &req);
       if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Iallreduce");
@@ -116,6 +122,7 @@ class Sums {
       std::vector<MPI_Status> st(reqs_.size());
       int rc = WaitAll(reqs_, st);
       reqs_.clear();
+      waited_ = 0;
       if (rc != MPI_SUCCESS) {
         sent_.clear();
         if (rc == MPI_ERR_IN_STATUS) {
@@ -140,6 +147,7 @@ class Sums {
 
   MPI_Comm c_;
   size_t small_, group_cap_, piece_;
+  size_t waited_ = 0;  // reqs_[:waited_] are done (MPI_REQUEST_NULL)
   char* arena_ = nullptr;
   size_t arena_size_ = 0, used_ = 0;
   std::vector<MPI_Request> reqs_;
