@@ -95,9 +95,9 @@ def probe() -> int:
 
 
 def _poll(req) -> None:
-    """Wait for ``req``, sleeping between tests: the ranks that wait must leave the
-    cores to the pair's transfer (spinning in a blocking barrier, 6 waiting ranks
-    of 2 hosts x 4 processes halved the rate the probe measured on 2 cores)."""
+    """Wait for ``req``, sleeping between tests: the ranks that wait leave the cores
+    to the pair's transfer (at 2 hosts x 4 processes the probe reads about half the
+    shaped rate either way; the cause is not known)."""
     while not req.Test():
         time.sleep(0.001)
 
