@@ -61,23 +61,8 @@ def _drop_varying(aval, axes):
     )
 
 
-def _native_abstract_eval(
-    token,
-    comm,
-    active,
-    *xs,
-    kind,
-    size,
-    invariant,
-    agree,
-    group,
-    inplace=True,
-    poll=0,
-    chunk=0,
-    piece=0,
-):
-    del agree, group, poll, chunk, piece
-    del token, comm, active
+def _native_abstract_eval(token, comm, active, *xs, kind, size, invariant, inplace=True, **_):
+    del token, comm, active  # the other parameters only reach the lowering
     outs = []
     for x in xs:
         if kind == "alltoall" and (x.ndim == 0 or x.shape[0] != size):
@@ -179,11 +164,10 @@ def _native_lowering(
 mlir.register_lowering(native_p, _native_lowering, platform="cpu")
 
 
-def _native_batching(
-    args, dims, *, kind, size, invariant, agree, group, inplace=True, poll=0, chunk=0, piece=0
-):
+def _native_batching(args, dims, **params):
     # Under vmap every mapped replica takes part as a slice of one larger message.
     token, comm, active, *xs = args
+    kind = params["kind"]
     nm = None  # not mapped
     if any(d is not nm for d in dims[:3]):
         raise NotImplementedError(
@@ -199,21 +183,7 @@ def _native_batching(
     if kind == "alltoall":  # the leading (peer) axis must stay first
         xs = [x if d is nm else jax.numpy.moveaxis(x, d, 1) for x, d in zip(xs, xdims)]
         xdims = [d if d is nm else 1 for d in xdims]
-    outs = native_p.bind(
-        token,
-        comm,
-        active,
-        *xs,
-        kind=kind,
-        size=size,
-        invariant=invariant,
-        agree=agree,
-        group=group,
-        inplace=inplace,
-        poll=poll,
-        chunk=chunk,
-        piece=piece,
-    )
+    outs = native_p.bind(token, comm, active, *xs, **params)
     if kind == "allgather":
         xdims = [d if d is nm else d + 1 for d in xdims]
     return outs, (nm, *xdims)
@@ -281,8 +251,8 @@ def native_call(
         microseconds (the cores stay with the step's compute).
       piece: for ``kind="allreduce"`` and ``"allreduce_async"``, ``> 0``: no MPI
         call sums more than this many bytes (larger buffers are cut into pieces,
-        all in flight at once; see ``_mpi_ops.PIECE_BYTES``); 0: one call per
-        buffer (up to MPI's int count).
+        at most 2 in flight; see ``_mpi_ops.PIECE_BYTES``); 0: one call per
+        buffer (up to MPI's int count), all in flight at once.
       chunk: for ``kind="tier"`` (``comm``, ``active``: int32[2], the host's
         and the cross communicator's), bytes a chunk: ``> 0`` leader_only
         (reduce, allreduce, broadcast), ``< 0`` two_dimensional (reduce-scatter,

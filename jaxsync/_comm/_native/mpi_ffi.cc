@@ -111,14 +111,19 @@ int WaitAll(std::vector<MPI_Request>& reqs, std::vector<MPI_Status>& st) {
 }
 
 
-int WaitOne(MPI_Request* req) {
-  if (t_poll_us <= 0) return MPI_Wait(req, MPI_STATUS_IGNORE);
+int WaitOne(MPI_Request* req, int64_t poll_us) {
+  if (poll_us <= 0) return MPI_Wait(req, MPI_STATUS_IGNORE);
   for (;;) {
     int done = 0;
     int rc = MPI_Test(req, &done, MPI_STATUS_IGNORE);
     if (rc != MPI_SUCCESS || done) return rc;
-    std::this_thread::sleep_for(std::chrono::microseconds(t_poll_us));
+    std::this_thread::sleep_for(std::chrono::microseconds(poll_us));
   }
+}
+
+int64_t PollUs(int64_t poll_us) {
+  static const char* env = std::getenv("JAXSYNC_TESTING_POLL_US");
+  return env != nullptr ? std::atoll(env) : poll_us;
 }
 
 

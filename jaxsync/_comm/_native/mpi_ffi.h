@@ -125,7 +125,10 @@ constexpr size_t kTierChunk = size_t{1} << 28;
 // JAXSYNC_TESTING_POLL_US overrides it for every lane, to profile.
 extern thread_local int64_t t_poll_us;
 int WaitAll(std::vector<MPI_Request>& reqs, std::vector<MPI_Status>& st);
-int WaitOne(MPI_Request* req);  // the same, for one request (its status ignored)
+// The same for one request (its status ignored), waiting as `poll_us` says.
+int WaitOne(MPI_Request* req, int64_t poll_us = t_poll_us);
+// A call's poll_us attribute, or JAXSYNC_TESTING_POLL_US where set.
+int64_t PollUs(int64_t poll_us);
 
 // A communicator that spans hosts keeps at most this many sums in flight (see
 // Sums in sums.cc; measured in _mpi_ops.py's PIECE_BYTES).

@@ -359,8 +359,7 @@ ffi::Future AllreduceAsyncImpl(ffi::Token, CommArg comm, ActiveArg active,
   const MPI_Fint handle = static_cast<MPI_Fint>(comm.typed_data()[0]);
   g_started.fetch_add(1, std::memory_order_relaxed);
   static const bool trace = std::getenv("JAXSYNC_TESTING_TRACE_LANES") != nullptr;
-  static const char* poll_env = std::getenv("JAXSYNC_TESTING_POLL_US");
-  if (poll_env != nullptr) poll_us = std::atoll(poll_env);
+  poll_us = PollUs(poll_us);
   const auto queued = std::chrono::steady_clock::now();
   const bool timeline = g_timeline.load(std::memory_order_relaxed);
   LaneOf(handle).Push([promise, handle, group_bytes, poll_us, piece_bytes, queued, timeline,

@@ -140,16 +140,7 @@ class Pipe {
   // kernel's network work and the leaders' sums); MPI_Test drives every request
   // in flight, so the host stages progress in each test too.
   ffi::Error Wait(MPI_Request* r, const char* what) const {
-    int rc = MPI_SUCCESS;
-    if (poll_us_ <= 0) {
-      rc = MPI_Wait(r, MPI_STATUS_IGNORE);
-    } else {
-      for (int done = 0; rc == MPI_SUCCESS;) {
-        rc = MPI_Test(r, &done, MPI_STATUS_IGNORE);
-        if (done) break;
-        std::this_thread::sleep_for(std::chrono::microseconds(poll_us_));
-      }
-    }
+    int rc = WaitOne(r, poll_us_);
     return rc == MPI_SUCCESS ? ffi::Error::Success() : MpiError(rc, what);
   }
 
@@ -323,12 +314,6 @@ class Pipe {
   int rank_ = 0, size_ = 1, hosts_ = 1;
   Slot* slots_;
 };
-
-// The call's poll_us, or JAXSYNC_TESTING_POLL_US where set (as for the lanes).
-int64_t PollUs(int64_t poll_us) {
-  static const char* env = std::getenv("JAXSYNC_TESTING_POLL_US");
-  return env != nullptr ? std::atoll(env) : poll_us;
-}
 
 // The most elements of a chunk: `chunk_bytes` of the buffer's elements, within
 // MPI's int counts (two_dimensional: per rank's slice, p of them per message).
