@@ -213,3 +213,25 @@ def test_fresh_setup_with_a_headerless_nvcc_first_on_path_then_demo(tmp_path):
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert "demo OK" in demo.stdout
     shutil.rmtree(venv, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- the docs check
+
+
+def test_the_docs_build_of_the_test_script_fails_on_a_warning(tmp_path):
+    """scripts/test.sh builds the site with mkdocs' own flags; with ``--quiet``
+    beside ``--strict`` mkdocs 1.6 counted no warning and passed a broken link."""
+    line = next(
+        x for x in (ROOT / "scripts" / "test.sh").read_text().splitlines() if '/mkdocs" build' in x
+    )
+    flags = [f for f in line.split() if f.startswith("-") and f != "--site-dir"]
+    assert "--strict" in flags, line
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "index.md").write_text("# Page\n\n[missing](missing.md)\n")
+    (tmp_path / "mkdocs.yml").write_text("site_name: check\n")
+    mkdocs = Path(sys.executable).with_name("mkdocs")
+    cmd = [mkdocs, "build", *flags, "--site-dir", tmp_path / "site", "-f", tmp_path / "mkdocs.yml"]
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode != 0, f"{line}\n{r.stdout}{r.stderr}"
+    assert "missing.md" in r.stdout + r.stderr

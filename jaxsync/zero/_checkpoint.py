@@ -18,13 +18,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from ._layout import make_layout, slice_shape
 from ._sharded import ShardedState, per_replica_flags
 
 
 def gather_state(
-    inner, states: ShardedState | Sequence[ShardedState], params, *, replicas: int | None = None
+    inner: optax.GradientTransformation,
+    states: ShardedState | Sequence[ShardedState],
+    params: Any,
+    *,
+    replicas: int | None = None,
 ) -> Any:
     """The inner optimizer's whole state from the processes' sharded states.
 
@@ -106,9 +111,9 @@ def gather_state(
 
 
 def shard_state(
-    inner,
+    inner: optax.GradientTransformation,
     state: Any,
-    params,
+    params: Any,
     *,
     replicas: int,
     process: int = 0,

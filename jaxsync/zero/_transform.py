@@ -19,7 +19,17 @@ import numpy as np
 import optax
 
 from jaxsync._core import _sync
-from jaxsync._core._config import AUTO, make_config
+from jaxsync._core._config import (
+    AUTO,
+    AxisName,
+    CheckFinite,
+    Comm,
+    DTypeLike,
+    OnTimeout,
+    Reduce,
+    Staging,
+    make_config,
+)
 
 from . import _elementwise, _sharded
 from ._layout import Layout, make_layout
@@ -29,15 +39,15 @@ from ._sharded import ShardedState
 def sharded(
     inner: optax.GradientTransformation,
     *,
-    axis_name,
-    comm=AUTO,
-    reduce="mean",
-    comm_dtype=None,
+    axis_name: AxisName,
+    comm: Comm = AUTO,
+    reduce: Reduce = "mean",
+    comm_dtype: DTypeLike | None = None,
     predivide: float | None = None,
-    check_finite=False,
-    staging="device",
+    check_finite: CheckFinite = False,
+    staging: Staging = "device",
     timeout: float | None = None,
-    on_timeout="report",
+    on_timeout: OnTimeout = "report",
 ) -> optax.GradientTransformation:
     """Synchronise gradients and run ``inner`` on a 1/N slice of them (ZeRO).
 
