@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -317,3 +318,47 @@ def test_collective_stats_counts_the_pipelined_tier():
     assert collective_stats(hier.jaxpr, 1, 4) == (1, 4000 + 4000 + 4000)
     two_d = jax.make_jaxpr(lambda x: step(x, -(1 << 21)))(x)
     assert collective_stats(two_d.jaxpr, 1, 4) == (1, 2000 + 2000 + 2000)
+
+
+class _RecordingComm:
+    """A communicator of ``size`` ranks seen from ``rank``: records the transfers
+    (every request completes at once)."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size, self.calls = rank, size, []
+
+    def Get_rank(self):
+        return self.rank
+
+    def Get_size(self):
+        return self.size
+
+    def Send(self, buf, dest, tag):
+        self.calls.append(("send", dest))
+
+    def Recv(self, buf, source, tag):
+        self.calls.append(("recv", source))
+
+    def Ibarrier(self):
+        return types.SimpleNamespace(Test=lambda: True)
+
+    def Iallreduce(self, sendbuf, recvbuf, op):
+        return types.SimpleNamespace(Test=lambda: True)
+
+
+def test_the_rate_probe_times_one_way_at_a_time():
+    """A ``Sendrecv`` both ways at once sometimes ran its directions one after the
+    other (the probe read 48 Mb/s on a 100 Mb/s link at 2 hosts x 4): the probe
+    sends from rank 0 to the last rank, then back, never both at once."""
+    import numpy as np
+
+    from jaxsync.bench.cluster_inside import probe_rates
+
+    buf = np.zeros(4, np.float32)
+    first, last, other = _RecordingComm(0, 8), _RecordingComm(7, 8), _RecordingComm(3, 8)
+    rates = [probe_rates(c, buf, rounds=3) for c in (first, last, other)]
+    assert first.calls == [("send", 7), ("recv", 7)] * 4
+    assert last.calls == [("recv", 0), ("send", 0)] * 4
+    assert other.calls == []  # the ranks between them only wait
+    assert [len(r) for r in rates] == [6, 6, 6]  # the first round each way is left out
+    assert min(rates[0] + rates[1]) > 0

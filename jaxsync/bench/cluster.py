@@ -8,16 +8,16 @@ configuration of hosts x processes per host x devices per process and link rate,
 and putting every row beside **the link's limit**: the bytes each host must send
 over its link in any allreduce between ``H`` hosts (``2 (H-1)/H`` of the tree;
 the whole tree for 2 hosts), over the link rate measured in the same run (MPI
-messages both ways between host 0 and host 1, before each configuration's
-benchmark). Beside every figure ``cpu_busy``: the machine's busy CPU share
+messages one way at a time between host 0 and the last host, before each
+configuration's benchmark). Beside every figure ``cpu_busy``: the machine's busy CPU share
 while it was timed (``timing.CpuMeter``, ``/proc/stat``), per case for the MPI
 bench's rows, over the whole run for the compression suite's. Writes
 ``cluster.json`` (rows, rates, commands), ``cluster.md`` (the table),
 ``cluster.png`` (each method's time over the link's limit) and, after the first
 configuration's timed runs, ``cluster-timeline.png`` (``trace``).
 What it may import: numpy, matplotlib, ``jaxsync.cluster``, the standard library,
-``timing.CpuMeter``, ``report.draw_timeline``; inside the cluster mpi4py (the
-rate probe, ``... cluster probe``), jax and jaxsync (``... cluster trace``).
+``timing.CpuMeter``, ``report.draw_timeline``; what runs inside the cluster is
+``cluster_inside`` (the rate probe, the timeline's synchronisations).
 
 Example:
   >>> from jaxsync.bench import cluster
@@ -37,8 +37,8 @@ import sys
 import time
 from pathlib import Path
 
-PROBE_BYTES = 16_000_000
-TRACE_STEPS = 3  # synchronisations in the timeline, after the first configuration's runs
+from .cluster_inside import TRACE_STEPS, probe, trace
+
 CPU_NOTE = (
     "CPU busy: the share of the machine's CPU time busy while the row's case was timed "
     "(/proc/stat, every process and the kernel's network work; 'run': over the compression "
@@ -66,63 +66,6 @@ class Config:
 
 def configs(hosts, procs, devices, links) -> list[Config]:
     return [Config(h, p, d, link) for link in links for h in hosts for p in procs for d in devices]
-
-
-def probe() -> int:
-    """Inside the cluster: the link rate between host 0 and the last host, both ways at
-    once (rank 0 and the last rank exchange ``PROBE_BYTES``); rank 0 prints JSON."""
-    import numpy as np
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    peer = {0: size - 1, size - 1: 0}.get(rank)
-    send = np.ones(PROBE_BYTES // 4, np.float32)
-    recv = np.empty_like(send)
-    rates = []
-    for i in range(4):
-        _poll(comm.Ibarrier())
-        t = time.perf_counter()
-        if peer is not None:
-            comm.Sendrecv(send, peer, 0, recv, peer, 0)
-        dt = np.array([time.perf_counter() - t])
-        _poll(comm.Iallreduce(MPI.IN_PLACE, dt, op=MPI.MAX))
-        if i:  # the first exchange sets up the connection
-            rates.append(send.nbytes * 8 / float(dt[0]))
-    if rank == 0:
-        print(json.dumps({"rate_bps": sorted(rates)[len(rates) // 2]}), flush=True)
-    return 0
-
-
-def _poll(req) -> None:
-    """Wait for ``req``, sleeping between tests: the ranks that wait leave the cores
-    to the pair's transfer (at 2 hosts x 4 processes the probe reads about half the
-    shaped rate either way; the cause is not known)."""
-    while not req.Test():
-        time.sleep(0.001)
-
-
-def trace(directory: str, tree_name: str) -> int:
-    """Inside the cluster: ``TRACE_STEPS`` synchronisations of ``tree_name`` with
-    ``hierarchical_mean`` (its defaults) inside ``jaxsync.timeline(directory)``."""
-    import jax
-    import jax.numpy as jnp
-
-    import jaxsync
-
-    from .trees import make_trees
-
-    trees = {**make_trees(False), **make_trees(True)}
-    grads = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), trees[tree_name]())
-    tx = jaxsync.hierarchical_mean(None)
-    state = tx.init(grads)
-    sync = jax.jit(lambda g: tx.update(g, state)[0])
-    jax.block_until_ready(sync(grads))  # compiled before the timeline starts
-    with jaxsync.timeline(directory) as tl:
-        for i in range(TRACE_STEPS):
-            with tl.step(f"{tree_name} hierarchical {i}"):
-                jax.block_until_ready(sync(grads))
-    return 0
 
 
 def _run(cfg: Config, cmd: list[str], timeout: float, log) -> tuple[int, str, float]:
@@ -273,7 +216,7 @@ def write(out: Path, results, table, targets, meta) -> list[Path]:
     rates = ", ".join(
         f"{r['name']}: {r['rate_bps'] / 1e9:.3f} Gb/s" for r in results if r["rate_bps"]
     )
-    lines += ["", f"Measured link rates (MPI, both ways at once): {rates}."]
+    lines += ["", f"Measured link rates (MPI, one way at a time): {rates}."]
     lines.append(CPU_NOTE)
     paths[1].write_text("\n".join(lines) + "\n")
     if table:
