@@ -102,6 +102,15 @@ def test_invariant_leaves_are_unchanged_for_any_axis_size():
     _assert_bits(out, {"v": v, "w": v * 2}, np.float32)
 
 
+def test_one_device_mesh_gives_a_replicated_result():
+    """A mesh of one device: each leaf is its own mean, bit for bit, and typed
+    equal over the axis (``out_specs=P()`` refused it before: varying over "i")."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("i",))
+    x = _data()[:1]
+    out = _on_mesh(lambda xb: jaxsync.replica_mean(_stats(xb[0]), axis_name="i"), mesh, P("i"), x)
+    _assert_bits(out, _expected(np.concatenate([x] * N)), np.float32)
+
+
 def test_mixed_tree_varying_and_invariant_leaves():
     x = _data()
 

@@ -127,8 +127,14 @@ def replica_mean(tree: PyTree, *, axis_name: AxisName, comm: Comm = AUTO) -> PyT
         wide = jnp.float32 if str(x.dtype) == "float16" else x.dtype
         return x.astype(wide) * jnp.asarray(w, wide)
 
+    # A kept leaf may still vary over axes of size 1 (a one-device mesh): the
+    # mean of one value is that value, typed equal there by a psum over one.
+    def kept(x):
+        vary = tuple(a for a in axes if a in typed and a in _invariance._vma(x))
+        return lax.psum(x, vary) if vary else x
+
     out = sync(jax.tree.map(scale, tree, sizes, keep), cfg)[0]
-    return jax.tree.map(lambda x, k, y: x if k else y.astype(x.dtype), tree, keep, out)
+    return jax.tree.map(lambda x, k, y: kept(x) if k else y.astype(x.dtype), tree, keep, out)
 
 
 def _check_leaves(fn: str, tree) -> None:
