@@ -34,23 +34,34 @@ LANE_POLL_US = 100
 # The largest sum one MPI call makes on a communicator that spans hosts: a larger
 # buffer is cut into pieces of this many bytes, and the native target keeps at
 # most 2 sums in flight there (kPiecesInFlight), each new one waiting for the
-# oldest. Measured on the emulated cluster at 100 Mb/s (2 hosts x 2 processes,
-# wire-bound): the ResNet-like tree's 22 MB as MPI_Iallreduces, interleaved in one
-# run, medians of 9 against the link's limit: one buffer 1.20x (spread 1.04-1.47x),
-# the leaves all in flight 1.10x (what the native sum did), one after another
-# 1.05x; 1 / 2 / 4 / 8 MiB pieces (7 each, all in flight) 1.09x / 1.05x / 1.10x /
-# 1.09x; 2 MiB pieces (7 each) with at most 1 / 2 / 4 / all in flight 1.041x /
-# 1.030x / 1.066x / 1.109x. Within a host (shared memory) nothing changes.
-PIECE_BYTES = 2 << 20
+# oldest. Measured on the emulated cluster at 100 Mb/s (wire-bound), the
+# ResNet-like tree's 22 MB as mpi4py MPI_Iallreduces, interleaved in one run,
+# medians of 5 against the link's limit: at 2 hosts x 4 processes pieces of 2 MiB /
+# 768 / 512 / 256 KiB, at most 2 in flight, 1.069x / 1.039x / 1.013x / 1.006x
+# (2 x 2: 1.059x / 1.015x / 1.008x / 1.007x; 2 x 1: 1.014x / 1.038x / 1.014x /
+# 1.006x); 512 KiB with 1 / 2 / 4 / 8 in flight 1.006x / 1.013x / 1.030x / 1.083x
+# at 2 x 4. Over MPICH's own allreduce of every process, pieces above 512 KiB
+# leave the wire idle part of the time when a host has several processes. The
+# native sum of hierarchical_mean, in one run: 2 x 4 1.093x (2 MiB) / 1.038x
+# (512 KiB), transformer-like 1.029x / 1.023x, 2 x 2 1.049x / 1.024x; at 1 Gb/s
+# (2 x 2, CPU-bound) the same (1.13x / 1.12x). Earlier, at 2 x 2 with 2 MiB
+# pieces: one buffer 1.20x (spread 1.04-1.47x), the leaves all in flight 1.10x,
+# 2 MiB pieces with 1 / 2 / 4 / all in flight 1.041x / 1.030x / 1.066x / 1.109x.
+# Within a host (shared memory) nothing changes.
+PIECE_BYTES = 512 << 10
 
 # The host tier's chunk (bytes of a buffer's elements; see _NativeOps.pipelined):
 # a synchronisation of more bytes than one chunk runs its three stages at once
-# over consecutive chunks (jaxsync_tier). Measured with flat, reduce="sum", on 4
-# processes faked into 2 hosts on a 2-core machine (CPU-bound, noisy: medians of
-# 5-10 steps, three calls -> 1 / 2 / 4 MiB chunks): a 16 MiB float32 leaf 38 ->
-# 27 / 25 / 31 ms, 64 MiB 347 -> 317 / 296 / 357 ms; bfloat16 on the wire, 16 MiB
-# 140 -> 218 / 186 / 151 ms, 64 MiB 756 -> 603 / 536 / 529 ms (docs/strategies.md).
-TIER_CHUNK_BYTES = 2 << 20
+# over consecutive chunks (jaxsync_tier). Measured on the emulated cluster,
+# hierarchical_mean with bfloat16 on the wire (the ResNet-like tree, one run each,
+# medians of 5-7 against the float32 link limit), 2 MiB / 1 MiB / 512 KiB chunks:
+# 2 hosts x 4 processes at 100 Mb/s 0.617x / 0.528x / 0.542x (transformer-like
+# 0.749x / 0.571x / 0.541x), 2 x 2 0.531x / 0.548x / 0.549x (within the noise:
+# the least 0.526x / 0.508x / 0.504x), 2 x 2 at 1 Gb/s (CPU-bound) 0.88x / 0.66x /
+# 0.65x: a smaller chunk fills and drains the pipeline sooner. Earlier, CPU-bound
+# without a shaped link (4 processes faked into 2 hosts), flat float32: a 16 MiB
+# leaf 38 ms in three calls -> 27 / 25 / 31 ms with 1 / 2 / 4 MiB chunks.
+TIER_CHUNK_BYTES = 512 << 10
 
 
 def tier_chunks(bufs, chunk_bytes, leader_only, size) -> int:
