@@ -21,15 +21,20 @@ def main():
     from jax.sharding import PartitionSpec as P
 
     import jaxsync
-    from jaxsync._comm import _mpi_backend
+    from jaxsync._comm import _mpi_backend, _mpi_ops
 
     comm = MPI.COMM_WORLD
     D = jax.local_device_count()
     res = Results(ns.out, comm.Get_rank())
     res.add("topology", jaxsync.topology(comm).as_dict())
     mesh = Mesh(np.array(jax.devices()), ("d",))
+    # "a" is above the 256 KiB packing threshold and below one chunk of the
+    # pipelined tier (so the tier is its three calls; worker_pipelined_tier.py
+    # has the one call)
+    n = _mpi_ops.TIER_CHUNK_BYTES // 4 * 3 // 4
+    assert n * 4 > 256 << 10, n
     tree = {
-        "a": jnp.ones((D, 300_000), jnp.float32),  # above the 256 KiB packing threshold
+        "a": jnp.ones((D, n), jnp.float32),
         "b": jnp.ones((D, 7), jnp.float32),
         "c": jnp.ones((D, 5), jnp.bfloat16),
     }
