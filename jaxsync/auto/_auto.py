@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import optax
 
@@ -287,7 +287,7 @@ def auto_mean(
     on_timeout: OnTimeout = "report",
     sparse: SparseOptions | None = None,
     allow_lossy: bool | tuple[str, ...] = False,
-    overlap: bool = False,
+    overlap: bool | Literal["auto"] = AUTO,
     overlap_bucket_bytes: Bytes = AUTO,
     double_buffering: bool = False,
     host_tier: bool | str = AUTO,

@@ -142,12 +142,14 @@ def test_the_update_waits_for_the_backward_without_copying_parameters(compiled, 
 def test_the_default_is_off_within_one_host_and_on_across_hosts():
     """overlap="auto" (the default): on one host the lowered step is the one
     overlap=False lowers to; with two hosts (faked: the topology's host count) it
-    is overlap=True's, and its result has the blocking sync's bits."""
-    got = run_mpi("worker_overlap_auto.py", n=2, devices=1, timeout=240).check()
+    is overlap=True's, and its result has the blocking sync's bits. The same for
+    auto_mean (its default was False: blocking across hosts)."""
+    got = run_mpi("worker_overlap_auto.py", n=2, devices=1, timeout=300).check()
     for rank, r in enumerate(got.results):
-        assert r["one:hosts"] == 1 and r["two:hosts"] == 2, r
-        assert r["one:same_as_off"] and not r["one:same_as_on"], f"rank {rank}: {r}"
-        assert "jaxsync_allreduce_async" not in r["one:calls"], r["one:calls"]
-        assert r["two:same_as_on"] and not r["two:same_as_off"], f"rank {rank}: {r}"
-        assert "jaxsync_allreduce_async" in r["two:calls"], r["two:calls"]
-        assert r["one:bits_as_blocking"] and r["two:bits_as_blocking"], r
+        for f in ("", "auto_mean:"):
+            assert r[f"{f}one:hosts"] == 1 and r[f"{f}two:hosts"] == 2, r
+            assert r[f"{f}one:same_as_off"] and not r[f"{f}one:same_as_on"], f"rank {rank}: {r}"
+            assert "jaxsync_allreduce_async" not in r[f"{f}one:calls"], r[f"{f}one:calls"]
+            assert r[f"{f}two:same_as_on"] and not r[f"{f}two:same_as_off"], f"rank {rank}: {r}"
+            assert "jaxsync_allreduce_async" in r[f"{f}two:calls"], r[f"{f}two:calls"]
+            assert r[f"{f}one:bits_as_blocking"] and r[f"{f}two:bits_as_blocking"], r

@@ -1,4 +1,5 @@
-"""overlap="auto" (the default) under mpirun: off within one host, on across hosts.
+"""overlap="auto" (the default) under mpirun: off within one host, on across hosts,
+for ``hierarchical_mean`` and for ``auto_mean`` (whose default was ``False``).
 
 One host (mpirun on this machine): the default's lowered step is the text that
 ``overlap=False`` lowers to (no asynchronous call). Two hosts faked
@@ -28,17 +29,17 @@ def main():
     # 8 MB and a small leaf: more than one 4 MiB bucket
     tree = {"w": jnp.arange(2_000_000.0) * (rank + 1) / 3, "b": jnp.ones((7,)) * rank}
 
-    def make(comm, **kw):
-        tx = jaxsync.hierarchical_mean(None, comm, **kw)
+    def make(comm, factory=jaxsync.hierarchical_mean, **kw):
+        tx = factory(None, comm, **kw)
         fn = jax.jit(lambda t: tx.update(t, tx.init(t))[0])
         # every traced synchronisation is a new agreement instance: not compared
         text = re.sub(r"agree_instance = -?\d+", "agree_instance = N", fn.lower(tree).as_text())
         return text, fn
 
-    def record(name, comm):
-        default, run_default = make(comm)
-        off, run_off = make(comm, overlap=False)
-        on, _ = make(comm, overlap=True)
+    def record(name, comm, factory=jaxsync.hierarchical_mean):
+        default, run_default = make(comm, factory)
+        off, run_off = make(comm, factory, overlap=False)
+        on, _ = make(comm, factory, overlap=True)
         res.add(f"{name}:hosts", Comms.of(comm).hosts)  # what the factory reads
         res.add(f"{name}:same_as_off", default == off)
         res.add(f"{name}:same_as_on", default == on)
@@ -51,6 +52,7 @@ def main():
         res.add(f"{name}:bits_as_blocking", same)
 
     record("one", world.Dup())
+    record("auto_mean:one", world.Dup(), jaxsync.auto_mean)
     real = _host_tier.decide
 
     def two_hosts(control, r):
@@ -60,6 +62,7 @@ def main():
     _host_tier.decide = two_hosts
     try:
         record("two", world.Dup())
+        record("auto_mean:two", world.Dup(), jaxsync.auto_mean)
     finally:
         _host_tier.decide = real
     res.write()
