@@ -36,6 +36,11 @@ def main(checkout: str) -> int:
         "rich",
         "matplotlib",
         "sklearn",
+        "flax",
+        "equinox",
+        "orbax.checkpoint",
+        "ruff",
+        "mypy",
         "mkdocs",
         "material",  # mkdocs-material
         "mkdocstrings",

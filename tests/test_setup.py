@@ -235,3 +235,40 @@ def test_the_docs_build_of_the_test_script_fails_on_a_warning(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode != 0, f"{line}\n{r.stdout}{r.stderr}"
     assert "missing.md" in r.stdout + r.stderr
+
+
+def test_verify_install_imports_every_extra_the_suite_needs():
+    """Set-up's final check imports every package of the test, bench, demo and docs
+    extras (it left out flax, equinox and orbax, so a set-up without them passed
+    its check and failed in the suite)."""
+    import ast
+    import importlib.metadata
+    import re
+
+    # the installed metadata (pyproject.toml's extras, as pip saw them)
+    reqs = importlib.metadata.requires("jaxsync") or []
+    # distribution name -> the module verify_install imports for it
+    module = {
+        "scikit-learn": "sklearn",
+        "mkdocs-material": "material",
+        "mkdocstrings": "mkdocstrings_handlers.python",
+        "mkdocstrings-python": "mkdocstrings_handlers.python",
+        "griffelib": "griffe",
+        "mkdocs-jupyter": "mkdocs_jupyter",
+        "orbax-checkpoint": "orbax.checkpoint",
+    }
+    wanted = set()
+    for req in reqs:
+        extra = re.search(r'extra == "(\w+)"', req)
+        if extra and extra.group(1) in ("mpi", "test", "bench", "demo", "docs"):
+            dist = re.split(r"[\[<>=!~ ;]", req, maxsplit=1)[0]
+            wanted.add(module.get(dist, dist.replace("-", "_")))
+    assert {"flax", "mpi4py", "mkdocs"} <= wanted, reqs  # the metadata was read
+    wanted.discard("mpich")  # a wheel of binaries: verify_install checks mpirun
+    tree = ast.parse((ROOT / "scripts" / "verify_install.py").read_text())
+    imported = {
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    }
+    assert wanted - imported == set(), "verify_install.py does not import these"
