@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 from jax._src import core as _core
+from jax._src import mesh as _mesh
 from jax._src.interpreters import batching as _batching
 
 Axes = tuple
@@ -26,6 +27,17 @@ except ImportError:  # pragma: no cover
 
 def _is_batched(x) -> bool:
     return isinstance(x, _batching.BatchTracer)
+
+
+def _invariant_gather(x, axes: Axes) -> bool:
+    """Whether an all-gather over ``axes`` is typed replicated (``shard_map``'s
+    ``check_vma``): the axes are manual ones (``shard_map``, ``pmap``), not
+    ``vmap``'s. Not the value's batching alone: under ``vmap`` a value traced by
+    ``jax.eval_shape`` (``optax.MultiSteps`` does it) is not batched, and JAX's
+    invariant all-gather then fails an assertion on the ``vmap`` axis."""
+    if _all_gather_invariant is None or _is_batched(x):
+        return False
+    return set(axes) <= set(_mesh.get_abstract_mesh().manual_axes)
 
 
 def bound_axes() -> dict:
@@ -84,7 +96,7 @@ class AxisOps:
         """``x`` of shape (m,) -> (size, m); the result is replicated."""
         if not self.axes:
             return x[None]
-        if _all_gather_invariant is not None and not _is_batched(x):
+        if _invariant_gather(x, self.axes):
             return _all_gather_invariant(x, self.axes, axis=0, tiled=False)
         return lax.all_gather(x, self.axes, axis=0, tiled=False)
 
@@ -97,7 +109,7 @@ class AxisOps:
         """Concatenate the slices of all members; the result is replicated."""
         if not self.axes:
             return x
-        if _all_gather_invariant is not None and not _is_batched(x):
+        if _invariant_gather(x, self.axes):
             return _all_gather_invariant(x, self.axes, axis=0, tiled=True)
         return lax.all_gather(x, self.axes, axis=0, tiled=True)
 
