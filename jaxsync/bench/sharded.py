@@ -100,9 +100,11 @@ def slice_struct(a, replicas: int):
 
 
 def hlo_ops(text: str) -> dict[str, int]:
-    """How many of each of ``HLO_OPS`` a compiled module's text holds (async pairs
-    counted once, by their ``-start``)."""
-    return {op: len(re.findall(rf"\s{re.escape(op)}(?:-start)?\(", text)) for op in HLO_OPS}
+    """How many of each of ``HLO_OPS`` a compiled module's entry computation holds
+    (what the step runs, not the insides of its fusions; async pairs counted
+    once, by their ``-start``)."""
+    entry = text.split("\nENTRY", 1)[-1].split("\n}", 1)[0]
+    return {op: len(re.findall(rf"\s{re.escape(op)}(?:-start)?\(", entry)) for op in HLO_OPS}
 
 
 class Step:
@@ -121,8 +123,11 @@ class Step:
 
         def step(p, s, x):
             loss, g = jax.value_and_grad(loss_fn)(p, x)
+            # Before the update: after it, XLA:CPU computes the loss from the
+            # donated parameters after their update and copies every one first.
+            loss = jaxsync.replica_mean(loss, axis_name=AXIS)
             u, s = tx.update(g, s, p)
-            return optax.apply_updates(p, u), s, jaxsync.replica_mean(loss, axis_name=AXIS)
+            return optax.apply_updates(p, u), s, loss
 
         train = jax.jit(
             jax.shard_map(

@@ -29,3 +29,7 @@ def test_sharded_suite_under_mpirun(tmp_path):
     assert row["replicas"] == 2 and row["state_bytes"] == row["expected_bytes"]
     assert row["state_bytes"]["sharded"] == 2 * 4 * row["params"] // 2 + 4
     assert all(math.isfinite(v) and v > 0 for v in row["median_ms"].values()), row
+    # The donated step copies no parameter and no state, sharded or chained (the
+    # loss's replica_mean once came after the update: XLA:CPU then read the
+    # parameters for the loss after updating them, and copied every one first).
+    assert row["hlo_ops"]["chain"]["copy"] == row["hlo_ops"]["sharded"]["copy"] == 0, row
