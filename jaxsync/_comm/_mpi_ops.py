@@ -19,10 +19,15 @@ from jax.experimental import io_callback
 
 from . import _async, _mpi4jax_prim, _native_prim, _ordering
 
-# How the communication thread waits for an asynchronous sum over a
-# communicator that spans hosts: test, then sleep this many microseconds,
-# instead of spinning. The network sets the pace there, and a spinning thread
-# takes a core from the step's compute it overlaps: on the emulated cluster
+# How a native call over a communicator that spans hosts waits for its MPI
+# requests (the communication thread's sums, and since the blocking calls too:
+# a sum without overlap, sharded's reduce-scatter and all-gathers, which spun:
+# sharded's step kept the cores 99% busy on the emulated cluster at 1 Gb/s where
+# the chain's polled sum took 21-32%): test in a loop for twice this many
+# microseconds (a call that ends within that, on a fast network, is not held
+# up), then test and sleep this many microseconds between tests. The network
+# sets the pace there, and a spinning thread takes a core from the step's
+# compute it overlaps: on the emulated cluster
 # (2 hosts at 1 Gb/s, 2 cores) overlap=True took 285 ms a step polling and 343
 # spinning, double_buffering=True 226 and 260 (docs/benchmarks.md). Within a
 # host (shared memory) the thread spins: the copies need the CPU. The pipelined

@@ -7,7 +7,8 @@
 * ``jaxsync_allreduce_async`` is the same sum on the communicator's own thread:
   it returns a future at once and XLA runs the rest of the step meanwhile
   (overlap);
-* ``jaxsync_allgather`` and ``jaxsync_alltoall`` move one buffer each;
+* ``jaxsync_allgather`` and ``jaxsync_alltoall`` move any number of buffers,
+  one after another;
 * ``jaxsync_reduce``, ``jaxsync_bcast`` (in place, any number of buffers) and
   ``jaxsync_reduce_scatter`` (buffer -> this rank's slice): the host tier's
   steps among the processes of one host (rank 0 of the communicator is the root);
@@ -88,6 +89,8 @@ native_p.def_abstract_eval(_native_abstract_eval)
 # Kinds whose results are aliased to their inputs (unless ``inplace=False``) and
 # that take ``group_bytes``.
 _IN_PLACE = ("allreduce", "allreduce_async", "reduce", "bcast")
+# Blocking kinds that take ``poll_us`` (besides allreduce): how they wait.
+_POLLED = ("allgather", "alltoall", "reduce_scatter")
 # The host tier in one call (``jaxsync_tier``, registered by ``tier_available``):
 # ``chunk`` > 0 bytes a chunk, leader_only; < 0: two_dimensional.
 _KINDS = (*_NATIVE_KINDS, "tier")
@@ -131,10 +134,19 @@ def _native_lowering(
         )
     if kind == "allreduce":
         return rule(
-            ctx, token, comm, active, *xs, group_bytes=np.int64(group), piece_bytes=np.int64(piece)
+            ctx,
+            token,
+            comm,
+            active,
+            *xs,
+            group_bytes=np.int64(group),
+            piece_bytes=np.int64(piece),
+            poll_us=np.int64(poll),
         )
     if kind in _IN_PLACE:
         return rule(ctx, token, comm, active, *xs, group_bytes=np.int64(group))
+    if kind in _POLLED:
+        return rule(ctx, token, comm, active, *xs, poll_us=np.int64(poll))
     if kind == "tier":
         return rule(
             ctx,
@@ -217,9 +229,9 @@ def native_call(
       kind: ``"allreduce"`` (sum of every buffer of ``xs``, in place),
         ``"allreduce_async"`` (the same sum on the communicator's thread: XLA
         runs on until a result is used),
-        ``"allgather"`` (one buffer; stacks along a new leading axis of size
-        ``size``), ``"alltoall"`` (one buffer whose leading axis has size
-        ``size``), ``"reduce"`` (sums onto rank 0, in place there; other ranks'
+        ``"allgather"`` (each buffer stacked along a new leading axis of size
+        ``size``; any number, one call), ``"alltoall"`` (buffers whose leading
+        axis has size ``size``), ``"reduce"`` (sums onto rank 0, in place there; other ranks'
         buffers unchanged), ``"bcast"`` (rank 0's buffers to every rank, in
         place) or ``"reduce_scatter"`` (1-D buffers: this rank's slice of
         ``ceil(n / size)`` elements, zeros past the end; in place, the
@@ -245,10 +257,12 @@ def native_call(
         inputs (``MPI_IN_PLACE``);
         ``False`` writes fresh results (an input XLA must keep, such as a
         parameter of the step, is then read where it is instead of copied).
-      poll: for ``kind="allreduce_async"``, how the communicator's thread waits
-        for its sums (for ``kind="tier"``, how the call waits for its stages):
-        0 spins in ``MPI_Waitall``; ``> 0`` tests, then sleeps this many
-        microseconds (the cores stay with the step's compute).
+      poll: how the call waits for its MPI calls (for ``kind="allreduce_async"``,
+        the communicator's thread; every kind but ``reduce``, ``bcast`` and
+        ``agree``, which spin): 0 spins in ``MPI_Wait``; ``> 0`` tests in a
+        loop for twice this many microseconds (a call that ends within that is
+        not held up), then tests and sleeps this many microseconds between tests
+        (the cores stay with the step's compute and the host's other processes).
       piece: for ``kind="allreduce"`` and ``"allreduce_async"``, ``> 0``: no MPI
         call sums more than this many bytes (larger buffers are cut into pieces,
         at most 2 in flight; see ``_mpi_ops.PIECE_BYTES``); 0: one call per

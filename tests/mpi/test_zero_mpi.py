@@ -95,3 +95,23 @@ def test_the_donated_step_copies_no_state_and_host_staging(zero_run):
         for key in ("host:f32", "host:bf16"):  # staging="host", and 16-bit on the wire
             got, want = res[key]
             _equal(got, want, f"rank {rank} {key}")
+
+
+@pytest.mark.parametrize("hosts", ["2", "1"])
+def test_blocking_calls_across_hosts_poll_instead_of_spinning(hosts):
+    """Across hosts (two processes faked as two hosts) the blocking native calls
+    (sharded's reduce-scatter and all-gathers, a blocking allreduce) test and
+    sleep while a late peer keeps them waiting: rank 0's process used a fraction
+    of a core over the wait (they spun: a whole core, sharded's step 99% CPU busy
+    on the emulated cluster at 1 Gb/s, the chain's polled sum 21-32%). Within a
+    host they spin (poll_us 0: shared-memory copies need the CPU). The results
+    are the chain's."""
+    got = run_mpi("worker_poll.py", n=2, devices=1, args=("--hosts", hosts), timeout=240).check()
+    r0 = got.results[0]
+    for name in ("sharded", "blocking"):
+        want = ["100"] if hosts == "2" else ["0"]
+        assert r0[f"{name}:poll"] == want, (name, r0[f"{name}:poll"])
+        if hosts == "2":
+            assert r0[f"{name}:cpu_over_wall"] < 0.25, (name, r0[f"{name}:cpu_over_wall"])
+    for r in got.results:
+        _equal(r["sharded:result"], r["blocking:result"], "sharded against the chain")

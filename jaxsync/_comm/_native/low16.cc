@@ -29,16 +29,16 @@ ffi::Error Direct(MPI_Comm c, size_t p, size_t rank, const uint16_t* src, uint16
   static thread_local std::vector<uint16_t> recv;
   const size_t m = k / p;
   if (recv.size() < k) recv.resize(k);
-  int rc = MPI_Alltoall(src, static_cast<int>(m), MPI_UINT16_T, recv.data(),
-                        static_cast<int>(m), MPI_UINT16_T, c);
+  int rc = Alltoall(src, static_cast<int>(m), MPI_UINT16_T, recv.data(),
+                    static_cast<int>(m), MPI_UINT16_T, c);
   if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Alltoall");
   if (bf16) {
     SumRows(recv.data(), p, m, dst + rank * m, Bf16ToF32, F32ToBf16);
   } else {
     SumRows(recv.data(), p, m, dst + rank * m, F16ToF32, F32ToF16);
   }
-  rc = MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, dst, static_cast<int>(m),
-                     MPI_UINT16_T, c);
+  rc = Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, dst, static_cast<int>(m),
+                 MPI_UINT16_T, c);
   if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Allgather");
   return ffi::Error::Success();
 }
@@ -104,16 +104,16 @@ ffi::Error Low16::Run(MPI_Comm c, bool bf16) {
       if (ro == q.n) { ++rp; ro = 0; }
     }
     std::memset(send.data() + k, 0, (m * p - k) * 2);
-    rc = MPI_Alltoall(send.data(), static_cast<int>(m), MPI_UINT16_T, recv.data(),
-                      static_cast<int>(m), MPI_UINT16_T, c);
+    rc = Alltoall(send.data(), static_cast<int>(m), MPI_UINT16_T, recv.data(),
+                  static_cast<int>(m), MPI_UINT16_T, c);
     if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Alltoall");
     if (bf16) {
       SumRows(recv.data(), p, m, mine.data(), Bf16ToF32, F32ToBf16);
     } else {
       SumRows(recv.data(), p, m, mine.data(), F16ToF32, F32ToF16);
     }
-    rc = MPI_Allgather(mine.data(), static_cast<int>(m), MPI_UINT16_T, send.data(),
-                       static_cast<int>(m), MPI_UINT16_T, c);
+    rc = Allgather(mine.data(), static_cast<int>(m), MPI_UINT16_T, send.data(),
+                   static_cast<int>(m), MPI_UINT16_T, c);
     if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Allgather");
     // Scatter the k summed elements back.
     got = 0;

@@ -99,26 +99,58 @@ MPI_Comm CommOf(const CommArg& comm) {
 thread_local int64_t t_poll_us = 0;
 
 
-int WaitAll(std::vector<MPI_Request>& reqs, std::vector<MPI_Status>& st) {
-  const int n = static_cast<int>(reqs.size());
-  if (t_poll_us <= 0) return MPI_Waitall(n, reqs.data(), st.data());
+namespace {
+
+// Test (`test` returns MPI_Test's code and sets done) until done: spinning for
+// 2 * poll_us microseconds, then sleeping poll_us between tests.
+template <typename Test>
+int Poll(int64_t poll_us, Test test) {
+  const auto spin = std::chrono::steady_clock::now() + std::chrono::microseconds(2 * poll_us);
   for (;;) {
     int done = 0;
-    int rc = MPI_Testall(n, reqs.data(), &done, st.data());
+    int rc = test(&done);
     if (rc != MPI_SUCCESS || done) return rc;
-    std::this_thread::sleep_for(std::chrono::microseconds(t_poll_us));
+    if (std::chrono::steady_clock::now() >= spin) {
+      std::this_thread::sleep_for(std::chrono::microseconds(poll_us));
+    }
   }
 }
 
+}  // namespace
+
+int WaitAll(std::vector<MPI_Request>& reqs, std::vector<MPI_Status>& st) {
+  const int n = static_cast<int>(reqs.size());
+  if (t_poll_us <= 0) return MPI_Waitall(n, reqs.data(), st.data());
+  return Poll(t_poll_us, [&](int* done) { return MPI_Testall(n, reqs.data(), done, st.data()); });
+}
 
 int WaitOne(MPI_Request* req, int64_t poll_us) {
   if (poll_us <= 0) return MPI_Wait(req, MPI_STATUS_IGNORE);
-  for (;;) {
-    int done = 0;
-    int rc = MPI_Test(req, &done, MPI_STATUS_IGNORE);
-    if (rc != MPI_SUCCESS || done) return rc;
-    std::this_thread::sleep_for(std::chrono::microseconds(poll_us));
-  }
+  return Poll(poll_us, [&](int* done) { return MPI_Test(req, done, MPI_STATUS_IGNORE); });
+}
+
+int Allgather(const void* s, int sc, MPI_Datatype st, void* d, int dc, MPI_Datatype dt,
+              MPI_Comm c) {
+  if (t_poll_us <= 0) return MPI_Allgather(s, sc, st, d, dc, dt, c);
+  MPI_Request r;
+  int rc = MPI_Iallgather(s, sc, st, d, dc, dt, c, &r);
+  return rc != MPI_SUCCESS ? rc : WaitOne(&r);
+}
+
+int Alltoall(const void* s, int sc, MPI_Datatype st, void* d, int dc, MPI_Datatype dt,
+             MPI_Comm c) {
+  if (t_poll_us <= 0) return MPI_Alltoall(s, sc, st, d, dc, dt, c);
+  MPI_Request r;
+  int rc = MPI_Ialltoall(s, sc, st, d, dc, dt, c, &r);
+  return rc != MPI_SUCCESS ? rc : WaitOne(&r);
+}
+
+int ReduceScatterBlock(const void* s, void* d, int count, MPI_Datatype t, MPI_Op op,
+                       MPI_Comm c) {
+  if (t_poll_us <= 0) return MPI_Reduce_scatter_block(s, d, count, t, op, c);
+  MPI_Request r;
+  int rc = MPI_Ireduce_scatter_block(s, d, count, t, op, c, &r);
+  return rc != MPI_SUCCESS ? rc : WaitOne(&r);
 }
 
 int64_t PollUs(int64_t poll_us) {

@@ -116,19 +116,41 @@ constexpr size_t kArenaBytes = 64 << 20;
 // The most elements one host-tier MPI call moves (MPI's count is an int).
 constexpr size_t kTierChunk = size_t{1} << 28;
 
-// How a communication thread waits for its sums (see Lane): 0 (always in XLA's
-// own threads) MPI_Waitall, which spins; > 0: MPI_Testall, then sleep this many
-// microseconds, which leaves the cores to the step's compute. Each async call
-// says which (its poll_us attribute: jaxsync polls on communicators that span
-// hosts, where the network, not the CPU, sets the pace; it spins within a host,
-// where shared-memory copies need the CPU). The private knob
-// JAXSYNC_TESTING_POLL_US overrides it for every lane, to profile.
+// How a thread waits for its MPI calls: 0 MPI_Waitall, which spins; > 0:
+// MPI_Testall in a loop for 2 * poll_us microseconds (a call that ends within
+// that, as on a fast network, is not held up), then test and sleep poll_us
+// microseconds between tests, which leaves the cores to the step's compute
+// (the MPI progress of the other processes of the host, and on the emulated
+// cluster the other hosts). Each call says which (its poll_us attribute, set
+// for the call's own waits by PollScope, on XLA's thread or a lane's):
+// jaxsync polls on communicators that span hosts, where the network, not the
+// CPU, sets the pace; it spins within a host, where shared-memory copies need
+// the CPU. The private knob JAXSYNC_TESTING_POLL_US overrides it, to profile.
 extern thread_local int64_t t_poll_us;
 int WaitAll(std::vector<MPI_Request>& reqs, std::vector<MPI_Status>& st);
 // The same for one request (its status ignored), waiting as `poll_us` says.
 int WaitOne(MPI_Request* req, int64_t poll_us = t_poll_us);
 // A call's poll_us attribute, or JAXSYNC_TESTING_POLL_US where set.
 int64_t PollUs(int64_t poll_us);
+
+// t_poll_us for the lifetime of one call (the thread's previous value after).
+class PollScope {
+ public:
+  explicit PollScope(int64_t poll_us) : prev_(t_poll_us) { t_poll_us = PollUs(poll_us); }
+  ~PollScope() { t_poll_us = prev_; }
+
+ private:
+  int64_t prev_;
+};
+
+// The blocking collectives, waiting as t_poll_us says (> 0: the nonblocking
+// call, then WaitOne; 0: the blocking call itself).
+int Allgather(const void* s, int sc, MPI_Datatype st, void* d, int dc, MPI_Datatype dt,
+              MPI_Comm c);
+int Alltoall(const void* s, int sc, MPI_Datatype st, void* d, int dc, MPI_Datatype dt,
+             MPI_Comm c);
+int ReduceScatterBlock(const void* s, void* d, int count, MPI_Datatype t, MPI_Op op,
+                       MPI_Comm c);
 
 // A communicator that spans hosts keeps at most this many sums in flight (see
 // Sums in sums.cc; measured in _mpi_ops.py's PIECE_BYTES).

@@ -250,8 +250,9 @@ ffi::Error SumParts(MPI_Comm c, const std::vector<BufRef>& parts, int64_t group_
 ffi::Error AllreduceImpl(ffi::Token, CommArg comm,
                          ActiveArg active, ffi::RemainingArgs args,
                          ffi::Result<ffi::Token>, ffi::RemainingRets rets,
-                         int64_t group_bytes, int64_t piece_bytes) {
+                         int64_t group_bytes, int64_t piece_bytes, int64_t poll_us) {
   Counted counted;
+  PollScope poll(poll_us);
   std::vector<BufRef> parts;
   if (auto e = Collect(args, rets, &parts); e.failure()) return e;
   if (active.typed_data()[0] == 0) {
@@ -408,7 +409,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_allreduce, jaxsync::AllreduceImpl,
                                   .Ret<ffi::Token>()
                                   .RemainingRets()
                                   .Attr<int64_t>("group_bytes")
-                                  .Attr<int64_t>("piece_bytes"));
+                                  .Attr<int64_t>("piece_bytes")
+                                  .Attr<int64_t>("poll_us"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_allreduce_async, jaxsync::AllreduceAsyncImpl,
                               ffi::Ffi::Bind()

@@ -244,8 +244,10 @@ ffi::Error BcastImpl(ffi::Token, CommArg comm, ActiveArg active, ffi::RemainingA
 // in the buffer's first m elements (MPI_IN_PLACE), the rest undefined; no
 // result buffer of its own (sharded's gradients: one copy fewer per step).
 ffi::Error ReduceScatterImpl(ffi::Token, CommArg comm, ActiveArg active, ffi::RemainingArgs args,
-                             ffi::Result<ffi::Token>, ffi::RemainingRets rets) {
+                             ffi::Result<ffi::Token>, ffi::RemainingRets rets,
+                             int64_t poll_us) {
   Counted counted;
+  PollScope poll(poll_us);
   if (args.size() != rets.size()) {
     return ffi::Error::InvalidArgument(
         "jaxsync_reduce_scatter: as many results as buffers expected");
@@ -290,7 +292,7 @@ ffi::Error ReduceScatterImpl(ffi::Token, CommArg comm, ActiveArg active, ffi::Re
     }
     if (!type.low && n == m * p && m <= kTierChunk) {  // summed from where it is
       if (m == 0) continue;
-      int rc = MPI_Reduce_scatter_block(in_place ? MPI_IN_PLACE : src, out,
+      int rc = ReduceScatterBlock(in_place ? MPI_IN_PLACE : src, out,
                                         static_cast<int>(m), type.mpi, MPI_SUM, c);
       if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Reduce_scatter_block");
       continue;
@@ -314,7 +316,7 @@ ffi::Error ReduceScatterImpl(ffi::Token, CommArg comm, ActiveArg active, ffi::Re
         }
         std::memset(row + (hi - lo) * type.width, 0, (k - (hi - lo)) * type.width);
       }
-      int rc = MPI_Reduce_scatter_block(send, mine, static_cast<int>(k), type.mpi, MPI_SUM, c);
+      int rc = ReduceScatterBlock(send, mine, static_cast<int>(k), type.mpi, MPI_SUM, c);
       if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Reduce_scatter_block");
       if (type.low) {
         Narrow(reinterpret_cast<float*>(mine), reinterpret_cast<uint16_t*>(out) + a, k,
@@ -358,4 +360,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_reduce_scatter, jaxsync::ReduceScatterImpl
                                   .Arg<ActiveArg>()
                                   .RemainingArgs()
                                   .Ret<ffi::Token>()
-                                  .RemainingRets());
+                                  .RemainingRets()
+                                  .Attr<int64_t>("poll_us"));
