@@ -121,56 +121,21 @@ def _native_lowering(
     else:
         aliases = None
     rule = jax.ffi.ffi_lowering(f"jaxsync_{kind}", operand_output_aliases=aliases)
-    if kind == "allreduce_async":
-        return rule(
-            ctx,
-            token,
-            comm,
-            active,
-            *xs,
-            group_bytes=np.int64(group),
-            poll_us=np.int64(poll),
-            piece_bytes=np.int64(piece),
-        )
-    if kind == "allreduce":
-        return rule(
-            ctx,
-            token,
-            comm,
-            active,
-            *xs,
-            group_bytes=np.int64(group),
-            piece_bytes=np.int64(piece),
-            poll_us=np.int64(poll),
-        )
-    if kind in _IN_PLACE:
-        return rule(ctx, token, comm, active, *xs, group_bytes=np.int64(group))
-    if kind in _POLLED:
-        return rule(ctx, token, comm, active, *xs, poll_us=np.int64(poll))
-    if kind == "tier":
-        return rule(
-            ctx,
-            token,
-            comm,
-            active,
-            *xs,
-            chunk_bytes=np.int64(abs(chunk)),
-            leader_only=np.int64(chunk > 0),
-            poll_us=np.int64(poll),
-        )
-    if kind != "agree":
-        return rule(ctx, token, comm, active, *xs)
-    return rule(
-        ctx,
-        token,
-        comm,
-        active,
-        *xs,
-        agree_comm=np.int64(agree[0]),
-        agree_id=np.int64(agree[1]),
-        agree_instance=np.int64(agree[2]),
-        agree_devices=np.int64(agree[3]),
-    )
+    i64 = np.int64
+    if kind in ("allreduce", "allreduce_async"):
+        attrs = dict(group_bytes=i64(group), piece_bytes=i64(piece), poll_us=i64(poll))
+    elif kind in _IN_PLACE:
+        attrs = dict(group_bytes=i64(group))
+    elif kind in _POLLED:
+        attrs = dict(poll_us=i64(poll))
+    elif kind == "tier":
+        attrs = dict(chunk_bytes=i64(abs(chunk)), leader_only=i64(chunk > 0), poll_us=i64(poll))
+    elif kind == "agree":
+        names = ("agree_comm", "agree_id", "agree_instance", "agree_devices")
+        attrs = {k: i64(v) for k, v in zip(names, agree)}
+    else:
+        attrs = {}
+    return rule(ctx, token, comm, active, *xs, **attrs)
 
 
 mlir.register_lowering(native_p, _native_lowering, platform="cpu")
