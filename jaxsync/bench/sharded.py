@@ -14,10 +14,9 @@ gradient's bytes (an allreduce; a reduce-scatter and an all-gather: XLA's in one
 process, mpi4py's under mpirun) and ``inner.update`` alone on one device on the
 whole tree and on one replica's slices (the optimizer's compute: about 1/N); and
 the HLO op counts of both steps. Interleaved rounds, each sample the median of
-``--iters`` calls, the slowest rank's; the CPU-busy share beside each figure.
-One process with ``--devices`` fake CPU devices (``intra``, default 4) or
-``mpirun -n P``, one device each (``shm``; ``cluster`` on the emulated cluster):
-``sharded-<mode>.json`` / ``.png`` in ``--out``. Read ratios from one run.
+``--iters`` calls, the slowest rank's; the CPU-busy share beside each figure. One
+process with ``--devices`` fake CPU devices (``intra``, default 4) or ``mpirun -n P``,
+one device each (``shm``, ``cluster``): ``sharded-<mode>.json`` / ``.png`` in ``--out``.
 
 What it may import: numpy, jax, optax, mpi4py, ``jaxsync`` (public API) and the
 other ``jaxsync.bench`` modules.
@@ -100,10 +99,8 @@ def slice_struct(a, replicas: int):
 
 
 def hlo_ops(text: str) -> dict[str, int]:
-    """How many of each of ``HLO_OPS`` a compiled module's entry computation holds
-    (what the step runs, not the insides of its fusions; async pairs counted
-    once, by their ``-start``)."""
-    entry = text.split("\nENTRY", 1)[-1].split("\n}", 1)[0]
+    """Each of ``HLO_OPS`` counted in a compiled module's entry computation."""
+    entry = text.split("\nENTRY", 1)[-1].split("\n}", 1)[0]  # async pairs: once (-start)
     return {op: len(re.findall(rf"\s{re.escape(op)}(?:-start)?\(", entry)) for op in HLO_OPS}
 
 
@@ -123,9 +120,7 @@ class Step:
 
         def step(p, s, x):
             loss, g = jax.value_and_grad(loss_fn)(p, x)
-            # Before the update: after it, XLA:CPU computes the loss from the
-            # donated parameters after their update and copies every one first.
-            loss = jaxsync.replica_mean(loss, axis_name=AXIS)
+            loss = jaxsync.replica_mean(loss, axis_name=AXIS)  # before: no copies (sharp-bits)
             u, s = tx.update(g, s, p)
             return optax.apply_updates(p, u), s, loss
 
