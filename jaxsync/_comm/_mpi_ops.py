@@ -23,10 +23,10 @@ from . import _async, _mpi4jax_prim, _native_prim, _ordering
 # requests (the communication thread's sums, and since the blocking calls too:
 # a sum without overlap, sharded's reduce-scatter and all-gathers, which spun:
 # sharded's step kept the cores 99% busy on the emulated cluster at 1 Gb/s where
-# the chain's polled sum took 21-32%): test in a loop for twice this many
-# microseconds (a call that ends within that, on a fast network, is not held
-# up), then test and sleep this many microseconds between tests. The network
-# sets the pace there, and a spinning thread takes a core from the step's
+# the chain's polled sum took 21-32%): test in a loop for 400 us (a call that
+# ends within that, on a fast network, is not held up), then sleep between
+# tests an eighth of the time waited, at most this many microseconds (Poll in
+# mpi_ffi.cc). The network sets the pace there, and a spinning thread takes a core from the step's
 # compute it overlaps: on the emulated cluster
 # (2 hosts at 1 Gb/s, 2 cores) overlap=True took 285 ms a step polling and 343
 # spinning, double_buffering=True 226 and 260 (docs/benchmarks.md). Within a

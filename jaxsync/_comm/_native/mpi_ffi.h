@@ -121,8 +121,9 @@ constexpr size_t kTierChunk = size_t{1} << 28;
 // network, is not held up), then test and sleep between tests an eighth of the
 // time waited, at most poll_us microseconds (Poll in mpi_ffi.cc), which leaves
 // the cores to the step's compute (the MPI progress of the other processes of
-// the host, and on the emulated cluster the other hosts). Each call says which (its poll_us attribute, set
-// for the call's own waits by PollScope, on XLA's thread or a lane's):
+// the host, and on the emulated cluster the other hosts). Each call says which
+// (its poll_us attribute, set for the call's own waits by PollScope, on XLA's
+// thread or a lane's):
 // jaxsync polls on communicators that span hosts, where the network, not the
 // CPU, sets the pace; it spins within a host, where shared-memory copies need
 // the CPU. The private knob JAXSYNC_TESTING_POLL_US overrides it, to profile.
