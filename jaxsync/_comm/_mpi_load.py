@@ -136,6 +136,8 @@ def _native():
     lib.jaxsync_set_mismatch_callback(_MISMATCH_CB)
     lib.jaxsync_calls_started.restype = ctypes.c_int64
     lib.jaxsync_calls_finished.restype = ctypes.c_int64
+    lib.jaxsync_poll_yields.restype = ctypes.c_int64
+    lib.jaxsync_poll_sleeps.restype = ctypes.c_int64
     _quiet.count_native_calls(lib)
     return lib
 

@@ -23,8 +23,9 @@ from . import _async, _mpi4jax_prim, _native_prim, _ordering
 # requests (the communication thread's sums, and since the blocking calls too:
 # a sum without overlap, sharded's reduce-scatter and all-gathers, which spun:
 # sharded's step kept the cores 99% busy on the emulated cluster at 1 Gb/s where
-# the chain's polled sum took 21-32%): test in a loop for 400 us (a call that
-# ends within that, on a fast network, is not held up), then sleep between
+# the chain's polled sum took 21-32%): test in a loop for 1 ms, giving the core
+# away between tests (a call that ends within that, on a fast network, is not
+# held up; a peer on the same core runs), then sleep between
 # tests an eighth of the time waited, at most this many microseconds (Poll in
 # mpi_ffi.cc). The network sets the pace there, and a spinning thread takes a core from the step's
 # compute it overlaps: on the emulated cluster

@@ -225,7 +225,8 @@ def native_call(
       poll: how the call waits for its MPI calls (for ``kind="allreduce_async"``,
         the communicator's thread; every kind but ``reduce``, ``bcast`` and
         ``agree``, which spin): 0 spins in ``MPI_Wait``; ``> 0`` tests in a
-        loop for 400 us (a call that ends within that is not held up), then
+        loop for 1 ms, yielding the core between tests (a call that ends within
+        that is not held up), then
         sleeps between tests an eighth of the time waited, at most this many
         microseconds (the cores stay with the step's compute and the host's
         other processes).

@@ -104,14 +104,20 @@ def test_blocking_calls_across_hosts_poll_instead_of_spinning(hosts):
     sleep while a late peer keeps them waiting: rank 0's process used a fraction
     of a core over the wait (they spun: a whole core, sharded's step 99% CPU busy
     on the emulated cluster at 1 Gb/s, the chain's polled sum 21-32%). Within a
-    host they spin (poll_us 0: shared-memory copies need the CPU). The results
-    are the chain's."""
+    host they spin (poll_us 0: shared-memory copies need the CPU). A polled wait
+    gives the core away between tests in its first millisecond (it spun: with
+    more processes a host than cores the peer it waits for may need that core),
+    then sleeps. The results are the chain's."""
     got = run_mpi("worker_poll.py", n=2, devices=1, args=("--hosts", hosts), timeout=240).check()
     r0 = got.results[0]
     for name in ("sharded", "blocking"):
         want = ["100"] if hosts == "2" else ["0"]
         assert r0[f"{name}:poll"] == want, (name, r0[f"{name}:poll"])
+        yields, sleeps = r0[f"{name}:yields_sleeps"]
         if hosts == "2":
             assert r0[f"{name}:cpu_over_wall"] < 0.25, (name, r0[f"{name}:cpu_over_wall"])
+            assert yields > 0 and sleeps > 0, (name, yields, sleeps)
+        else:  # MPI's own blocking calls
+            assert (yields, sleeps) == (0, 0), (name, yields, sleeps)
     for r in got.results:
         _equal(r["sharded:result"], r["blocking:result"], "sharded against the chain")

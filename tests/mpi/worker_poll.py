@@ -8,7 +8,9 @@ device each. For each step (``sharded``: a native reduce-scatter and all-gathers
 spent over its call against the call's wall time: a call that spins takes a
 core for the whole wait, one that polls almost none. Recorded too: the
 ``poll_us`` of every jaxsync call of each lowered step, on two hosts and on one,
-and the results (equal to the chain's, bit for bit).
+and the results (equal to the chain's, bit for bit). Over rank 0's late call, the
+native library's count of its polled waits' yields (between tests in the wait's
+first millisecond) and sleeps (after it).
 """
 
 import os
@@ -27,7 +29,9 @@ def main():
     import optax
 
     import jaxsync
+    from jaxsync._comm._mpi_load import _native
 
+    lib = _native()
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     res = Results(ns.out, rank)
@@ -55,11 +59,14 @@ def main():
             time.sleep(PAUSE_S)
             jax.block_until_ready(fn(grads, state, params))
         else:
+            polls0 = lib.jaxsync_poll_yields(), lib.jaxsync_poll_sleeps()
             cpu0, t0 = time.process_time(), time.perf_counter()
             comm.send(None, dest=1, tag=7)
             jax.block_until_ready(fn(grads, state, params))
             cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
             res.add(f"{name}:cpu_over_wall", cpu / wall)
+            polls = lib.jaxsync_poll_yields(), lib.jaxsync_poll_sleeps()
+            res.add(f"{name}:yields_sleeps", [b - a for a, b in zip(polls0, polls)])
         comm.Barrier()
     res.write()
 

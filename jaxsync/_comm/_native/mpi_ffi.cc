@@ -4,6 +4,8 @@
 
 #include "mpi_ffi.h"
 
+#include <sched.h>
+
 namespace jaxsync {
 
 const char* DtypeName(ffi::DataType t) {
@@ -101,16 +103,26 @@ thread_local int64_t t_poll_us = 0;
 
 namespace {
 
-// Test (`test` returns MPI_Test's code and sets done) until done: spinning
-// while the wait is young (kSpinUs), then sleeping an eighth of the time waited
-// so far, at most poll_us, between tests. A call is so held up by about an
-// eighth of its own time at most (a call that ends within kSpinUs, on a fast
-// network, not at all: with a fixed 100 us sleep from 200 us on, sharded's 256
-// small all-gathers took its step on 2 emulated hosts at 1 Gb/s to 1.23x the
-// chain's, now 0.91x), while a long wait leaves the cores to the step's compute
-// and the host's other processes. (The sleep rounds up to the timer's slack,
-// about 50 us: hence no sleep before kSpinUs = 8 x 50 us.)
-constexpr int64_t kSpinUs = 400;
+// Test (`test` returns MPI_Test's code and sets done) until done: giving the
+// core away (sched_yield) between tests while the wait is young (kYieldUs), then
+// sleeping an eighth of the time waited so far, at most poll_us, between tests.
+// A call that ends within kYieldUs (a fast network) is not held up, and one that
+// waits longer by about an eighth of its own time at most (with a fixed 100 us
+// sleep from 200 us on, sharded's 256 small all-gathers took its step on 2
+// emulated hosts at 1 Gb/s to 1.23x the chain's), while a long wait leaves the
+// cores to the step's compute and the host's other processes. The young wait
+// yields, not spins: where a host runs more processes than it has cores, the
+// peer a call waits for may be on this core, and a nonblocking collective only
+// moves when its processes test it. Spinning there for 400 us, then sleeping,
+// took naive_mean's 500 small sums 375-456 ms on 2 emulated hosts x 2 processes
+// at 1 Gb/s (2 cores), 971 ms at 2 x 4, against 23-37 / 64 ms for MPI's blocking
+// MPI_Allreduce (which yields as it polls); yielding for 400 us 29-31 / 503 ms,
+// for 1 ms 21-34 / 58-66 ms. Where nothing else is runnable, sched_yield
+// returns at once: the young wait is a spin, as before.
+constexpr int64_t kYieldUs = 1000;
+
+std::atomic<int64_t> g_poll_yields{0};
+std::atomic<int64_t> g_poll_sleeps{0};
 
 template <typename Test>
 int Poll(int64_t poll_us, Test test) {
@@ -122,7 +134,11 @@ int Poll(int64_t poll_us, Test test) {
     const int64_t waited = std::chrono::duration_cast<std::chrono::microseconds>(
                                std::chrono::steady_clock::now() - t0)
                                .count();
-    if (waited >= kSpinUs) {
+    if (waited < kYieldUs) {
+      g_poll_yields.fetch_add(1, std::memory_order_relaxed);
+      sched_yield();
+    } else {
+      g_poll_sleeps.fetch_add(1, std::memory_order_relaxed);
       std::this_thread::sleep_for(std::chrono::microseconds(std::min(poll_us, waited / 8)));
     }
   }
@@ -217,6 +233,10 @@ extern "C" int64_t jaxsync_timeline_pending() {
 
 extern "C" int64_t jaxsync_calls_started() { return g_started.load(); }
 extern "C" int64_t jaxsync_calls_finished() { return g_finished.load(); }
+
+// The polled waits' yields and sleeps so far (every thread), for the tests.
+extern "C" int64_t jaxsync_poll_yields() { return g_poll_yields.load(); }
+extern "C" int64_t jaxsync_poll_sleeps() { return g_poll_sleeps.load(); }
 
 extern "C" const char* jaxsync_mpi_header_version() {
 #if defined(MPICH_VERSION)
