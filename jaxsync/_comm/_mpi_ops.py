@@ -23,18 +23,16 @@ from . import _async, _mpi4jax_prim, _native_prim, _ordering
 # requests (the communication thread's sums, and since the blocking calls too:
 # a sum without overlap, sharded's reduce-scatter and all-gathers, which spun:
 # sharded's step kept the cores 99% busy on the emulated cluster at 1 Gb/s where
-# the chain's polled sum took 21-32%): test in a loop for 1 ms, giving the core
-# away between tests (a call that ends within that, on a fast network, is not
-# held up; a peer on the same core runs), then sleep between
-# tests an eighth of the time waited, at most this many microseconds (Poll in
-# mpi_ffi.cc). The network sets the pace there, and a spinning thread takes a core from the step's
-# compute it overlaps: on the emulated cluster
-# (2 hosts at 1 Gb/s, 2 cores) overlap=True took 285 ms a step polling and 343
-# spinning, double_buffering=True 226 and 260 (docs/benchmarks.md). Within a
-# host (shared memory) the thread spins: the copies need the CPU. The pipelined
-# host tier (jaxsync_tier, which always spans hosts) polls the same way: spinning,
-# every process of the emulated hosts kept the 2 cores busy (100% against 20% for
-# the sums that poll) at 100 Mb/s.
+# the chain's polled sum took 21-32%): the wait of Poll in mpi_ffi.cc, which
+# tests and yields the core for 1 ms, then sleeps between tests an eighth of the
+# time waited, at most this many microseconds. The network sets the pace there,
+# and a spinning thread takes a core from the step's compute it overlaps: on the
+# emulated cluster (2 hosts at 1 Gb/s, 2 cores) overlap=True took 285 ms a step
+# polling and 343 spinning, double_buffering=True 226 and 260
+# (docs/benchmarks.md). Within a host (shared memory) the thread spins: the
+# copies need the CPU. The pipelined host tier (jaxsync_tier, which always spans
+# hosts) polls the same way: spinning, every process of the emulated hosts kept
+# the 2 cores busy (100% against 20% for the sums that poll) at 100 Mb/s.
 LANE_POLL_US = 100
 
 # The largest sum one MPI call makes on a communicator that spans hosts: a larger

@@ -226,10 +226,9 @@ def native_call(
         the communicator's thread; every kind but ``reduce``, ``bcast`` and
         ``agree``, which spin): 0 spins in ``MPI_Wait``; ``> 0`` tests in a
         loop for 1 ms, yielding the core between tests (a call that ends within
-        that is not held up), then
-        sleeps between tests an eighth of the time waited, at most this many
-        microseconds (the cores stay with the step's compute and the host's
-        other processes).
+        that is not held up), then sleeps between tests an eighth of the time
+        waited, at most this many microseconds (the cores stay with the step's
+        compute and the host's other processes).
       piece: for ``kind="allreduce"`` and ``"allreduce_async"``, ``> 0``: no MPI
         call sums more than this many bytes (larger buffers are cut into pieces,
         at most 2 in flight; see ``_mpi_ops.PIECE_BYTES``); 0: one call per

@@ -120,9 +120,9 @@ constexpr size_t kTierChunk = size_t{1} << 28;
 // MPI_Testall in a loop, yielding the core between tests, for 1 ms (a call that
 // ends within that, as on a fast network, is not held up), then test and sleep
 // between tests an eighth of the time waited, at most poll_us microseconds (Poll
-// in mpi_ffi.cc), which leaves
-// the cores to the step's compute (the MPI progress of the other processes of
-// the host, and on the emulated cluster the other hosts). Each call says which
+// in mpi_ffi.cc), which leaves the cores to the step's compute (the MPI progress
+// of the other processes of the host, and on the emulated cluster the other
+// hosts). Each call says which
 // (its poll_us attribute, set for the call's own waits by PollScope, on XLA's
 // thread or a lane's):
 // jaxsync polls on communicators that span hosts, where the network, not the
