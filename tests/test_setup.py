@@ -186,7 +186,10 @@ def test_bad_cuda_choice_is_refused(tmp_path):
 @pytest.mark.slow
 def test_fresh_setup_with_a_headerless_nvcc_first_on_path_then_demo(tmp_path):
     """The issue's machine: nvcc first on PATH in a folder whose include/ has no CUDA
-    headers, no pip cache. Set-up must build the CPU bridge, verify, and the demo run."""
+    headers. Set-up must build the CPU bridge, verify, and the demo run. pip's cache
+    of downloads is used (set-up builds mpi4jax with --no-cache-dir whatever the
+    environment says, which is what a cache could have hidden); the download of every
+    wheel is the CI run's own set-up, in a fresh clone."""
     fake = tmp_path / "fakecuda"
     (fake / "bin").mkdir(parents=True)
     (fake / "include").mkdir()
@@ -195,6 +198,7 @@ def test_fresh_setup_with_a_headerless_nvcc_first_on_path_then_demo(tmp_path):
     (fake / "bin" / "nvcc").chmod(0o755)
     venv = tmp_path / "venv"
     env = _setup_env(venv, PATH=f"{fake / 'bin'}:{os.environ['PATH']}")
+    env.pop("PIP_NO_CACHE_DIR")
     r = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True, timeout=1800, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "build mpi4jax from source (CPU bridge only" in r.stdout

@@ -222,6 +222,8 @@ def unmarked(spec: Spec, marks: Path) -> list[str]:
 
 FAILED_GRACE_S = 3.0
 """After a rank fails, how long mpirun has to end the job by itself."""
+STOP_GRACE_S = 5.0
+"""After a signal (Ctrl-C, SIGTERM), how long mpirun has to end the job; then SIGKILL."""
 
 
 def failed_rank(exits: Path) -> tuple[str, int] | None:
@@ -251,13 +253,27 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
-def wait(proc: subprocess.Popen, deadline: float, exits: Path) -> int | None:
-    """mpirun's exit status, a failed rank's once the job is ended, or None at the deadline."""
+def wait(
+    proc: subprocess.Popen, deadline: float, exits: Path, stopped: list[int] | None = None
+) -> int | None:
+    """mpirun's exit status, a failed rank's once the job is ended, or None at the deadline.
+
+    Once a signal has stopped the job (``stopped``, filled by the handler, which
+    sent mpirun's group SIGTERM), mpirun gets ``STOP_GRACE_S`` seconds to end;
+    then every process is killed, so the stop never waits on a loaded machine's
+    slow ranks (the outer process's grace is only a backstop)."""
+    kill_at = None
     while time.time() < deadline:
         try:
             return proc.wait(timeout=0.25)
         except subprocess.TimeoutExpired:
             pass
+        if stopped:
+            kill_at = kill_at or time.time() + STOP_GRACE_S
+            if time.time() >= kill_at:
+                os.kill(-1, signal.SIGKILL)  # PID 1: every other process here
+                return proc.wait()
+            continue
         failed = failed_rank(exits)
         if failed:
             rank, rc = failed
@@ -324,7 +340,7 @@ def main(argv: list[str]) -> int:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-        rc = wait(proc, t0 + job["timeout"], exits)
+        rc = wait(proc, t0 + job["timeout"], exits, stopped)
         if rc is None:
             log(f"time limit of {job['timeout']:g} s reached: stopping the job")
             (work / "timed_out").touch()

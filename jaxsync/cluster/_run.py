@@ -295,14 +295,15 @@ def _children(pid: int) -> list[int]:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the supervisor (it stops the job and prints so); SIGKILL after 10 s."""
+    """SIGTERM to the supervisor (it stops the job within its own 5 s grace and prints
+    so); SIGKILL after 30 s, a backstop for a supervisor that cannot run at all."""
     for child in _children(proc.pid):
         try:
             os.kill(child, signal.SIGTERM)
         except ProcessLookupError:
             pass
     try:
-        proc.wait(timeout=10)
+        proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()

@@ -46,4 +46,5 @@ def run_workers(worker: Path, n: int = 2, timeout: float = 180) -> list[dict]:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
+                p.communicate()  # reaps it and closes its pipes (else a warning, later)
         return [json.loads(line) for f in files for line in f.read_text().splitlines()]
