@@ -75,3 +75,11 @@ def test_uneven_rows_and_bad_arguments_raise_clearly():
         jaxsync.local_batch({"s": np.float32(1)}, MESH1)
     with pytest.raises(TypeError, match="must be a jax.sharding.Mesh or NamedSharding, got str"):
         jaxsync.local_batch(_batch(), "i")
+
+
+def test_the_signature_is_typed():
+    import inspect
+
+    sig = inspect.signature(jaxsync.local_batch)
+    assert all(p.annotation is not p.empty for p in sig.parameters.values())
+    assert sig.return_annotation is not sig.empty

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxsync._comm import _topology
 
-from ._config import AUTO
+from ._config import AUTO, Comm
 
 PyTree = Any
 
@@ -55,12 +55,14 @@ def _process(comm) -> tuple[int, int]:
     """This process's index and the process count: MPI's, else jax.distributed's."""
     if isinstance(comm, str) and comm == AUTO:
         comm = _topology.default_comm()
-    if comm is not None:
+    if comm is not None and hasattr(comm, "Get_rank"):  # MPI (an AxisComm: jax's)
         return int(comm.Get_rank()), int(comm.Get_size())
     return jax.process_index(), jax.process_count()
 
 
-def local_batch(batch: PyTree, mesh_or_sharding: Mesh | NamedSharding, *, comm=AUTO) -> PyTree:
+def local_batch(
+    batch: PyTree, mesh_or_sharding: Mesh | NamedSharding, *, comm: Comm = AUTO
+) -> PyTree:
     """This process's rows of a global batch, split over its devices.
 
     Every process passes the same global batch. Process ``p`` of ``P`` keeps
@@ -79,8 +81,8 @@ def local_batch(batch: PyTree, mesh_or_sharding: Mesh | NamedSharding, *, comm=A
         order) or a ``NamedSharding`` (its spec's first entry splits the batch
         axis).
       comm: ``"auto"`` (``MPI.COMM_WORLD`` under an MPI launcher with several
-        processes, else none), an mpi4py communicator, or ``None``
-        (``jax.process_index()`` / ``jax.process_count()``).
+        processes, else none), an mpi4py communicator, or ``None`` or an
+        ``AxisComm`` (``jax.process_index()`` / ``jax.process_count()``).
 
     Returns:
       the pytree of ``jax.Array`` s: this process's ``B/P`` rows placed with the
