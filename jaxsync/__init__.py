@@ -12,6 +12,7 @@ from jaxsync._comm._axis_backend import AxisComm
 from jaxsync._comm._host import host_allocator_state, tune_host_allocator
 from jaxsync._comm._timeline import Timeline, start_from_env, timeline
 from jaxsync._comm._topology import Topology, default_comm, free_communicators, topology
+from jaxsync._core._batch import local_batch
 from jaxsync._core._broadcast import broadcast_params
 from jaxsync._core._plan import Bucket, LeafSpec, Plan, make_plan
 from jaxsync._core._replica import replica_mean
@@ -71,6 +72,7 @@ __all__ = [
     "gather_state",
     "hierarchical_mean",
     "host_allocator_state",
+    "local_batch",
     "make_plan",
     "naive_mean",
     "powersgd_mean",

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -192,6 +194,9 @@ def test_selftest_check_values_are_exact_for_every_replica_count():
                 for step in (0, 1):
                     values, mean = st.exact_values(n, rows, i, shape, dtype, step, comm_dtype)
                     assert values.shape == (n, *shape) and mean.shape == shape, (n, name)
+                    if wire == bf16:  # in units of 2**-step; not zero where it can be
+                        values, mean = values * 2**step, mean * 2**step
+                        assert mean.all() == (st.low_wire_count(n) > 0), (n, name, step)
                     got[np.dtype(wire)].append((values.reshape(n, -1), mean.reshape(-1)))
         for wire, pairs in got.items():  # every leaf of one wire dtype at once
             values = np.concatenate([v for v, _ in pairs], axis=1)
@@ -209,7 +214,14 @@ def test_selftest_check_values_are_exact_for_every_replica_count():
     values, mean = st.exact_values(257, range(257), 0, (3, 5), "float32", 1)
     assert mean[0, 0] == 2.0 and len(np.unique(values)) > 1
     values, mean = st.exact_values(257, range(257), 1, (7,), "bfloat16")
-    assert not mean.any() and set(np.unique(values)) == {-1.0, 0.0, 1.0}
+    assert not mean.any() and set(np.unique(values)) == {-1.0, 0.0, 1.0}  # no K exists
+    # Issue 46: the 16-bit wire's mean was 0 for every N (a sync returning zeros
+    # passed); now it is not where an exact non-zero mean exists (an odd part <= 254).
+    values, mean = st.exact_values(3, range(3), 1, (7,), "bfloat16", step=1)
+    assert np.array_equal(mean, np.full(7, -0.5)) and len(np.unique(values)) > 1
+    assert [st.low_wire_count(n) for n in (1, 6, 254, 255, 256, 384, 2**20)] == [
+        1, 6, 254, 0, 128, 192, 128,
+    ]  # fmt: skip
     with pytest.raises(ValueError, match="exact for 1 to 1048576 replicas, got 0"):
         st.exact_values(0, [], 0, (3, 5), "float32")
 
@@ -291,6 +303,46 @@ def test_selftest_reports_a_wrong_result_as_fail(monkeypatch, case, factory, lea
     ((name, ok, detail),) = _selftest.check_strategies(None, only=[case], notes=notes)
     assert (name, ok) == (case, False), detail
     assert detail.startswith(want), detail
+
+
+def _zeros(factory, leaves):
+    """``factory`` whose transforms return zeros for ``leaves`` (``None``: every leaf)."""
+
+    def make(*args, **kwargs):
+        tx = factory(*args, **kwargs)
+
+        def update(updates, state, params=None):
+            out, state = tx.update(updates, state, params)
+            zero = lambda k, x: jnp.zeros_like(x) if leaves is None or k in leaves else x
+            return {k: zero(k, x) for k, x in out.items()}, state
+
+        return optax.GradientTransformation(tx.init, update)
+
+    return make
+
+
+def test_selftest_16_bit_rows_fail_a_sync_that_returns_zeros(monkeypatch):
+    """Issue 46: the 16-bit wire's check values averaged to 0, so a sync returning
+    zeros passed: the bfloat16 leaf's rows, and under MPI the comm_dtype=bfloat16
+    rows (every leaf on a 16-bit wire; run here in one process, as _cases makes it)."""
+    import jaxsync
+    from jaxsync._cli import _selftest, _selftest_cases
+
+    monkeypatch.setattr(jaxsync, "flat_mean", _zeros(jaxsync.flat_mean, {"b"}))
+    ((_, ok, detail),) = _selftest.check_strategies(None, only=["flat"])
+    assert not ok and detail.startswith("step 1 b: device 0 value 0 is 0.0, want -1.0"), detail
+    bf16 = jnp.bfloat16
+    make = _zeros(jaxsync.hierarchical_mean, None)
+    case = _selftest_cases._Case(
+        lambda: make(axis_name="local", comm=None, comm_dtype=bf16),
+        {k: _selftest_cases._WIDE for k in _selftest_cases.TREE},
+        comm_dtype=bf16,
+    )
+    mesh = jax.sharding.Mesh(np.array(jax.local_devices()), ("local",))
+    ok, detail = _selftest_cases._run_case(case, mesh, 8, list(range(8)))
+    assert not ok and detail.startswith("step 1 a: device 0 value 0 is 0.0, want 1.0"), detail
+    for leaf, want in zip("bcd", ("-1.0", "1.0", "-1.0")):
+        assert f"step 1 {leaf}: device 0 value 0 is 0.0, want {want}" in detail, detail
 
 
 def test_selftest_fails_double_buffering_that_does_not_delay(monkeypatch):

@@ -17,10 +17,16 @@ its wire dtype: a process's devices, a host's processes, the hosts): element
   0: the mean is ``c`` and every partial sum an integer of magnitude at most
   ``N (c + 2) < 2**24``, exact in float32; a replica counted twice or missed,
   a stage skipped or a wrong division changes the result;
-* on a 16-bit wire (a bfloat16 leaf, or ``comm_dtype=bfloat16``) ``d_rj``
-  alone: its mean 0 is the only mean exact for every ``N`` (the wire carries the
-  sum ``N m``, and for ``N`` like 257, whose odd part exceeds 255, no non-zero
-  bfloat16 ``m`` has ``N m`` in bfloat16), and every partial sum is -1, 0 or 1.
+* on a 16-bit wire (a bfloat16 leaf, or ``comm_dtype=bfloat16``)
+  ``e_r + d_rj``, with ``e_r = s 2**-t`` (``s = (-1)**i``) on the first ``K``
+  replicas and 0 on the others: ``K`` is the largest ``o 2**a <= min(N, 254)``
+  (``o`` the odd part of ``N``), so ``K / N`` is a power of two and the mean
+  ``s 2**-t K / N`` is a non-zero bfloat16 (a sync returning zeros fails). In
+  units of ``2**-t`` the values are integers whose positive (negative) parts
+  sum to at most ``K + 2 <= 256`` (2), so every partial sum is exact in
+  bfloat16. When ``o > 254`` (``N`` like 257) no ``K`` exists, and no non-zero
+  mean is exact either (the wire carries the sum ``N m``, and no non-zero
+  bfloat16 ``m`` has ``N m`` in bfloat16): ``d_rj`` alone, mean 0.
 
 ``powersgd_mean``'s leaf (:func:`low_rank_values`) is exactly rank 2 with a
 factor shared by every replica, its result within :func:`powersgd_tolerance` of
@@ -104,13 +110,28 @@ def exact_values(
     pair = _pair(n, r, size)
     wire = jnp.dtype(comm_dtype if comm_dtype is not None else dtype)
     if wire.itemsize < 4 or jnp.dtype(dtype).itemsize < 4:
-        values = pair.astype(np.float64)
-        mean = np.zeros(shape)
+        k = low_wire_count(n)
+        e = (-1.0) ** index * 2.0**-step * (r < k)
+        values = e[:, None] + pair.astype(np.float64)
+        mean = np.full(shape, (-1.0) ** index * 2.0**-step * k / n)
     else:
         c = (index + 1) * (step + 1)
         values = (c + _halves(n, r)[:, None] + pair).astype(np.float64)
         mean = np.full(shape, float(c))
     return values.reshape(len(r), *shape), mean
+
+
+def low_wire_count(n: int) -> int:
+    """``K``: how many replicas hold the 16-bit wire's constant (0: none can).
+
+    The largest ``o 2**a`` at most ``min(n, 254)``, ``o`` the odd part of ``n``
+    (``K / n`` a power of two), or 0 when ``o > 254``.
+    """
+    odd = n // (n & -n)
+    k = 0 if odd > 254 else odd
+    while k and 2 * k <= min(n, 254):
+        k *= 2
+    return k
 
 
 # A rank-2 (16, 8) matrix per replica with the shared factor A: A (B0 + h_r B1)^T.

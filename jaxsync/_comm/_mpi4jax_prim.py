@@ -61,8 +61,21 @@ mpi_p.def_abstract_eval(_abstract_eval)
 mpi_p.def_impl(functools.partial(_dispatch.apply_primitive, mpi_p))
 
 
+def _setup_cuda() -> None:
+    """mpi4jax's CUDA set-up, which its own lowering runs first (its
+    ``translation_rule_cuda``): the CUDA bridge starts handing MPI device
+    pointers; this turns on staging through host memory unless
+    ``MPI4JAX_USE_CUDA_MPI=1`` (a CUDA-aware MPI). Once per process (mpi4jax
+    remembers), before any call is lowered."""
+    from mpi4jax._src import decorators
+
+    decorators.ensure_cuda_ext()
+    decorators.setup_cuda_mpi()
+
+
 def _lowering(ctx, x, token, *, kind, comm, root):
     MPI, to_mpi_handle, to_dtype_handle = _load_mpi4jax()
+    _setup_cuda()
     x_aval = ctx.avals_in[0]
     n = np.int64(np.prod(x_aval.shape, dtype=np.int64))
     dtype = np.int64(to_dtype_handle(x_aval.dtype))

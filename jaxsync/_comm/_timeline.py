@@ -20,6 +20,8 @@ the timeline began on that rank: the context manager starts after a barrier of
 the world communicator (every process must enter it, as it must make the
 transforms), so the ranks' clocks line up within a barrier's skew, also across
 hosts; with the environment variable each rank counts from its own start.
+Timelines may be open together (a block inside the variable's whole run, or
+nested blocks): each gets every call made while it was open.
 
 Imports: ``_mpi_load`` (the native library) and ``_topology`` (rank, labels).
 """
@@ -87,6 +89,19 @@ def _drain(lib) -> np.ndarray:
     return np.concatenate(chunks) if chunks else np.empty((0, _FIELDS), np.int64)
 
 
+_open: list[Timeline] = []  # the timelines recording now (nested, or with the variable's)
+
+
+def _collect(lib) -> None:
+    """Drain the recorder into every open timeline (one recorder, several readers:
+    a ``with jaxsync.timeline`` block inside ``JAXSYNC_TIMELINE``'s whole run
+    takes nothing away from it). With none open, the events are dropped."""
+    events = _drain(lib)
+    if len(events):
+        for tl in _open:
+            tl._events.append(events)
+
+
 _seen: dict[int, str] = {}  # the names of communicators since freed (at exit)
 
 
@@ -134,6 +149,7 @@ class Timeline:
         self.path: Path | None = None
         self._steps: list[tuple[Any, int, int]] = []
         self._lib = None
+        self._events: list[np.ndarray] = []
         self._t0 = 0
         self._rank = 0
 
@@ -144,8 +160,10 @@ class Timeline:
             _topology.Comms.of(comm).control.Barrier()
         self._lib = _lib(load=comm is not None)
         if self._lib is not None:
-            _drain(self._lib)  # nothing from before
+            _collect(self._lib)  # what came before goes to the timelines already open
         self._t0 = time.monotonic_ns()
+        self._events = []
+        _open.append(self)
         if self._lib is not None:
             self._lib.jaxsync_timeline_enable(1)
         return self
@@ -165,10 +183,15 @@ class Timeline:
             self._steps.append((name, start, time.monotonic_ns()))
 
     def __exit__(self, *exc) -> None:
-        events = np.empty((0, _FIELDS), np.int64)
-        if self._lib is not None:
-            self._lib.jaxsync_timeline_enable(0)
-            events = _drain(self._lib)
+        lib = self._lib if self._lib is not None else _lib(load=False)
+        if lib is not None:
+            _collect(lib)
+        if self in _open:
+            _open.remove(self)
+        if lib is not None and not _open:  # the last one open: recording stops
+            lib.jaxsync_timeline_enable(0)
+        events = np.concatenate([np.empty((0, _FIELDS), np.int64), *self._events])
+        self._events = []
         self.path = write(
             self.directory,
             self._rank,
@@ -193,7 +216,8 @@ def timeline(directory: str | os.PathLike) -> Timeline:
     ``DIR/timeline.png``). Mark the steps with ``tl.step()`` to see them
     beside their calls. Under MPI every process must enter the block (it starts
     with a barrier, so the ranks' times line up). ``JAXSYNC_TIMELINE=DIR``
-    records the whole run instead, written at exit. Nothing changes in the
+    records the whole run, written at exit; a block inside it (or inside
+    another block) records its own calls and takes none from the other. Nothing changes in the
     compiled step; when off, each call pays one atomic load.
 
     Args:

@@ -207,12 +207,20 @@ class Plan:
     def unpack(self, buffers: Sequence[jax.Array], tree: PyTree, finish=None) -> PyTree:
         """Inverse of :meth:`pack`; pass-through leaves are taken from ``tree``.
 
+        A reduced leaf with no elements is in no buffer: it comes back as a new
+        empty array (under ``shard_map``, typed invariant like the sums).
+
         ``finish(k, piece)``, if given, maps each leaf's piece of buffer ``k``
         (an elementwise fix-up such as a division fuses into the slice).
         """
         if len(buffers) != len(self.buckets):
             raise ValueError(f"unpack expected {len(self.buckets)} buffers, got {len(buffers)}")
         leaves = list(self._leaves_of(tree))
+        for i, spec in enumerate(self.leaves):
+            if spec.reduced and spec.size == 0:
+                # In no buffer: a fresh empty array, typed like the reduced
+                # leaves (invariant under shard_map), not the input's type.
+                leaves[i] = jnp.zeros(spec.shape, spec.dtype)
         for k, (b, buf) in enumerate(zip(self.buckets, buffers)):
             for i, off in zip(b.leaves, b.offsets):
                 spec = self.leaves[i]

@@ -174,8 +174,11 @@ def _predivide(cfg: SyncConfig, travel_dtype, n: int) -> float:
     if cfg.reduce == "mean" and (_is_pow2(n) or str(travel_dtype) == "float16"):
         # A power of two is exact to divide by first (the scaled sum is the
         # scaled sum, bit for bit, away from subnormals) and fuses into the
-        # pack; float16 is always divided first so the sum cannot overflow.
-        return float(n)
+        # pack. float16 is divided first by the largest power of two p <= n
+        # (exact: dividing by n itself rounded every value) so the sum cannot
+        # overflow unless the mean exceeds p / n (> 1/2) of float16's largest;
+        # the rest, n / p, after the sum.
+        return float(1 << (n.bit_length() - 1))
     return 1.0
 
 

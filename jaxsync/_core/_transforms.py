@@ -81,9 +81,9 @@ def naive_mean(
         in float32 and rounded once.
       predivide: divide by this before the sum and by ``n / predivide`` after
         (Horovod's ``gradient_predivide_factor``). ``None``: with
-        ``reduce="mean"``, the replica count ``n`` when it is a power of two
-        (exact, and it fuses into packing) or the data is float16 (so the sum
-        cannot overflow), else 1 (the division fuses into unpacking).
+        ``reduce="mean"``, the replica count ``n`` if a power of two (exact,
+        fused into packing); float16: the largest power of two <= ``n`` (exact;
+        overflows only near float16's limit); else 1 (divided at unpacking).
       check_finite: ``True`` keeps ``all_finite`` in the state
         (:class:`jaxsync.SyncState`); ``"raise"`` also raises
         ``FloatingPointError`` naming the non-finite leaves.
@@ -165,9 +165,9 @@ def flat_mean(
         in float32 and rounded once.
       predivide: divide by this before the sum and by ``n / predivide`` after
         (Horovod's ``gradient_predivide_factor``). ``None``: with
-        ``reduce="mean"``, the replica count ``n`` when it is a power of two
-        (exact, and it fuses into packing) or the data is float16 (so the sum
-        cannot overflow), else 1 (the division fuses into unpacking).
+        ``reduce="mean"``, the replica count ``n`` if a power of two (exact,
+        fused into packing); float16: the largest power of two <= ``n`` (exact;
+        overflows only near float16's limit); else 1 (divided at unpacking).
       check_finite: ``True`` keeps ``all_finite`` in the state
         (:class:`jaxsync.SyncState`); ``"raise"`` also raises
         ``FloatingPointError`` naming the non-finite leaves.
@@ -246,9 +246,9 @@ def hierarchical_mean(
         in float32 and rounded once.
       predivide: divide by this before the sum and by ``n / predivide`` after
         (Horovod's ``gradient_predivide_factor``). ``None``: with
-        ``reduce="mean"``, the replica count ``n`` when it is a power of two
-        (exact, and it fuses into packing) or the data is float16 (so the sum
-        cannot overflow), else 1 (the division fuses into unpacking).
+        ``reduce="mean"``, the replica count ``n`` if a power of two (exact,
+        fused into packing); float16: the largest power of two <= ``n`` (exact;
+        overflows only near float16's limit); else 1 (divided at unpacking).
       check_finite: ``True`` keeps ``all_finite`` in the state
         (:class:`jaxsync.SyncState`); ``"raise"`` also raises
         ``FloatingPointError`` naming the non-finite leaves.
@@ -329,9 +329,9 @@ def two_dimensional_mean(
         in float32 and rounded once.
       predivide: divide by this before the sum and by ``n / predivide`` after
         (Horovod's ``gradient_predivide_factor``). ``None``: with
-        ``reduce="mean"``, the replica count ``n`` when it is a power of two
-        (exact, and it fuses into packing) or the data is float16 (so the sum
-        cannot overflow), else 1 (the division fuses into unpacking).
+        ``reduce="mean"``, the replica count ``n`` if a power of two (exact,
+        fused into packing); float16: the largest power of two <= ``n`` (exact;
+        overflows only near float16's limit); else 1 (divided at unpacking).
       check_finite: ``True`` keeps ``all_finite`` in the state
         (:class:`jaxsync.SyncState`); ``"raise"`` also raises
         ``FloatingPointError`` naming the non-finite leaves.
@@ -396,9 +396,9 @@ def single_node_mean(
         in float32 and rounded once.
       predivide: divide by this before the sum and by ``n / predivide`` after
         (Horovod's ``gradient_predivide_factor``). ``None``: with
-        ``reduce="mean"``, the replica count ``n`` when it is a power of two
-        (exact, and it fuses into packing) or the data is float16 (so the sum
-        cannot overflow), else 1 (the division fuses into unpacking).
+        ``reduce="mean"``, the replica count ``n`` if a power of two (exact,
+        fused into packing); float16: the largest power of two <= ``n`` (exact;
+        overflows only near float16's limit); else 1 (divided at unpacking).
       check_finite: ``True`` keeps ``all_finite`` in the state
         (:class:`jaxsync.SyncState`); ``"raise"`` also raises
         ``FloatingPointError`` naming the non-finite leaves.

@@ -27,3 +27,15 @@ def test_broadcast_params_over_jax_distributed(results):
     rows = [r for r in results if r["strategy"] == "broadcast"]
     assert sorted(r["pid"] for r in rows) == [0, 1]
     assert all(r["w"] == [7.0] * 3 for r in rows)
+
+
+def test_local_batch_over_jax_distributed(results):
+    """A global mesh: the global array, each device its 2 rows of 8; a process's
+    own mesh: its 4 rows (jax.distributed's process index and count)."""
+    rows = sorted((r for r in results if r["strategy"] == "local_batch"), key=lambda r: r["pid"])
+    assert [r["pid"] for r in rows] == [0, 1]
+    for r in rows:
+        p = r["pid"]
+        assert r["global_shape"] == [8]
+        assert r["global"] == [[4 * p + 2 * d, 4 * p + 2 * d + 1] for d in range(2)]
+        assert r["local"] == r["global"]

@@ -58,3 +58,26 @@ print(
     file=results,
     flush=True,
 )
+# local_batch: a global batch of 8 rows, on the global mesh (each device its rows)
+# and on this process's own devices (its rows from jax.distributed's index and count).
+x = np.arange(8.0, dtype=np.float32)
+local_mesh = Mesh(np.array(jax.local_devices()), ("local",))
+rows = {
+    "global": jaxsync.local_batch({"x": x}, mesh)["x"],
+    "local": jaxsync.local_batch({"x": x}, local_mesh, comm=None)["x"],
+}
+print(
+    json.dumps(
+        {
+            "pid": pid,
+            "strategy": "local_batch",
+            **{
+                k: [np.asarray(s.data).tolist() for s in v.addressable_shards]
+                for k, v in rows.items()
+            },
+            "global_shape": list(rows["global"].shape),
+        }
+    ),
+    file=results,
+    flush=True,
+)

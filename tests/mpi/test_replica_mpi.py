@@ -64,3 +64,15 @@ def test_sync_gradients_divides_invariant_stats_again(replica_run):
                 np.asarray(res["shard_map-invariant-sync_gradients"][k]),
                 np.float32(want[k]) / np.float32(counts[0]),
             )
+
+
+def test_local_batch_gives_each_rank_its_rows(replica_run):
+    """jaxsync.local_batch under mpirun -n 2 x 2 devices: rank r the rows
+    [8 r, 8 r + 8) of a global batch of 16, 4 a device in order; 6 rows raise."""
+    x = np.arange(32.0).reshape(16, 2)
+    for rank in range(2):
+        shards = replica_run.results[rank]["local_batch"]
+        want = [x[8 * rank + 4 * d : 8 * rank + 4 * d + 4] for d in range(2)]
+        assert len(shards) == 2 and all(np.array_equal(s, w) for s, w in zip(shards, want))
+        msg = replica_run.results[rank]["local_batch_uneven"]
+        assert msg and "6 rows" in msg and "2 processes x 2 devices" in msg, msg

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -112,9 +113,15 @@ def test_the_command_merges_the_ranks_and_draws_them(timeline_run):
 
 def test_the_environment_variable_records_the_whole_run_with_names(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXSYNC_TIMELINE", str(tmp_path / "tl"))
-    run_mpi("worker_timeline_env.py", n=2, devices=1, timeout=180).check()
+    run = run_mpi("worker_timeline_env.py", n=2, devices=1, timeout=180, out=tmp_path / "o")
+    run.check()
+    one = [("agree", "agreement", 0), ("allreduce", "world", 256)]  # a step's calls
     for rank in range(2):
         doc = json.loads((tmp_path / "tl" / f"rank{rank}.json").read_text())
         calls = [(e["name"], e["args"]["communicator"], e["args"]["bytes"]) for e in _calls(doc)]
-        # Named although jaxsync freed its communicators at exit before the file was written.
-        assert calls == [("agree", "agreement", 0), ("allreduce", "world", 256)] * 3, calls
+        # Named although jaxsync freed its communicators at exit before the file was
+        # written; the five steps, also the two a `with jaxsync.timeline` block recorded.
+        assert calls == one * 5, calls
+        inner = json.loads(Path(run.results[rank]["inner"]).read_text())
+        calls = [(e["name"], e["args"]["communicator"], e["args"]["bytes"]) for e in _calls(inner)]
+        assert calls == one * 2, calls

@@ -10,7 +10,9 @@ Cases: per-replica statistics under jit(shard_map), vmap and pmap; statistics
 already ``pmean``'d over the local axis (typed invariant under shard_map, as
 flax's ``BatchNorm(axis_name=...)`` makes them), which must come back as the
 same global mean; and, for contrast,
-what ``sync_gradients`` gives for the latter.
+what ``sync_gradients`` gives for the latter. Also ``jaxsync.local_batch`` (the
+default ``comm``): this rank's rows of a global batch of 16 (each of its devices
+its rows), and the error of a batch of 6 rows.
 """
 
 from _worker import Results, init, to_numpy
@@ -61,6 +63,14 @@ def main():
     res.add("shard_map-local", sharded(local))
     res.add("vmap", to_numpy(jax.jit(jax.vmap(lambda xb: mean(stats(xb)), axis_name="d"))(x)))
     res.add("pmap", to_numpy(jax.pmap(lambda xb: mean(stats(xb)), axis_name="d")(x)))
+    mesh = Mesh(np.array(jax.local_devices()), ("d",))
+    got = jaxsync.local_batch({"x": np.arange(32.0).reshape(16, 2)}, mesh)["x"]
+    res.add("local_batch", [to_numpy(s.data) for s in got.addressable_shards])
+    try:
+        jaxsync.local_batch({"x": np.zeros((6, 2))}, mesh)
+        res.add("local_batch_uneven", None)
+    except ValueError as e:
+        res.add("local_batch_uneven", str(e))
     res.write()
 
 
