@@ -32,6 +32,7 @@ _NATIVE_KINDS = (
     "allgather",
     "alltoall",
     "agree",
+    "step",
     "reduce",
     "bcast",
     "reduce_scatter",
