@@ -208,7 +208,7 @@ def _options(text: str) -> dict | None:
     return out
 
 
-def _option_difference(a: str, b: str) -> list[str]:
+def _option_difference(a: str, b: str) -> list[tuple[str, str]]:
     """``"strategy flat" / "strategy hierarchical"`` pairs of the options that differ."""
     oa, ob = _options(a), _options(b)
     if oa is None or ob is None:
@@ -226,13 +226,13 @@ def _disagreement(texts: Sequence[str], what: str) -> str:
     w = len(f"rank {other}:")
     options = _option_difference(base, texts[other])
     if options:
-        la = ", ".join(x for x, _ in options)
-        lb = ", ".join(y for _, y in options)
+        oa = ", ".join(x for x, _ in options)
+        ob = ", ".join(y for _, y in options)
         return (
             f"jaxsync: the transform's options differ between rank 0 and rank {other} "
             f"({', '.join(x.split(' ')[0] for x, _ in options)}), so the processes would "
             f"issue different collectives (a hang or wrong results).\n"
-            f"  {'rank 0:':<{w}} {la}\n  {f'rank {other}:':<{w}} {lb}\n"
+            f"  {'rank 0:':<{w}} {oa}\n  {f'rank {other}:':<{w}} {ob}\n"
             "Fix: create the transform with the same options on every process."
         )
     a, b = base.splitlines(), texts[other].splitlines()

@@ -379,8 +379,13 @@ def _reached(comm: int, ident: int):
 
     with core.set_current_trace(top):
         d = device()
-        _, (count,) = _native_prim.native_call(
-            "step", [d], lax.create_token(), jnp.int32(0), jnp.int32(0), 1,
-            agree=(comm, ident, 0, 0, site),
+        # In the top trace's chain (it moves nothing; the control-flow operation
+        # then depends on it through the count, so the step keeps one chain).
+        entry = _ordering._entry(top, prune=False)
+        token = entry.get("token")
+        token, (count,) = _native_prim.native_call(
+            "step", [d], lax.create_token() if token is None else token, jnp.int32(0),
+            jnp.int32(0), 1, agree=(comm, ident, 0, 0, site),
         )  # fmt: skip
+        entry["token"] = token
         return jnp.stack([d, count]), site
