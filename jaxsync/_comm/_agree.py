@@ -1,15 +1,18 @@
-"""Cross-process agreement, checked when a compiled step first runs (not traced).
+"""Cross-process agreement: the header every synchronisation checks when it runs.
 
-Before their first reduction the processes compare what they are about to do
+Before their reductions the processes compare what they are about to do
 (tree structure, shapes, dtypes, options): a mismatch would otherwise issue
 different collectives on each process (a hang or wrong sums). Doing that
 exchange while *tracing* blocks whenever one process traces alone - a common
 ``jax.eval_shape``, ``.lower()`` or ``jax.make_jaxpr`` on rank 0 - so it runs
-inside the compiled step instead: a host callback (``pure_callback``, so the
-step has no effect and keeps jit's fast dispatch) whose (zero) result is folded
-into the buffers before any MPI call can read them. The
-callback exchanges a 32-byte digest the first time each compiled executable
-runs (full texts only on a mismatch) and is a no-op afterwards.
+inside the compiled step instead. On CPU jaxsync's native call checks a header
+on every run: the plan's digest and the steps since the synchronisation last
+ran (``_native/agree.cc``; ``reach_site`` below finds where the step is
+counted). Elsewhere a host callback (``pure_callback``, so the step has no
+effect and keeps jit's fast dispatch) whose (zero) result is folded into the
+buffers before any MPI call can read them exchanges a 32-byte digest the first
+time each compiled executable runs (full texts only on a mismatch) and is a
+no-op afterwards.
 
 Every device of a process calls the callback; the first one exchanges, the
 others wait for its answer. Several agreements in one trace are chained, so
@@ -20,7 +23,8 @@ every process runs them in the same order. A mismatch raises the same
 It uses a communicator of its own (``Comms.agreement``) and plain mpi4py, so it
 is independent of how the MPI calls of the step itself are bound. On CPU the
 native calls check the same texts themselves (``_mpi_load.register_agreement``);
-both, and ``broadcast_params``, report a mismatch with ``_disagreement`` (below).
+both, and ``broadcast_params``, report a mismatch with ``_disagreement`` (below),
+which names the option that differs where the options do.
 
 Imports: jax, ``_ordering`` and ``_invariance`` only.
 """

@@ -39,6 +39,7 @@ def test_divergent_paths_fail_on_every_rank():
         _same_error(run, f"empty-{strategy}", "gradient tree differs", "rank 1: leaf ['w']")
         _same_error(run, f"ints-{strategy}", "rank 0: leaf ['w'] (3,) int32")
     _same_error(run, "empty-sharded", "gradient tree differs")
+    _same_error(run, "empty-host", "gradient tree differs")
     # (4) the root is compared: named, every rank raises.
     _same_error(run, "root", "broadcast root differs", "rank 0: root 0", "rank 1: root 1")
     # (11) the option that differs is named, not a plan line it implies.

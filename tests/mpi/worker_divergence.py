@@ -67,6 +67,9 @@ def main():
         for strategy, make in factories.items():
             tx = make(axis_name="d", comm=comm)
             attempt(f"{name}-{strategy}", lambda: sync(tx, mine(t0, t1)))
+    # Host staging's agreement (a host callback) runs with nothing to travel too.
+    host = jaxsync.hierarchical_mean(axis_name="d", comm=comm, staging="host")
+    attempt("empty-host", lambda: sync(host, mine(*trees["empty"])))
     # sharded refuses rank 0's int32 leaf while tracing (before any check can run):
     # that case is worker_abort.py's (the job ends instead of rank 1 waiting).
     attempt("empty-sharded", lambda: sharded_step(mine(*trees["empty"])))

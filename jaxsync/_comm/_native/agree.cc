@@ -67,6 +67,9 @@ std::map<std::pair<Key, int64_t>, Pending> g_pending;  // per (key, run)
 using Site = std::tuple<int64_t, int64_t, int64_t, int64_t>;
 std::map<Site, int32_t> g_steps, g_checked;
 
+// The longest sleep between tests of the header's exchange (after 1 ms of tests).
+constexpr int64_t kAgreePollUs = 50;
+
 bool Once() {
   static const bool once = [] {
     const char* v = std::getenv("JAXSYNC_AGREE");
@@ -97,7 +100,12 @@ std::string Exchange(int64_t agree_comm, int64_t id, int64_t instance, int64_t s
   if (rc != MPI_SUCCESS) return "jaxsync: MPI_Comm_size failed (agreement)";
   const int64_t mine[2] = {id, Once() ? 0 : step};
   std::vector<int64_t> all(2 * static_cast<size_t>(size));
-  rc = MPI_Allgather(mine, 2, MPI_INT64_T, all.data(), 2, MPI_INT64_T, c);
+  // Nonblocking, then tested with the core yielded between tests (Poll in
+  // mpi_ffi.cc): a process whose peer waits for a core (more processes than
+  // cores) lets it run instead of spinning its time slice away.
+  MPI_Request req;
+  rc = MPI_Iallgather(mine, 2, MPI_INT64_T, all.data(), 2, MPI_INT64_T, c, &req);
+  if (rc == MPI_SUCCESS) rc = WaitOne(&req, kAgreePollUs);
   if (rc != MPI_SUCCESS) {
     char err[MPI_MAX_ERROR_STRING];
     int len = 0;
