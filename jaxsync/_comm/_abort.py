@@ -29,6 +29,8 @@ def install(comm) -> None:
     with one process or ``JAXSYNC_ABORT_ON_ERROR=0``)."""
     if _state or os.environ.get(ENV, "1").strip() in ("0", "false", "False", "no"):
         return
+    if not _is_mpi(comm):
+        return  # a stand-in (tests), never a job to end
     try:
         if comm.Get_size() <= 1:
             return
@@ -36,6 +38,11 @@ def install(comm) -> None:
         return
     _state["comm"], _state["previous"] = comm, sys.excepthook
     sys.excepthook = _hook
+
+
+def _is_mpi(comm) -> bool:
+    """Whether ``comm`` is an mpi4py communicator."""
+    return type(comm).__module__.split(".")[0] == "mpi4py"
 
 
 def installed() -> bool:

@@ -100,6 +100,9 @@ def test_the_abort_hook_chains_and_can_be_turned_off(monkeypatch, capsys):
 
     seen = []
     monkeypatch.setattr(_abort, "_state", {})
+    _abort.install(_Comm(2))  # not an mpi4py communicator: left alone
+    assert not _abort.installed()
+    monkeypatch.setattr(_abort, "_is_mpi", lambda comm: True)
     monkeypatch.setattr(sys, "excepthook", lambda *a: seen.append(a[0]))
     _abort.install(_Comm(1))  # one process: nothing to end
     monkeypatch.setenv(_abort.ENV, "0")
