@@ -1,15 +1,18 @@
-"""Cross-process agreement, checked when a compiled step first runs (not traced).
+"""Cross-process agreement: the header every synchronisation checks when it runs.
 
-Before their first reduction the processes compare what they are about to do
+Before their reductions the processes compare what they are about to do
 (tree structure, shapes, dtypes, options): a mismatch would otherwise issue
 different collectives on each process (a hang or wrong sums). Doing that
 exchange while *tracing* blocks whenever one process traces alone - a common
 ``jax.eval_shape``, ``.lower()`` or ``jax.make_jaxpr`` on rank 0 - so it runs
-inside the compiled step instead: a host callback (``pure_callback``, so the
-step has no effect and keeps jit's fast dispatch) whose (zero) result is folded
-into the buffers before any MPI call can read them. The
-callback exchanges a 32-byte digest the first time each compiled executable
-runs (full texts only on a mismatch) and is a no-op afterwards.
+inside the compiled step instead. On CPU jaxsync's native call checks a header
+on every run: the plan's digest and the steps since the synchronisation last
+ran (``_native/agree.cc``; ``reach_site`` below finds where the step is
+counted). Elsewhere a host callback (``pure_callback``, so the step has no
+effect and keeps jit's fast dispatch) whose (zero) result is folded into the
+buffers before any MPI call can read them exchanges a 32-byte digest the first
+time each compiled executable runs (full texts only on a mismatch) and is a
+no-op afterwards.
 
 Every device of a process calls the callback; the first one exchanges, the
 others wait for its answer. Several agreements in one trace are chained, so
@@ -20,7 +23,8 @@ every process runs them in the same order. A mismatch raises the same
 It uses a communicator of its own (``Comms.agreement``) and plain mpi4py, so it
 is independent of how the MPI calls of the step itself are bound. On CPU the
 native calls check the same texts themselves (``_mpi_load.register_agreement``);
-both, and ``broadcast_params``, report a mismatch with ``_disagreement`` (below).
+both, and ``broadcast_params``, report a mismatch with ``_disagreement`` (below),
+which names the option that differs where the options do.
 
 Imports: jax, ``_ordering`` and ``_invariance`` only.
 """
@@ -35,6 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src import core as _core
+from jax.experimental import io_callback
 
 from . import _ordering
 from ._invariance import _varying, _vma
@@ -143,24 +149,102 @@ def fold(x, dep):
     return lax.dynamic_update_slice(x, head, (0,))
 
 
+def reach_site(ident: int) -> tuple:
+    """``(site, top)``: the how-manieth synchronisation of plan ``ident`` this is
+    in its traced step, and the trace at the top of the step where it sits in
+    the body of a ``lax.cond`` or loop (else ``None``): the step is counted
+    there, on every run, whichever branch then runs."""
+    trace = _ordering._owner()
+    if isinstance(trace, _core.EvalTrace):
+        return 0, None  # eagerly: each call its own program
+    top = trace
+    while (parent := _ordering._enclosing(top)) is not None:
+        top = parent
+    key = f"agree-site-{ident}"
+    # The top trace's table, not pruned (the body's trace is not its ancestor).
+    entry = _ordering._table(top, prune=False).setdefault(top, {})
+    site = entry.get(key, 0)
+    entry[key] = site + 1
+    return site, (None if top is trace else top)
+
+
+def keep_alive(dep) -> None:
+    """Keep the check that computes ``dep`` in the step though nothing reads
+    it (a synchronisation with nothing to travel): an unordered host callback
+    reads it."""
+    io_callback(lambda d: None, None, dep, ordered=False)
+
+
 _FIXES = {
     "gradient tree": "make every process build the same gradient tree (same structure, "
     "shapes and dtypes), drive the same number of devices, and create "
     "the transform with the same options",
-    "parameter tree": "call broadcast_params on every process with a tree of the same "
-    "structure, shapes and dtypes (only the values may differ)",
+    "parameter tree": "call broadcast_params on every process with the same root and a "
+    "tree of the same structure, shapes and dtypes (only the values may differ)",
+    "broadcast root": "pass the same root to broadcast_params on every process",
 }
+
+# The options line of an agreed text (``SyncConfig.describe``): "key value"
+# pairs, and flags without a value.
+_OPTION_KEYS = (
+    "strategy", "reduce", "comm_dtype", "predivide", "check_finite", "backend",
+    "staging", "timeout", "on_timeout", "overlap", "host_tier",
+)  # fmt: skip
+_FLAGS = ("double_buffering",)
+
+
+def _options(text: str) -> dict | None:
+    """The transform's options in an agreed text (``None``: it has none)."""
+    lines = text.splitlines()
+    line = next((x for x in lines if x.startswith("strategy ")), None)
+    if line is None:
+        return None
+    words, out = line.split(), {}
+    for i, w in enumerate(words):
+        if w in _OPTION_KEYS and i + 1 < len(words):
+            out[w] = words[i + 1]
+        elif w in _FLAGS:
+            out[w] = "True"
+        elif w == "profile" and i + 1 < len(words):
+            out["auto profile"] = words[i + 1]
+    if "sharded" in lines:  # jaxsync.sharded's text (its reduce-scatter is two_dimensional's)
+        out["strategy"] = "sharded"
+    return out
+
+
+def _option_difference(a: str, b: str) -> list[tuple[str, str]]:
+    """``"strategy flat" / "strategy hierarchical"`` pairs of the options that differ."""
+    oa, ob = _options(a), _options(b)
+    if oa is None or ob is None:
+        return []
+    keys = [k for k in (*_OPTION_KEYS, *_FLAGS, "auto profile") if oa.get(k) != ob.get(k)]
+    return [(f"{k} {oa.get(k, '<unset>')}", f"{k} {ob.get(k, '<unset>')}") for k in keys]
 
 
 def _disagreement(texts: Sequence[str], what: str) -> str:
-    """Name the first two ranks that differ and their first differing line."""
+    """Name the first two ranks that differ and what differs: the transform's
+    options where they do (the plan's lines follow from them), else the first
+    differing line."""
     base = texts[0]
     other = next(r for r, t in enumerate(texts) if t != base)
+    w = len(f"rank {other}:")
+    options = _option_difference(base, texts[other])
+    if options:
+        oa = ", ".join(x for x, _ in options)
+        ob = ", ".join(y for _, y in options)
+        return (
+            f"jaxsync: the transform's options differ between rank 0 and rank {other} "
+            f"({', '.join(x.split(' ')[0] for x, _ in options)}), so the processes would "
+            f"issue different collectives (a hang or wrong results).\n"
+            f"  {'rank 0:':<{w}} {oa}\n  {f'rank {other}:':<{w}} {ob}\n"
+            "Fix: create the transform with the same options on every process."
+        )
     a, b = base.splitlines(), texts[other].splitlines()
     for la, lb in zip(a + [""] * (len(b) - len(a)), b + [""] * (len(a) - len(b))):
         if la != lb:
             break
-    w = len(f"rank {other}:")
+    if la.startswith("root ") and lb.startswith("root "):
+        what = "broadcast root"  # broadcast_params' root, first in its text
     return (
         f"jaxsync: the {what} differs between rank 0 and rank {other}, so the "
         f"processes would issue different collectives (a hang or wrong results).\n"

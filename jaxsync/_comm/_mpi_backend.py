@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _host_tier, _mpi_load, _native_prim, _ordering, _quiet
-from ._agree import _disagreement, agreement_dep, tie_buffers
+from . import _abort, _host_tier, _mpi_load, _native_prim, _ordering, _quiet
+from ._agree import _disagreement, agreement_dep, keep_alive, reach_site, tie_buffers
 from ._intra import AxisOps, _is_batched, bound_axes
 from ._invariance import _varying, _vma
 from ._mpi_ops import _HostOps, _MPIOps, _NativeOps
@@ -104,6 +104,7 @@ class MPIBackend:
             _check_host_mpi()
         self.comm = comm
         self.staging = staging
+        _abort.install(comm)  # an uncaught exception ends the job (_abort)
         self.timeout = timeout
         self.on_timeout = on_timeout
         # The watchdog names the synchronisation: the factory and how many MPI
@@ -287,20 +288,22 @@ class MPIBackend:
         return list(lax.switch(idx, branches, bufs))
 
     def agree(self, text: str, what: str, bufs: list) -> list:
-        """Compare ``text`` across processes before ``bufs`` travel.
+        """Check the synchronisation's header across processes before ``bufs`` travel.
 
-        Returns ``bufs`` tied to a check that, the first time the compiled step
-        runs, exchanges a digest of ``text`` (the full texts only on a
-        mismatch) and fails the step with the same message on every process
-        when they differ: a native call on CPU (``_mpi_load.register_agreement``),
-        a host callback elsewhere (``_agree``). Tracing alone never blocks.
+        Returns ``bufs`` tied to the check. On CPU (jaxsync's native target)
+        every run of the step exchanges the header, a digest of ``text`` and
+        how many times this process reached the synchronisation (16 bytes), and
+        fails the step with the same message on every process when they differ
+        (``agree.cc``; the full texts travel only on a mismatch). Elsewhere a
+        host callback compares the digest the first time the compiled step runs
+        (``_agree``). With nothing to travel the check runs all the same: a
+        process with nothing to reduce must not leave the others waiting.
+        Tracing alone never blocks.
         """
-        if not bufs:
-            return bufs
         # With the watchdog, the synchronisation's first stage is entered here,
         # before the agreement: a first execution waiting in it is watched too.
         start = jnp.zeros((1,), jnp.uint8)
-        if self.timeout is not None:
+        if self.timeout is not None and bufs:
             site, name, _ = self._new_stage()
             when = _one_device()
             if when is not None:
@@ -308,12 +311,14 @@ class MPIBackend:
             start = self._watchdog().enter_before(start, site, name, when)
             _ordering.set_chain_value(f"watch-entered-{id(self)}", (site, name, True))
         if self.native:
-            # A native call checks it (the first time a process runs it; then a
-            # table look-up): no host callback in the step, which would put jit's
-            # dispatch on its slow path. It comes first in the token chain, and
-            # an optimization barrier makes every buffer (so every local and MPI
-            # collective of this synchronisation) wait for it, without a copy.
-            key = _mpi_load.register_agreement(self.comms.agreement, text, what, _disagreement)
+            # A native call checks it: no host callback in the step, which would
+            # put jit's dispatch on its slow path. It comes first in the token
+            # chain, and an optimization barrier makes every buffer (so every
+            # local and MPI collective of this synchronisation) wait for it,
+            # without a copy.
+            comm, ident, instance = _mpi_load.register_agreement(
+                self.comms.agreement, text, what, _disagreement
+            )
             # How many devices of this process run the check (vmap: one program).
             devices = int(
                 np.prod(
@@ -321,21 +326,26 @@ class MPIBackend:
                     dtype=np.int64,
                 )
             )
-            token, (dep,) = _native_prim.native_call(
+            step, site = _reached(comm, ident)
+            token, (dep, _) = _native_prim.native_call(
                 "agree",
-                [start],
+                [start, step],
                 _ordering.chain_token(),
                 jnp.int32(self.comms.world.py2f()),
                 jnp.int32(1),
                 self.comms.size,
-                agree=(*key, devices),
-            )  # (comm, id, instance, devices)
+                agree=(comm, ident, instance, devices, site),
+            )
             _ordering.set_chain_token(token)
+            if not bufs:
+                keep_alive(dep)
             # One barrier per buffer: each waits for the check, none for the
             # others (a bucket of an overlapped step travels as soon as it exists).
             return [lax.optimization_barrier((dep, b))[1] for b in bufs]
         after = None if self.timeout is None else start
         dep = agreement_dep(self.comms.agreement, text, what, _disagreement, after=after)
+        if not bufs:
+            keep_alive(dep)
         return tie_buffers(bufs, dep)
 
     def __repr__(self):
@@ -350,3 +360,32 @@ def _one_device():
     if not axes:
         return None
     return functools.reduce(jnp.logical_and, [lax.axis_index(a) == 0 for a in axes])
+
+
+def _reached(comm: int, ident: int):
+    """``(operand, site)`` of a synchronisation's ``jaxsync_agree``: int32[2],
+    this device's index and, where the synchronisation sits in control flow,
+    the count of steps that reached it (``jaxsync_step``, at the top of the
+    traced step, whichever branch then runs), else -1 (reached when it runs)."""
+    site, top = reach_site(ident)
+
+    def device():
+        axes = tuple(a for a in bound_axes() if not _is_batched(lax.axis_index(a)))
+        return lax.axis_index(axes).astype(jnp.int32) if axes else jnp.int32(0)
+
+    if top is None:
+        return jnp.stack([device(), jnp.int32(-1)]), site
+    from jax._src import core
+
+    with core.set_current_trace(top):
+        d = device()
+        # In the top trace's chain (it moves nothing; the control-flow operation
+        # then depends on it through the count, so the step keeps one chain).
+        entry = _ordering._entry(top, prune=False)
+        token = entry.get("token")
+        token, (count,) = _native_prim.native_call(
+            "step", [d], lax.create_token() if token is None else token, jnp.int32(0),
+            jnp.int32(0), 1, agree=(comm, ident, 0, 0, site),
+        )  # fmt: skip
+        entry["token"] = token
+        return jnp.stack([d, count]), site

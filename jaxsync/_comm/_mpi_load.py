@@ -32,6 +32,7 @@ _NATIVE_KINDS = (
     "allgather",
     "alltoall",
     "agree",
+    "step",
     "reduce",
     "bcast",
     "reduce_scatter",
@@ -69,12 +70,11 @@ def native_path() -> Path:
 # Agreement inside the native calls.
 #
 # Each traced synchronisation registers the text it must agree on under a 63-bit id
-# (from its SHA-256). Its native calls carry (agreement communicator, id) as
-# attributes; the first call of a process with a given pair exchanges the ids
-# over that communicator (8 bytes) and remembers the verdict, so later steps pay
-# a table look-up, no host callback (which would put jit's dispatch on its slow
-# path). On a mismatch every process calls back into Python (below), which
-# exchanges the full texts and returns the message naming the first difference.
+# (from its SHA-256). Its native check (jaxsync_agree, agree.cc) carries
+# (agreement communicator, id) as attributes and exchanges the id with a step
+# count on every run (16 bytes; JAXSYNC_AGREE=once: the id, on the first run
+# only). On a mismatch of ids every process calls back into Python (below), which
+# exchanges the full texts and returns the message naming the difference.
 
 _AGREEMENTS: dict = {}  # instance -> (mpi4py communicator, text, what, message builder)
 _INSTANCES = itertools.count(1)

@@ -14,7 +14,9 @@
   steps among the processes of one host (rank 0 of the communicator is the root);
 * ``jaxsync_tier``: the host tier's three steps in one call (in place), pipelined
   over chunks (its ``comm`` and ``active`` are int32[2]: host, cross);
-* ``jaxsync_agree`` checks the processes agree (see ``_mpi_load.register_agreement``).
+* ``jaxsync_agree`` checks every synchronisation's header (plan digest, step)
+  on every run, ``jaxsync_step`` counts the steps that reach a synchronisation
+  inside control flow (see ``agree.cc`` and ``_mpi_backend.MPIBackend.agree``).
 
 Every call takes and returns an XLA token as a regular operand and result, the
 communicator as an int32 operand (a Fortran handle, ``comm.py2f()``, so each
@@ -130,9 +132,11 @@ def _native_lowering(
         attrs = dict(poll_us=i64(poll))
     elif kind == "tier":
         attrs = dict(chunk_bytes=i64(abs(chunk)), leader_only=i64(chunk > 0), poll_us=i64(poll))
-    elif kind == "agree":
-        names = ("agree_comm", "agree_id", "agree_instance", "agree_devices")
+    elif kind in ("agree", "step"):
+        names = ("agree_comm", "agree_id", "agree_instance", "agree_devices", "agree_site")
         attrs = {k: i64(v) for k, v in zip(names, agree)}
+        # Kept and never merged by XLA: each counts a step on every run.
+        rule = jax.ffi.ffi_lowering(f"jaxsync_{kind}", has_side_effect=True)
     else:
         attrs = {}
     return rule(ctx, token, comm, active, *xs, **attrs)
@@ -181,7 +185,7 @@ def native_call(
     active,
     size,
     invariant=(),
-    agree=(0, 0, 1),
+    agree=(0, 0, 1, 1, -1),
     group=GROUP_BYTES,
     inplace=True,
     poll=0,
@@ -210,9 +214,10 @@ def native_call(
       invariant: shard_map axes of size 1 over which the results are typed
         invariant (allreduce, allgather): the sum over one member is that
         member's value, so no collective over them is needed for the type.
-      agree: for ``kind="agree"``, ``(communicator handle, digest id, instance,
-        devices of this process that run the check)`` (see
-        ``_mpi_load.register_agreement``).
+      agree: for ``kind="agree"`` (``xs``: a uint8 byte, an int32 scalar) and
+        ``kind="step"`` (``xs``: an int32 scalar), ``(communicator handle,
+        digest id, instance, devices of this process that run the check, site)``
+        (see ``_mpi_load.register_agreement`` and ``MPIBackend.agree``).
       group: for ``kind="allreduce"`` (``"allreduce_async"``, ``"reduce"``,
         ``"bcast"`` alike), buffers (of one dtype, in order) under this many
         bytes are copied into one scratch buffer of at most ``max(group, 4 MiB)``

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsync._comm import _abort
 from jaxsync._comm._agree import _disagreement
 from jaxsync._comm._axis_backend import AxisComm
 from jaxsync._comm._topology import Comms, default_comm
@@ -97,14 +98,19 @@ def broadcast_params(tree: PyTree, root: int = 0, comm: Any = "auto") -> PyTree:
             out[i] = _restore(leaves[i], kinds[i], new)
         return jax.tree_util.tree_unflatten(treedef, out)
     size = comm.Get_size()
-    if not 0 <= root < size:
-        raise ValueError(f"broadcast_params: root must be in [0, {size}), got {root}.")
+    _abort.install(comm)  # an uncaught exception ends the job, not only this process
     world = Comms.of(comm).control
-    plan_text = _describe(with_paths, kinds, treedef)
+    # The root first: a root that differs between processes is named as such
+    # (each would wait in its own MPI_Bcast for ever); checked for range after
+    # the exchange, so that a process whose root alone is wrong is no reason
+    # for the others to wait.
+    plan_text = f"root {int(root)}\n" + _describe(with_paths, kinds, treedef)
     # A 32-byte digest per process; the texts travel only on a mismatch.
     digests = world.allgather(hashlib.sha256(plan_text.encode()).digest())
     if len(set(digests)) > 1:
         raise ValueError(_disagreement(world.allgather(plan_text), "parameter tree"))
+    if not 0 <= root < size:
+        raise ValueError(f"broadcast_params: root must be in [0, {size}), got {root}.")
     _raise_refused(with_paths, kinds)  # the same leaves on every process: the same error
     out = []
     for leaf, kind in zip(leaves, kinds):

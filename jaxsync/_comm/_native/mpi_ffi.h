@@ -8,7 +8,7 @@
 //   sums.cc     jaxsync_allreduce, jaxsync_allreduce_async (lanes), jaxsync_tie
 //   low16.cc    float16/bfloat16 sums in float32 (all-to-all; two processes' op)
 //   move.cc     jaxsync_allgather, jaxsync_alltoall
-//   agree.cc    jaxsync_agree
+//   agree.cc    jaxsync_agree (every synchronisation's header), jaxsync_step
 //   tier.cc     the host tier: jaxsync_reduce, jaxsync_bcast, jaxsync_reduce_scatter
 //   tier_pipe.cc  jaxsync_tier: the host tier's three steps in one call,
 //               pipelined over chunks with nonblocking MPI
