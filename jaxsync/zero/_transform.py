@@ -199,8 +199,13 @@ def _fns(fn, inner, cfg, sums):
             p_tree = layout.tree(layout.take(jax.tree.leaves(params), place.index))
         g_tree = layout.tree(g_slices)
         inner_state = state.inner
+        sliced = [
+            *(True for _ in g_slices),
+            *state.per_replica[: len(jax.tree.leaves(inner_state))],
+        ]
+        sliced += [True] * len(jax.tree.leaves(p_tree))
         _elementwise.check(
-            inner.update, jax.eval_shape(lambda *a: a, g_tree, inner_state, p_tree), fn
+            inner.update, jax.eval_shape(lambda *a: a, g_tree, inner_state, p_tree), fn, sliced
         )
         allsum = lambda x: _sharded.allsum(sums, x)
         with _elementwise.sharded_context(allsum):
