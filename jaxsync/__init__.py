@@ -40,8 +40,10 @@ from jaxsync.zero import (
     ShardedState,
     clip_by_global_norm,
     gather_state,
+    reshard_state,
     shard_state,
     sharded,
+    state_shapes,
 )
 
 __version__ = "0.1.0"
@@ -75,6 +77,7 @@ __all__ = [
     "naive_mean",
     "powersgd_mean",
     "replica_mean",
+    "reshard_state",
     "row_sparse_grad",
     "shard_state",
     "sharded",
@@ -82,6 +85,7 @@ __all__ = [
     "single_node_mean",
     "sparse_adagrad",
     "sparse_sgd",
+    "state_shapes",
     "state_specs",
     "sync_gradients",
     "timeline",

@@ -217,8 +217,9 @@ def _fns(fn, inner, cfg, sums):
                 dataclasses.replace(s, dtype=str(u.dtype)) for s, u in zip(layout.slots, u_slices)
             ),
         )
-        if place.alone:  # no packing: each leaf's slice is gathered as it is
-            bufs = _sharded.gather(place.intra, cfg.backend, [u.reshape(-1) for u in u_slices])
+        if place.alone:  # no packing: the slices as they are, few calls (buckets)
+            flat = [u.reshape(-1) for u in u_slices]
+            bufs = _sharded.gather_leaves(place.intra, cfg.backend, flat, cfg.bucket_bytes)
             full = layout.tree(ulayout.unleaf_rows(bufs))
         else:
             bufs = _sharded.gather(place.intra, cfg.backend, ulayout.join(u_slices))
