@@ -41,8 +41,10 @@ from jaxsync.zero import (
     ShardedState,
     clip_by_global_norm,
     gather_state,
+    reshard_state,
     shard_state,
     sharded,
+    state_shapes,
 )
 
 __version__ = "0.1.0"
@@ -77,6 +79,7 @@ __all__ = [
     "naive_mean",
     "powersgd_mean",
     "replica_mean",
+    "reshard_state",
     "row_sparse_grad",
     "shard_state",
     "sharded",
@@ -84,6 +87,7 @@ __all__ = [
     "single_node_mean",
     "sparse_adagrad",
     "sparse_sgd",
+    "state_shapes",
     "state_specs",
     "sync_gradients",
     "timeline",

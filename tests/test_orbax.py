@@ -170,3 +170,74 @@ def test_the_checks_see_a_misplaced_residual_and_a_missing_target(mesh, tmp_path
         np.array_equal(a, b) for a, b in zip(jax.tree.leaves(swapped), jax.tree.leaves(state))
     )
     assert jax.tree.structure(bare) != jax.tree.structure(state)
+
+
+def _save_parts(directory, parts):
+    for q, part in enumerate(parts):
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(directory / f"rank{q}", part.inner)
+
+
+def _loader(directory, inner, params, replicas, processes, loaded):
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def load(q):
+        loaded.append(q)
+        shapes = jaxsync.state_shapes(
+            inner, params, replicas=replicas, process=q, processes=processes
+        )
+        target = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), shapes.inner
+        )
+        with ocp.StandardCheckpointer() as checkpointer:
+            return checkpointer.restore(directory / f"rank{q}", target)
+
+    return load
+
+
+@pytest.mark.filterwarnings(NO_INTER_PROCESS)
+def test_a_sharded_state_restores_on_other_world_sizes_from_the_parts(mesh, tmp_path):
+    # A sharded(adam) state trained on 8 replicas, saved as the parts of 2 processes
+    # of 4 devices, restores as the parts of 1 process x 8, 3 x 1 and 4 x 2,
+    # bitwise those shard_state cuts from the whole, each rank loading only the saved
+    # parts that overlap its own; and back from 3 processes' parts to 2.
+    inner = optax.adam(0.05)
+    with jax.numpy_dtype_promotion("standard"):  # adam's bias correction
+        _, init, step = training(jaxsync.sharded(inner, axis_name=AXIS, comm=None), mesh)
+        params = jax.device_put(_params(), NamedSharding(mesh, P()))
+        state = init(params)
+        for i in range(2):
+            params, state = step(params, state, batch(mesh, 0, i))
+    whole = jaxsync.gather_state(inner, jax.device_get(state), _params())
+    assert jax.tree.structure(whole) == jax.tree.structure(inner.init(_params()))
+
+    def parts(replicas, processes):
+        return [
+            jaxsync.shard_state(
+                inner, whole, _params(), replicas=replicas, process=q, processes=processes
+            )
+            for q in range(processes)
+        ]
+
+    def check(saved, new):  # (replicas, processes) each
+        directory = tmp_path / f"{saved}-{new}"
+        _save_parts(directory, parts(*saved))
+        for q, want in enumerate(parts(*new)):
+            loaded: list = []
+            load = _loader(directory, inner, _params(), *saved, loaded)
+            got = jaxsync.reshard_state(
+                inner, _params(), load, saved_replicas=saved[0], saved_processes=saved[1],
+                replicas=new[0], process=q, processes=new[1],
+            )  # fmt: skip
+            assert device_bits(got.inner) == device_bits(want.inner), (saved, new, q)
+            assert got.per_replica == want.per_replica
+            yield q, loaded
+
+    assert dict(check((8, 2), (8, 1))) == {0: [0, 1]}
+    # w: 2048 elements, b: 32; 3 replicas -> 683 and 11 a slice: rank 1 spans both parts
+    assert dict(check((8, 2), (3, 3))) == {0: [0], 1: [0, 1], 2: [1]}
+    assert dict(check((8, 2), (8, 4))) == {0: [0], 1: [0], 2: [1], 3: [1]}
+    assert dict(check((3, 3), (4, 2))) == {0: [0, 1], 1: [1, 2]}
+    assert all(np.array_equal(a, b) for a, b in zip(
+        jax.tree.leaves(whole), jax.tree.leaves(jaxsync.gather_state(inner, parts(3, 3), _params()))
+    ))  # fmt: skip

@@ -156,6 +156,10 @@ class _NativeOps:
     def allgather(self, x):
         return self._call("allgather", [x])[0]
 
+    def allgather_many(self, bufs):
+        """Each buffer stacked along a new leading axis: any number, one call."""
+        return self._call("allgather", list(bufs)) if bufs else []
+
     # The host tier's steps (comm: this host's processes; rank 0 the leader).
     def reduce(self, bufs):
         return self._call("reduce", list(bufs)) if bufs else []

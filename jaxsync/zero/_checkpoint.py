@@ -3,11 +3,14 @@
 Each process saves its own :class:`jaxsync.ShardedState` (its devices'
 slices, stacked along a leading axis). ``gather_state`` joins the processes'
 states into the inner optimizer's whole state, the one
-``optax.chain(jaxsync.hierarchical_mean(...), inner)`` would hold;
-``shard_state`` cuts a whole state for another number of replicas. Both run
-on the host (numpy), outside any step.
+``optax.chain(jaxsync.hierarchical_mean(...), inner)`` would hold (given
+every state, or, with ``comm``, each rank's own, gathered leaf by leaf to one
+rank); ``shard_state`` cuts a whole state for another number of replicas.
+Both run on the host (numpy), outside any step; ``_reshard`` moves a state
+between worlds without the whole of it.
 
-Imports: ``_layout``, ``_sharded``.
+Imports: ``_layout``, ``_sharded`` (``gather_state``'s ``comm``: an mpi4py
+communicator, used as given).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ def gather_state(
     params: Any,
     *,
     replicas: int | None = None,
+    comm: Any = None,
+    root: int = 0,
 ) -> Any:
     """The inner optimizer's whole state from the processes' sharded states.
 
@@ -43,10 +48,16 @@ def gather_state(
       replicas: the replica count of the run that saved the states; read from
         the states when None (it needs it only when every parameter is a
         vector and their lengths fit several counts).
+      comm: an mpi4py communicator: every rank passes its own state
+        (``states``: one), the slices go to rank ``root`` leaf by leaf
+        (``comm.gather``), and only ``root`` gets the whole state (to save it
+        as one checkpoint); the other ranks get None.
+      root: with ``comm``, the rank that gets the whole state.
 
     Returns:
       the state ``inner.init(params)`` has the structure of, holding the
-      sharded state's values (numpy arrays).
+      sharded state's values (numpy arrays); with ``comm``, None on every rank
+      but ``root``.
 
     Raises:
       ValueError: the states do not belong together (structure, replica count)
@@ -65,6 +76,8 @@ def gather_state(
       (5, 3)
     """
     fn = "gather_state"
+    if comm is not None:
+        return _gather_to_root(inner, states, params, replicas, comm, root)
     if isinstance(states, ShardedState):
         states = [states]
     states = list(states)
@@ -142,15 +155,7 @@ def shard_state(
         for ``params``.
     """
     fn = "shard_state"
-    for name, v in (("replicas", replicas), ("processes", processes)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{fn}: {name} must be a positive int, got {v!r}.")
-    if replicas % processes or not 0 <= process < processes:
-        raise ValueError(
-            f"{fn}: replicas={replicas} over processes={processes} with process="
-            f"{process}: replicas must be a multiple of processes and 0 <= process < "
-            "processes. Fix: replicas=devices per process x processes."
-        )
+    _counts(fn, replicas, process, processes)
     devices = replicas // processes
     layout = make_layout(params, devices, processes, fn)
     flags = per_replica_flags(inner, layout)
@@ -164,7 +169,6 @@ def shard_state(
             "hierarchical_mean(...), inner)'s state)."
         )
     out = []
-    lo, hi = process * devices, (process + 1) * devices
     for (path, w), x, f in zip(w_flat, got, flags):
         x = np.asarray(x)
         _same(fn, jax.tree_util.keystr(path), x.shape, tuple(w.shape))
@@ -174,12 +178,59 @@ def shard_state(
         k = -(-x.size // replicas)
         flat = np.zeros(replicas * k, x.dtype)
         flat[: x.size] = x.reshape(-1)
-        one = slice_shape(x.shape, k)
-        rows = flat.reshape(replicas, *one)[lo:hi]
-        out.append(jnp.asarray(rows.reshape(devices * one[0], *one[1:])))
+        part = flat[process * devices * k : (process + 1) * devices * k]
+        out.append(jnp.asarray(part.reshape(_part_shape(w.shape, replicas, devices))))
     inner_state = jax.tree_util.tree_unflatten(w_def, out)
     finite = jnp.array(True) if check_finite else None
     return ShardedState(inner_state, finite, flags)
+
+
+def _part_shape(shape, replicas: int, devices: int) -> tuple:
+    """A process's part of a per-replica leaf: its devices' slices, stacked."""
+    one = slice_shape(tuple(shape), -(-int(np.prod(shape)) // replicas))
+    return (devices * one[0], *one[1:])
+
+
+def _counts(fn, replicas, process, processes, prefix="") -> None:
+    for name, v in (("replicas", replicas), ("processes", processes)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{fn}: {prefix}{name} must be a positive int, got {v!r}.")
+    if replicas % processes or not 0 <= process < processes:
+        raise ValueError(
+            f"{fn}: {prefix}replicas={replicas} over {prefix}processes={processes} with "
+            f"process={process}: replicas must be a multiple of processes and 0 <= "
+            "process < processes. Fix: replicas=devices per process x processes."
+        )
+
+
+def _gather_to_root(inner, state, params, replicas, comm, root):
+    """``gather_state`` over ``comm``: each per-replica leaf gathered to
+    ``root`` in turn (one leaf's parts at a time in flight)."""
+    if not isinstance(state, ShardedState):
+        raise TypeError(
+            f"gather_state: with comm, states must be this rank's ShardedState, got "
+            f"{type(state).__name__}. Fix: every rank passes its own state."
+        )
+    local = jax.device_get(state)
+    leaves, treedef = jax.tree.flatten(local.inner)
+    mine = comm.Get_rank() == root
+    columns = []
+    for x, f in zip(leaves, local.per_replica):
+        got = comm.gather(np.asarray(x), root=root) if f else None
+        columns.append(got)
+    if not mine:
+        return None
+    every = [
+        ShardedState(
+            jax.tree_util.tree_unflatten(
+                treedef, [c[r] if c is not None else x for c, x in zip(columns, leaves)]
+            ),
+            local.all_finite,
+            local.per_replica,
+        )
+        for r in range(comm.Get_size())
+    ]
+    return gather_state(inner, every, params, replicas=replicas)
 
 
 def _replicas(flags, w_flat, parts) -> int:

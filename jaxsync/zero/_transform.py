@@ -199,8 +199,13 @@ def _fns(fn, inner, cfg, sums):
             p_tree = layout.tree(layout.take(jax.tree.leaves(params), place.index))
         g_tree = layout.tree(g_slices)
         inner_state = state.inner
+        sliced = [
+            *(True for _ in g_slices),
+            *state.per_replica[: len(jax.tree.leaves(inner_state))],
+        ]
+        sliced += [True] * len(jax.tree.leaves(p_tree))
         _elementwise.check(
-            inner.update, jax.eval_shape(lambda *a: a, g_tree, inner_state, p_tree), fn
+            inner.update, jax.eval_shape(lambda *a: a, g_tree, inner_state, p_tree), fn, sliced
         )
         allsum = lambda x: _sharded.allsum(sums, x)
         with _elementwise.sharded_context(allsum):
@@ -212,8 +217,9 @@ def _fns(fn, inner, cfg, sums):
                 dataclasses.replace(s, dtype=str(u.dtype)) for s, u in zip(layout.slots, u_slices)
             ),
         )
-        if place.alone:  # no packing: each leaf's slice is gathered as it is
-            bufs = _sharded.gather(place.intra, cfg.backend, [u.reshape(-1) for u in u_slices])
+        if place.alone:  # no packing: the slices as they are, few calls (buckets)
+            flat = [u.reshape(-1) for u in u_slices]
+            bufs = _sharded.gather_leaves(place.intra, cfg.backend, flat, cfg.bucket_bytes)
             full = layout.tree(ulayout.unleaf_rows(bufs))
         else:
             bufs = _sharded.gather(place.intra, cfg.backend, ulayout.join(u_slices))

@@ -35,3 +35,24 @@ def test_every_state_restores_on_every_rank(ranks):
         assert a["params_digest"] == b["params_digest"], name  # synchronised
         if PER_REPLICA[name]:  # each rank's residuals (or pending gradients) its own
             assert a["per_replica_digest"] != b["per_replica_digest"], name
+
+
+def test_a_sharded_checkpoint_restores_on_another_world_size(tmp_path):
+    """jaxsync.sharded saved by 2 ranks x 2 devices restores on 1 process x 2
+    devices, and the reverse: each rank writes its own part (orbax: process 0
+    everywhere), a barrier, and each rank of the other world restores its part
+    from the saved ranks whose slices overlap it (``reshard_state``): the
+    chain's state cut for that world, bit for bit, and the same next step as
+    the chain. ``gather_state(comm=...)``: the whole state on rank 0 only."""
+    r0, r1 = (
+        run_mpi("worker_zero_ckpt.py", n=2, devices=2, args=("--ckpt", tmp_path), timeout=300)
+        .check()
+        .results
+    )
+    assert r0["whole_on_root"] is True and r1["whole_on_root"] is None
+    assert r0["a_to_b"] == {"state": True, "loaded": [0, 1]}
+    assert r0["a_to_b_step"] == (True, False)  # the chain's step, and a step taken
+    assert r0["dirs"] == ["rank0", "rank1", "world.json"]
+    for r in (r0, r1):
+        assert r["b_to_a"] == {"state": True, "loaded": [0]}
+        assert r["b_to_a_step"] == (True, False)

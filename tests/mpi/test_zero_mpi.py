@@ -81,8 +81,8 @@ def test_the_donated_step_copies_no_state_and_host_staging(zero_run):
     """With one device per process, the compiled step with params and state
     donated has no copy: the state is updated where it is (a reshape between
     the inner state and the stored one once made XLA copy all of it in); the
-    gradients are reduce-scattered in place and the updates gathered leaf by
-    leaf, with no concatenate (a result buffer and a packed buffer of their
+    gradients are reduce-scattered in place and the updates gathered as they
+    are, in one call, with no concatenate (a result buffer and a packed buffer of their
     own put a 22 MB tree's step temporaries past glibc's 32 MiB mmap ceiling:
     every page faulted in afresh each step, 2.2x the chain's step). And
     ``staging="host"`` (float32 and bfloat16 on the wire) equals the chain."""
@@ -95,6 +95,20 @@ def test_the_donated_step_copies_no_state_and_host_staging(zero_run):
         for key in ("host:f32", "host:bf16"):  # staging="host", and 16-bit on the wire
             got, want = res[key]
             _equal(got, want, f"rank {rank} {key}")
+
+
+def test_native_calls_a_step_are_the_chains_plus_a_constant(zero_run):
+    """On a transformer-like tree of 26 small leaves (the timeline's count of
+    native calls a step): sharded(adam) made one all-gather per leaf (26, the
+    chain's step 1 call); now its updates are gathered in one call per bucket
+    (the chain's bucket_bytes). With 2 devices each device's communicator makes
+    its own reduce-scatter and all-gather of the packed slices (one per dtype)."""
+    for rank, res in enumerate(zero_run.results):
+        calls, dev = res["calls"], res["meta"]["devices"]
+        assert calls["leaves"] == 26
+        sharded, chain = sum(calls["sharded"].values()), sum(calls["chain"].values())
+        assert chain >= 1 and sharded <= chain + 2 * dev, (rank, calls)
+        assert calls["sharded"].get("allgather", 0) == dev, (rank, calls)
 
 
 @pytest.mark.parametrize("hosts", ["2", "1"])

@@ -125,6 +125,7 @@ def main():
                 optax.chain(jaxsync.hierarchical_mean(axis_name=axis), optax.adam(1e-2)), jit_only
             )
             res.add(f"{tag}:adam_mean", (got, want))
+        res.add("calls", calls_per_step(jax, jaxsync, optax, mesh, P, dev))
         if dev == 1:  # the donated step copies nothing (no state copied in or out)
             tx = jaxsync.sharded(optax.adam(1e-2), axis_name=None)
 
@@ -148,6 +149,47 @@ def main():
                 want, _ = run(optax.chain(chain, inners["momentum"]()), True)
                 res.add(f"host:{'bf16' if dt else 'f32'}", (got, want))
     res.write()
+
+
+def calls_per_step(jax, jaxsync, optax, mesh, P, dev):
+    """Native calls a step, from the timeline (kind -> count, per step), of
+    sharded(adam) and the chain on a transformer-like tree of 26 small leaves."""
+    import json
+    import tempfile
+
+    import jax.numpy as jnp
+
+    from jaxsync.bench.trees import transformer_like
+
+    params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), transformer_like(2, 16, 32))
+    out = {}
+    for name, tx in {
+        "sharded": jaxsync.sharded(optax.adam(0.125), axis_name="d"),
+        "chain": optax.chain(jaxsync.hierarchical_mean(axis_name="d"), optax.adam(0.125)),
+    }.items():
+        specs = jaxsync.state_specs(jax.eval_shape(tx.init, params), "d")
+        st = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+
+        def step(p, s, tx=tx):
+            g = jax.tree.map(lambda x: x * 0.5, p)
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs), out_specs=(P(), specs)))
+        p = params
+        p, st = jax.block_until_ready(f(p, st))  # compiled, agreed
+        with jaxsync.timeline(tempfile.mkdtemp()) as tl:
+            for i in range(3):
+                with tl.step(i):
+                    p, st = jax.block_until_ready(f(p, st))
+        events = json.loads(tl.path.read_text())["traceEvents"]
+        kinds: dict = {}
+        for e in events:
+            if e.get("cat") == "communication":
+                kinds[e["name"]] = kinds.get(e["name"], 0) + 1
+        out[name] = {k: v / 3 for k, v in kinds.items()}
+    out["leaves"] = len(jax.tree.leaves(params))
+    return out
 
 
 if __name__ == "__main__":
