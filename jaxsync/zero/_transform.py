@@ -145,7 +145,8 @@ def sharded(
         cfg, strategy="hierarchical", reduce="sum", comm_dtype=None, predivide=None,
         check_finite=False,
     )  # fmt: skip
-    return optax.GradientTransformation(*_fns(fn, inner, cfg, sums))
+    inner = optax.with_extra_args_support(inner)  # value=... reaches reduce_on_plateau
+    return optax.GradientTransformationExtraArgs(*_fns(fn, inner, cfg, sums))
 
 
 def _fns(fn, inner, cfg, sums):
@@ -161,7 +162,7 @@ def _fns(fn, inner, cfg, sums):
         finite = jnp.array(True) if cfg.check_finite else None
         return ShardedState(state, finite, flags)
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
         layout, place = layout_of(updates)
         _check_state(fn, inner, layout, state)
         n = layout.replicas
@@ -200,11 +201,13 @@ def _fns(fn, inner, cfg, sums):
         g_tree = layout.tree(g_slices)
         inner_state = state.inner
         _elementwise.check(
-            inner.update, jax.eval_shape(lambda *a: a, g_tree, inner_state, p_tree), fn
+            lambda g, s, p, x: inner.update(g, s, p, **x),
+            jax.eval_shape(lambda *a: a, g_tree, inner_state, p_tree, extra_args),
+            fn,
         )
         allsum = lambda x: _sharded.allsum(sums, x)
         with _elementwise.sharded_context(allsum):
-            u_tree, inner_state = inner.update(g_tree, inner_state, p_tree)
+            u_tree, inner_state = inner.update(g_tree, inner_state, p_tree, **extra_args)
         u_slices = _updates(fn, layout, u_tree)
         ulayout = dataclasses.replace(
             layout,
