@@ -20,6 +20,7 @@ Imports: ``_config`` (``make_config``), ``_replica`` (``replica_mean``),
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -172,7 +173,7 @@ def apply_if_finite(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def skip_not_finite(*, axis_name: AxisName, comm: Comm = AUTO):
+def skip_not_finite(*, axis_name: AxisName, comm: Comm = AUTO) -> Callable[..., Any]:
     """``optax.skip_not_finite`` decided on every replica's gradients at once.
 
     For ``optax.MultiSteps(tx, k, should_skip_update_fn=...)`` around a jaxsync
@@ -190,9 +191,9 @@ def skip_not_finite(*, axis_name: AxisName, comm: Comm = AUTO):
       comm: the inter-process stage, as for :func:`jaxsync.hierarchical_mean`.
 
     Returns:
-      a ``should_skip_update_fn``: ``(updates, gradient_step, params) ->
-      (should_skip, {"should_skip": ..., "num_not_finite": ...})``, both the
-      same on every replica (the count is over every replica, float32).
+      a ``should_skip_update_fn`` taking ``(updates, gradient_step, params)``
+      and giving ``should_skip`` and ``{"should_skip", "num_not_finite"}``,
+      the same on every replica (the count is over every replica, float32).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jaxsync
