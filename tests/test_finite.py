@@ -231,3 +231,53 @@ def test_sharded_forwards_extra_args_to_reduce_on_plateau():
     assert got[0] == got[1]
     # 3.5 a step, then the scale halves at each step without improvement
     assert got[0] == [-3.5, -3.5 - 1.75, -3.5 - 1.75 - 0.875, -3.5 - 1.75 - 0.875 - 0.4375]
+
+
+def test_sharded_accumulate_is_zero2_exact_and_gathers_every_kth_call():
+    k = 4
+    inner = optax.sgd(1.0, momentum=0.5)
+    tx = jaxsync.sharded(inner, axis_name="d", comm=None, accumulate=k)
+    steps = [(t, None) for t in range(2 * k)]
+    got, state = _run(tx, steps)
+    p, tr, want = 0.0, 0.0, []
+    for t, _ in steps:
+        if t % k == k - 1:
+            tr = np.mean([_mean(s)["b"] for s in range(t - k + 1, t + 1)]) + 0.5 * tr
+            p = p - tr
+        want.append(p)
+    assert [float(x["b"]) for x in got] == want
+    # the whole "w" leaf (6 elements) too, and the same as a local accumulation
+    ref, _ = _run(
+        jaxsync.accumulate(jaxsync.sharded(inner, axis_name="d", comm=None), k, axis_name="d"),
+        steps,
+    )
+    for g, r in zip(got, ref):
+        np.testing.assert_array_equal(g["w"], r["w"])
+    # the accumulator is this replica's 1/N slice: 6 elements -> 1 per device
+    acc = state.inner.acc["w"]
+    assert acc.addressable_shards[0].data.size == 1 and int(state.inner.mini_step) == 0
+    # the all-gather only in the k-th call's branch, the reduce-scatter every call
+    specs = jaxsync.state_specs(jax.eval_shape(tx.init, PARAMS), "d")
+    f = jax.shard_map(
+        lambda g, s: tx.update({"b": g["b"][0], "w": g["w"]}, s)[0],
+        mesh=MESH,
+        in_specs=(P("d"), specs),
+        out_specs=P(),
+    )
+    jaxpr = jax.make_jaxpr(f)(_grads(0), state).jaxpr.eqns[0].params["jaxpr"]
+    top = [e.primitive.name for e in jaxpr.eqns]
+    (cond,) = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+    inside = [e.primitive.name for b in cond.params["branches"] for e in b.jaxpr.eqns]
+    assert "reduce_scatter" in top and not any("all_gather" in n for n in top), top
+    assert any("all_gather" in n for n in inside), inside
+
+
+def test_sharded_accumulate_drops_a_non_finite_micro_step_with_apply_if_finite():
+    k = 2
+    sh = jaxsync.sharded(optax.sgd(1.0), axis_name="d", comm=None, check_finite=True, accumulate=k)
+    tx = jaxsync.apply_if_finite(sh, 3, axis_name="d", comm=None)
+    got, _ = _run(tx, [(0, None), (1, 4), (2, None), (3, None), (4, None)])
+    # micro-steps 0, (1 dropped on every device), 2 | 3, 4
+    first = -(_mean(0)["b"] + _mean(2)["b"]) / 2
+    second = first - (_mean(3)["b"] + _mean(4)["b"]) / 2
+    assert [float(x["b"]) for x in got] == [0.0, 0.0, first, first, second]

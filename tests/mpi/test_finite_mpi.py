@@ -3,7 +3,8 @@ rank skips together and none waits. optax's own recipes (``apply_if_finite``
 around the chain, ``MultiSteps(should_skip_update_fn=optax.skip_not_finite)``)
 skip on the NaN's rank only and hang its peer at the next step; the short
 timeout makes such a hang a failure. Also: accumulation with one
-synchronisation per k micro-steps, and ``sharded`` forwarding ``value=`` to
+synchronisation per k micro-steps (``accumulate``) and ZeRO-2's
+(``sharded(..., accumulate=k)``), and ``sharded`` forwarding ``value=`` to
 ``reduce_on_plateau``. Values are small integers and halves: exact.
 """
 
@@ -56,13 +57,14 @@ def test_apply_if_finite_around_sharded_skips_on_every_rank(finite_run, key):
     _check(finite_run, key, _sgd(3, {1}, momentum=0.5))
 
 
-def test_multisteps_drops_a_non_finite_micro_step_on_every_rank(finite_run):
+@pytest.mark.parametrize("key", ["multisteps", "sharded_accumulate"])
+def test_a_non_finite_micro_step_is_dropped_on_every_rank(finite_run, key):
     # micro-steps 0, (1 dropped), 2 | 3, 4: updates after steps 2 and 4
     m = {t: _mean(t) for t in range(5)}
     first = {k: -(m[0][k] + m[2][k]) / 2 for k in m[0]}
     second = {k: first[k] - (m[3][k] + m[4][k]) / 2 for k in m[0]}
     zero = {"b": 0.0, "w": np.zeros((2, 3))}
-    _check(finite_run, "multisteps", [zero, zero, first, first, second])
+    _check(finite_run, key, [zero, zero, first, first, second])
 
 
 def test_accumulate_syncs_once_per_two_micro_steps(finite_run):

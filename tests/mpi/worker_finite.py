@@ -80,6 +80,8 @@ def main():
                 optax.chain(mean(), optax.sgd(1.0)), 2, should_skip_update_fn=skip
             )
             res.add("multisteps", run(ms, 5))
+            sh = jaxsync.sharded(optax.sgd(1.0), axis_name=None, check_finite=True, accumulate=2)
+            res.add("sharded_accumulate", run(jaxsync.apply_if_finite(sh, 2, axis_name=None), 5))
             acc = jaxsync.accumulate(optax.chain(mean(), optax.sgd(1.0)), 2, axis_name=None)
             NAN.clear()
             res.add("accumulate", run(acc, 4))
