@@ -93,7 +93,10 @@ def sharded(
         accumulated mean and all-gathers the updates; the calls between return
         zeros and gather nothing. Memory: ``1/N`` of a gradient, where
         ``optax.MultiSteps(sharded(...), k)`` holds a whole one and gathers
-        every call (see docs/accumulation.md).
+        every call (see docs/accumulation.md). Its state keeps the
+        accumulator beside the inner state (``ShardedState.inner`` is then
+        ``(inner, acc, mini_step)``): ``gather_state`` and ``shard_state``
+        take ``accumulate=1`` states only.
 
     Returns:
       an optax ``GradientTransformation`` whose state is a
