@@ -202,7 +202,8 @@ def skip_not_finite(*, axis_name: AxisName, comm: Comm = AUTO) -> Callable[..., 
       >>> tx = optax.MultiSteps(optax.chain(sync, optax.sgd(1.0)), 2,
       ...                       should_skip_update_fn=skip)
       >>> g = {"w": jnp.array([1.0, jnp.inf, 3.0, 4.0])}
-      >>> _, s = jax.vmap(lambda x: tx.update(x, tx.init(x)), axis_name="i")(g)
+      >>> with jax.numpy_dtype_promotion("standard"):  # MultiSteps mixes int and float
+      ...     _, s = jax.vmap(lambda x: tx.update(x, tx.init(x)), axis_name="i")(g)
       >>> s.mini_step, s.skip_state["num_not_finite"]  # dropped everywhere
       (Array([0, 0, 0, 0], dtype=int32), Array([1., 1., 1., 1.], dtype=float32))
     """
