@@ -13,7 +13,9 @@ from jaxsync._comm._host import host_allocator_state, tune_host_allocator
 from jaxsync._comm._timeline import Timeline, start_from_env, timeline
 from jaxsync._comm._topology import Topology, default_comm, free_communicators, topology
 from jaxsync._core._batch import local_batch
+from jaxsync._core._accumulate import AccumulateState, accumulate
 from jaxsync._core._broadcast import broadcast_params
+from jaxsync._core._finite import apply_if_finite, skip_not_finite
 from jaxsync._core._plan import Bucket, LeafSpec, Plan, make_plan
 from jaxsync._core._replica import replica_mean
 from jaxsync._core._sync import DoubleBufferState, SyncState, sync_gradients
@@ -50,7 +52,10 @@ from jaxsync.zero import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccumulateState",
     "AxisComm",
+    "accumulate",
+    "apply_if_finite",
     "auto_mean",
     "Bucket",
     "LeafSpec",
@@ -85,6 +90,7 @@ __all__ = [
     "sharded",
     "sign_mean",
     "single_node_mean",
+    "skip_not_finite",
     "sparse_adagrad",
     "sparse_sgd",
     "state_shapes",

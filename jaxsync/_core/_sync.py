@@ -210,8 +210,13 @@ def _raise_if_nonfinite(named):
                 f"jaxsync: non-finite values after the gradient reduction in "
                 f"{len(bad)} leaf/leaves: {', '.join(bad[:10])}"
                 f"{' ...' if len(bad) > 10 else ''}. Every replica sees the same "
-                "values. Use check_finite=True and optax.apply_if_finite to skip "
-                "such steps instead of failing."
+                "values. To skip such steps on every replica at once instead of "
+                "failing: optax.chain(<the jaxsync mean>, "
+                "optax.apply_if_finite(opt, n)) (the decision after the "
+                "mean), or jaxsync.apply_if_finite(tx, n, axis_name=...) "
+                "around a chain or jaxsync.sharded; optax.apply_if_finite "
+                "around the synchronisation skips on one replica alone (a "
+                "hang across processes)."
             )
 
     jax.debug.callback(check, flags)

@@ -35,6 +35,7 @@ SUITES = {
     "cluster": "jaxsync.bench.cluster",
     "overlap": "jaxsync.bench.overlap",
     "sharded": "jaxsync.bench.sharded",
+    "accumulate": "jaxsync.bench.accumulate",
 }
 """``--suite NAME``: the module whose ``main(argv)`` runs it."""
 
@@ -49,6 +50,8 @@ SUITE_HELP = {
     "the blocking sync, the step without sync and the bare allreduce",
     "sharded": "jaxsync.sharded(adam) against chain(hierarchical_mean, adam): optimizer "
     "state bytes per device, the step's memory and time, the update's own compute",
+    "accumulate": "jaxsync.accumulate (one sync per k micro-steps) against optax.MultiSteps: "
+    "bytes and time per k micro-steps",
 }
 
 

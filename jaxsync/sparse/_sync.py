@@ -223,8 +223,13 @@ def _raise_if_bad(names, ok):
             raise FloatingPointError(
                 "jaxsync: non-finite values, or indices outside [0, num_rows), in the "
                 f"row-sparse leaves {', '.join(names[:10])} after synchronisation. "
-                "Every replica sees the same rows. Use check_finite=True and "
-                "optax.apply_if_finite to skip such steps instead of failing."
+                "Every replica sees the same rows. To skip such steps on every "
+                "replica at once instead of failing: optax.chain(<the jaxsync mean>, "
+                "optax.apply_if_finite(opt, n)) (the decision after the "
+                "mean), or jaxsync.apply_if_finite(tx, n, axis_name=...) "
+                "around a chain or jaxsync.sharded; optax.apply_if_finite "
+                "around the synchronisation skips on one replica alone (a "
+                "hang across processes)."
             )
 
     jax.debug.callback(check, ok)

@@ -31,7 +31,7 @@ from jaxsync._core._config import (
     make_config,
 )
 
-from . import _elementwise, _sharded
+from . import _accumulate, _elementwise, _sharded
 from ._layout import Layout, make_layout
 from ._sharded import ShardedState
 
@@ -48,6 +48,7 @@ def sharded(
     staging: Staging = "device",
     timeout: float | None = None,
     on_timeout: OnTimeout = "report",
+    accumulate: int = 1,
 ) -> optax.GradientTransformation:
     """Synchronise gradients and run ``inner`` on a 1/N slice of them (ZeRO).
 
@@ -86,6 +87,16 @@ def sharded(
       staging: as for :func:`jaxsync.hierarchical_mean`.
       timeout: as for :func:`jaxsync.hierarchical_mean`.
       on_timeout: as for :func:`jaxsync.hierarchical_mean`.
+      accumulate: micro-steps per update (ZeRO-2's accumulation, an int >= 1):
+        every call reduce-scatters its gradients into this replica's ``1/N``
+        accumulator; every ``accumulate``-th runs ``inner`` once on the
+        accumulated mean and all-gathers the updates; the calls between return
+        zeros and gather nothing. Memory: ``1/N`` of a gradient, where
+        ``optax.MultiSteps(sharded(...), k)`` holds a whole one and gathers
+        every call (see docs/accumulation.md). Its state keeps the
+        accumulator beside the inner state (``ShardedState.inner`` is then
+        ``(inner, acc, mini_step)``): ``gather_state`` and ``shard_state``
+        take ``accumulate=1`` states only.
 
     Returns:
       an optax ``GradientTransformation`` whose state is a
@@ -120,6 +131,11 @@ def sharded(
       True
     """
     fn = "sharded"
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(
+            f"{fn}: accumulate must be an int >= 1 (micro-steps per update), got "
+            f"{accumulate!r}. Fix: e.g. jaxsync.sharded(inner, axis_name=..., accumulate=4)."
+        )
     if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
         raise TypeError(
             f"{fn}: inner must be an optax GradientTransformation (with init and "
@@ -145,10 +161,14 @@ def sharded(
         cfg, strategy="hierarchical", reduce="sum", comm_dtype=None, predivide=None,
         check_finite=False,
     )  # fmt: skip
-    return optax.GradientTransformation(*_fns(fn, inner, cfg, sums))
+    inner = optax.with_extra_args_support(inner)  # value=... reaches reduce_on_plateau
+    return optax.GradientTransformationExtraArgs(*_fns(fn, inner, cfg, sums, accumulate))
 
 
-def _fns(fn, inner, cfg, sums):
+def _fns(fn, inner, cfg, sums, every=1):
+    # the state's maker: inner's own, or with the accumulator's slices around it
+    holder = inner if every == 1 else _accumulate.wrapped_init(inner, every)
+
     def layout_of(tree, strict=True) -> tuple[Layout, _sharded.Place]:
         place = _sharded.Place(cfg, strict)
         return make_layout(tree, place.devices, place.processes, fn), place
@@ -156,14 +176,14 @@ def _fns(fn, inner, cfg, sums):
     def init_fn(params):
         layout, place = layout_of(params, strict=False)
         slices = layout.take(jax.tree.leaves(params), place.index)
-        state = inner.init(layout.tree(slices))
-        flags = _sharded.per_replica_flags(inner, layout)
+        state = holder.init(layout.tree(slices))
+        flags = _sharded.per_replica_flags(holder, layout)
         finite = jnp.array(True) if cfg.check_finite else None
         return ShardedState(state, finite, flags)
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
         layout, place = layout_of(updates)
-        _check_state(fn, inner, layout, state)
+        _check_state(fn, holder, layout, state)
         n = layout.replicas
         # The gradients: cast, scaled (as the other strategies), packed by slice.
         travel = {dt: jnp.dtype(cfg.comm_dtype or dt) for dt in layout.groups()}
@@ -198,32 +218,43 @@ def _fns(fn, inner, cfg, sums):
         if params is not None:
             p_tree = layout.tree(layout.take(jax.tree.leaves(params), place.index))
         g_tree = layout.tree(g_slices)
-        inner_state = state.inner
+        inner_state = state.inner if every == 1 else state.inner.inner
         sliced = [
             *(True for _ in g_slices),
             *state.per_replica[: len(jax.tree.leaves(inner_state))],
         ]
         sliced += [True] * len(jax.tree.leaves(p_tree))
+        sliced += [False] * len(jax.tree.leaves(extra_args))
         _elementwise.check(
-            inner.update, jax.eval_shape(lambda *a: a, g_tree, inner_state, p_tree), fn, sliced
+            lambda g, s, p, x: inner.update(g, s, p, **x),
+            jax.eval_shape(lambda *a: a, g_tree, inner_state, p_tree, extra_args),
+            fn,
+            sliced,
         )
         allsum = lambda x: _sharded.allsum(sums, x)
-        with _elementwise.sharded_context(allsum):
-            u_tree, inner_state = inner.update(g_tree, inner_state, p_tree)
-        u_slices = _updates(fn, layout, u_tree)
-        ulayout = dataclasses.replace(
-            layout,
-            slots=tuple(
-                dataclasses.replace(s, dtype=str(u.dtype)) for s, u in zip(layout.slots, u_slices)
-            ),
-        )
-        if place.alone:  # no packing: the slices as they are, few calls (buckets)
-            flat = [u.reshape(-1) for u in u_slices]
-            bufs = _sharded.gather_leaves(place.intra, cfg.backend, flat, cfg.bucket_bytes)
-            full = layout.tree(ulayout.unleaf_rows(bufs))
-        else:
+
+        def apply(g_tree, inner_state):  # the inner update and the all-gather
+            with _elementwise.sharded_context(allsum):
+                u_tree, inner_state = inner.update(g_tree, inner_state, p_tree, **extra_args)
+            u_slices = _updates(fn, layout, u_tree)
+            ulayout = dataclasses.replace(
+                layout,
+                slots=tuple(
+                    dataclasses.replace(s, dtype=str(u.dtype))
+                    for s, u in zip(layout.slots, u_slices)
+                ),
+            )
+            if place.alone:  # no packing: the slices as they are, few calls (buckets)
+                flat = [u.reshape(-1) for u in u_slices]
+                bufs = _sharded.gather_leaves(place.intra, cfg.backend, flat, cfg.bucket_bytes)
+                return layout.tree(ulayout.unleaf_rows(bufs)), inner_state
             bufs = _sharded.gather(place.intra, cfg.backend, ulayout.join(u_slices))
-            full = layout.tree(ulayout.unpack_rows(bufs))
+            return layout.tree(ulayout.unpack_rows(bufs)), inner_state
+
+        if every == 1:
+            full, inner_state = apply(g_tree, inner_state)
+        else:  # ZeRO-2: into the 1/N accumulator; the update every k-th call
+            full, inner_state = _accumulate.step(every, state.inner, g_tree, apply)
         new = ShardedState(inner_state, finite, state.per_replica)
         return full, new
 
@@ -293,8 +324,13 @@ def _finite(fn, cfg, sums, layout: Layout, slices):
                     f"jaxsync: non-finite values after the gradient reduction in "
                     f"{len(hit)} leaf/leaves: {', '.join(hit[:10])}"
                     f"{' ...' if len(hit) > 10 else ''}. Every replica sees the same "
-                    "values. Use check_finite=True and optax.apply_if_finite to skip "
-                    "such steps instead of failing."
+                    "values. To skip such steps on every replica at once instead of "
+                    "failing: optax.chain(<the jaxsync mean>, "
+                    "optax.apply_if_finite(opt, n)) (the decision after the "
+                    "mean), or jaxsync.apply_if_finite(tx, n, axis_name=...) "
+                    "around a chain or jaxsync.sharded; optax.apply_if_finite "
+                    "around the synchronisation skips on one replica alone (a "
+                    "hang across processes)."
                 )
 
         jax.debug.callback(check, bad)
