@@ -13,6 +13,7 @@ from jaxsync._comm._host import host_allocator_state, tune_host_allocator
 from jaxsync._comm._timeline import Timeline, start_from_env, timeline
 from jaxsync._comm._topology import Topology, default_comm, free_communicators, topology
 from jaxsync._core._broadcast import broadcast_params
+from jaxsync._core._join import WeightedState, all_done
 from jaxsync._core._plan import Bucket, LeafSpec, Plan, make_plan
 from jaxsync._core._replica import replica_mean
 from jaxsync._core._sync import DoubleBufferState, SyncState, sync_gradients
@@ -58,6 +59,8 @@ __all__ = [
     "SignState",
     "SparseOptions",
     "DoubleBufferState",
+    "WeightedState",
+    "all_done",
     "SyncState",
     "Timeline",
     "Topology",

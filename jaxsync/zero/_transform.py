@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxsync._core import _sync
+from jaxsync._core import _join, _sync
 from jaxsync._core._config import (
     AUTO,
     AxisName,
@@ -48,6 +48,7 @@ def sharded(
     staging: Staging = "device",
     timeout: float | None = None,
     on_timeout: OnTimeout = "report",
+    weights: _join.Weights = False,
 ) -> optax.GradientTransformation:
     """Synchronise gradients and run ``inner`` on a 1/N slice of them (ZeRO).
 
@@ -86,6 +87,8 @@ def sharded(
       staging: as for :func:`jaxsync.hierarchical_mean`.
       timeout: as for :func:`jaxsync.hierarchical_mean`.
       on_timeout: as for :func:`jaxsync.hierarchical_mean`.
+      weights: as for :func:`jaxsync.hierarchical_mean`; a replica whose weight is 0
+        still updates its slice. The weights' sums travel in one small allreduce.
 
     Returns:
       an optax ``GradientTransformation`` whose state is a
@@ -145,6 +148,9 @@ def sharded(
         cfg, strategy="hierarchical", reduce="sum", comm_dtype=None, predivide=None,
         check_finite=False,
     )  # fmt: skip
+    if weights is not False:  # per-replica weights and the join (jaxsync._core._join)
+        fns = lambda c: _fns(fn, inner, c, sums)
+        return _join.transform(fn, cfg, weights, fns, lambda x: _sharded.allsum(sums, x))
     return optax.GradientTransformation(*_fns(fn, inner, cfg, sums))
 
 
@@ -188,7 +194,7 @@ def _fns(fn, inner, cfg, sums):
             if post != 1.0:
                 wide = jnp.float32 if str(piece.dtype) in _sharded._LOW else piece.dtype
                 piece = piece.astype(wide) / jnp.asarray(post, wide)
-            return piece.astype(s.dtype)
+            return _join.divide(piece, _join.DIVISOR.get()).astype(s.dtype)
 
         g_slices = layout.split_leaves(bufs, finish) if place.alone else layout.split(bufs, finish)
         finite = state.all_finite
