@@ -15,7 +15,7 @@ same on every replica, so every replica leaves its loop at the same step
 gradients; ``sharded`` sums the three values in one small allreduce of its own
 (its reduce-scatter gives each replica a slice, not the whole buffer).
 
-Imports: ``_plan`` (the reduced dtypes) and ``jaxsync._comm`` only.
+Imports: ``_plan`` (the reduced dtypes), ``_sync`` (the mean's predivide), ``_intra``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxsync._comm import _intra
+
+from . import _sync
 from ._plan import REDUCED_DTYPES
 
 #: ``False`` (no weights), ``True`` (divide by the total weight) or ``"world"``
@@ -132,15 +135,48 @@ def extras(weight, done, axes=()):
     return w, jnp.stack([w, jnp.where(d, 0.0, one), one])
 
 
-def scale(tree, w):
-    """Each reduced leaf times ``w`` (exactly 0 where ``w`` is 0, even NaN)."""
+def scale(tree, w, pre=lambda dtype: 1.0):
+    """Each reduced leaf times ``w / pre(dtype)`` (exactly 0 where ``w`` is 0,
+    even NaN): the weight and the mean's predivide in one pass."""
 
     def one(g):
         if str(g.dtype) not in REDUCED_DTYPES:
             return g
-        return jnp.where(w != 0, g * w.astype(g.dtype), jnp.zeros_like(g))
+        f = (w / pre(g.dtype)).astype(g.dtype)
+        return jnp.where(w != 0, g * f, jnp.zeros_like(g))
 
     return jax.tree.map(one, tree)
+
+
+def replicas(cfg) -> int:
+    """The replica count of a sync with ``cfg`` (at trace time)."""
+    _intra.check_axes(cfg.axes)
+    return _intra.AxisOps(cfg.axes).size * cfg.backend.size()
+
+
+def finish(tree, weights, reduce: str, summed, pre, n: int):
+    """The summed ``tree`` (each leaf scaled by ``1 / pre(dtype)`` before the sum)
+    divided by ``W`` (``weights=True``) or ``n`` (``"world"``), or (a sum) the
+    predivide multiplied back. With a power-of-two predivide ``n``, ``sum / n``
+    divided by ``W / n`` is exactly ``sum / W`` (both scaled by a power of two)."""
+
+    def each(x, d):
+        if str(x.dtype) not in REDUCED_DTYPES:
+            return x
+        p = pre(x.dtype)
+        if d is None:  # a sum
+            return x if p == 1.0 else x * jnp.asarray(p, x.dtype)
+        if isinstance(d, float) and d == p:
+            return x
+        return divide(x, jnp.asarray(d, jnp.float32) / p).astype(x.dtype)
+
+    if reduce != "mean":
+        return jax.tree.map(lambda x: each(x, None), tree)
+    if weights == "world":
+        return jax.tree.map(lambda x: each(x, float(n)), tree)
+    # Divided in every step: a cond that skips it where W == n copies every leaf
+    # (XLA's conditional), where the division fuses into the optimizer's pass.
+    return jax.tree.map(lambda x: each(x, summed[0]), tree)
 
 
 def divisor(weights, reduce: str, summed):
@@ -174,7 +210,7 @@ def transform(fn: str, cfg, weights, make_fns, allsum=None):
     transform divides by :data:`DIVISOR`.
     """
     check_weights(fn, weights, cfg.reduce)
-    inner_cfg = dataclasses.replace(cfg, reduce="sum")
+    inner_cfg = dataclasses.replace(cfg, reduce="sum", predivide=None)  # both here
     init_inner, update_inner = make_fns(inner_cfg)
     axes = tuple(cfg.axes) + tuple(getattr(cfg.backend, "mesh_axes", ()))
 
@@ -196,19 +232,19 @@ def transform(fn: str, cfg, weights, make_fns, allsum=None):
                 "have called init first and pass the state returned by this transform."
             )
         w, x = extras(weight, done, axes)
-        scaled = scale(updates, w)
         if allsum:
             summed = allsum(x)
             reset = DIVISOR.set(divisor(weights, cfg.reduce, summed))
             try:
-                out, inner = update_inner(scaled, state.inner, params)
+                out, inner = update_inner(scale(updates, w), state.inner, params)
             finally:
                 DIVISOR.reset(reset)
         else:
-            (out, summed), inner = update_inner((scaled, x), state.inner, params)
-            div = divisor(weights, cfg.reduce, summed)
-            reduced = lambda s: str(s.dtype) in REDUCED_DTYPES
-            out = jax.tree.map(lambda s: divide(s, div).astype(s.dtype) if reduced(s) else s, out)
+            # the mean's predivide (a power of two, float16) folded into the weight
+            n = replicas(cfg)
+            pre = lambda dt: _sync._predivide(cfg, jnp.dtype(cfg.comm_dtype or dt), n)
+            (out, summed), inner = update_inner((scale(updates, w, pre), x), state.inner, params)
+            out = finish(out, weights, cfg.reduce, summed, pre, n)
         active = jnp.round(summed[1]).astype(jnp.int32)
         return out, WeightedState(inner, active, summed[0])
 

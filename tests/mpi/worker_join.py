@@ -86,9 +86,7 @@ def main():
         "double_buffering": lambda: optax.chain(
             jaxsync.flat_mean("d", comm, weights=True, double_buffering=True), optax.sgd(LR)
         ),
-        "sharded": lambda: jaxsync.sharded(
-            optax.sgd(LR), axis_name="d", comm=comm, weights=True
-        ),
+        "sharded": lambda: jaxsync.sharded(optax.sgd(LR), axis_name="d", comm=comm, weights=True),
     }
     for name, make in cases.items():
         try:
