@@ -49,7 +49,8 @@ class WeightedState(NamedTuple):
         :class:`jaxsync.DoubleBufferState` or :class:`jaxsync.ShardedState`).
       active: int32, how many replicas passed ``done=False`` in the last
         synchronised step (with double buffering: the step before); 0 when every
-        replica is done (:func:`jaxsync.all_done`). The same on every replica.
+        replica is done (:func:`jaxsync.all_done`); -1 before the first step. The
+        same on every replica.
       weight: float32, the sum of the replicas' weights in that step.
     """
 
@@ -74,7 +75,7 @@ def check_weights(fn: str, weights, reduce: str) -> None:
         )
 
 
-def all_done(state) -> jax.Array:
+def all_done(state: Any) -> jax.Array:
     """Whether every replica passed ``done=True`` in the last synchronised step.
 
     Finds the :class:`jaxsync.WeightedState` in an optimizer state (an
@@ -116,9 +117,9 @@ def all_done(state) -> jax.Array:
 
 
 def extras(weight, done, axes=()):
-    """``(w, extra)``: this replica's effective weight (0 if not given a float
-    scalar) and the float32 ``[w, 1 - done, 1]`` that travels with the
-    gradients (typed varying over ``axes``, so each replica counts once)."""
+    """``(w, extra)``: this replica's weight as float32 (1 when not given) and
+    the float32 ``[w, 1 - done, 1]`` that travels with the gradients (typed
+    varying over ``axes``, so each replica counts once)."""
     w = jnp.asarray(1.0 if weight is None else weight)
     d = jnp.asarray(False if done is None else done)
     if w.ndim or d.ndim or d.dtype != jnp.bool_ or not jnp.issubdtype(w.dtype, jnp.number):
@@ -220,7 +221,7 @@ def transform(fn: str, cfg, weights, make_fns, allsum=None):
         inner = init_inner(params) if allsum else init_inner((params, x))
         if hasattr(inner, "pending"):  # DoubleBufferState: it keeps zeros of the tree
             inner = inner._replace(pending=(inner.pending[0], x))
-        n = jnp.zeros((), jnp.int32)
+        n = jnp.full((), -1, jnp.int32)  # no step yet: not done
         return WeightedState(inner, n, jnp.zeros((), jnp.float32))
 
     def update_fn(updates, state, params=None, weight=None, done=None, **extra_args):

@@ -351,13 +351,12 @@ _HOST_TIER_ARG = """      host_tier: the host tier (MPI on CPU, several hosts, s
 
 def document_overlap(factory):
     """Add ``overlap``, ``overlap_bucket_bytes`` and ``double_buffering`` (and
-    ``host_tier``, where the factory takes it) to a factory's docstring (before
-    ``Returns:``), and the state they make."""
-    doc = factory.__doc__
+    ``host_tier``, ``weights``, where the factory takes them) to a factory's
+    docstring (before ``Returns:``), and the state they make."""
+    doc, takes = factory.__doc__, inspect.signature(factory).parameters
     at = doc.index("\n    Returns:")
-    args = _ARGS.rstrip("\n")
-    if "host_tier" in inspect.signature(factory).parameters:
-        args = _HOST_TIER_ARG + args
+    args = _ARGS.rstrip("\n") if "weights" in takes else _ARGS[: _ARGS.index("      weights:")]
+    args = (_HOST_TIER_ARG if "host_tier" in takes else "") + args.rstrip("\n")
     doc = doc[:at] + "\n" + args + doc[at:]
     doc = doc.replace(
         "      ``check_finite``.\n",
