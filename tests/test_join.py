@@ -163,3 +163,26 @@ def test_weights_errors():
         axis_name="i",
     )(g, jnp.asarray(W))
     assert out["a"][0].tolist() == [16.0, 16.0]
+
+
+def _collectives(jaxpr) -> int:
+    from jax._src import core
+
+    n = 0
+    for e in jaxpr.eqns:
+        n += e.primitive.name in ("psum", "psum_invariant", "all_gather", "reduce_scatter")
+        for sub in core.jaxprs_in_params(e.params):
+            n += _collectives(sub)
+    return n
+
+
+@pytest.mark.parametrize("name", ["flat", "hierarchical"])
+def test_weights_add_no_collective(name):
+    """The weights ride in the gradients' packed buffer: as many collectives."""
+    g = {"a": jnp.ones((N, 5)), "b": jnp.ones((N, 3))}
+    counts = []
+    for kw, extra in (({}, {}), ({"weights": True}, {"weight": 2.0, "done": False})):
+        tx = _tx(name, **kw)
+        f = jax.vmap(lambda g: tx.update(g, tx.init(g), **extra)[0], axis_name="i")
+        counts.append(_collectives(jax.make_jaxpr(f)(g).jaxpr))
+    assert counts[0] == counts[1] >= 1, counts
