@@ -16,6 +16,7 @@ from jaxsync._core._batch import local_batch
 from jaxsync._core._accumulate import AccumulateState, accumulate
 from jaxsync._core._broadcast import broadcast_params
 from jaxsync._core._finite import apply_if_finite, skip_not_finite
+from jaxsync._core._join import WeightedState, all_done
 from jaxsync._core._plan import Bucket, LeafSpec, Plan, make_plan
 from jaxsync._core._replica import replica_mean
 from jaxsync._core._sync import DoubleBufferState, SyncState, sync_gradients
@@ -66,6 +67,8 @@ __all__ = [
     "SignState",
     "SparseOptions",
     "DoubleBufferState",
+    "WeightedState",
+    "all_done",
     "SyncState",
     "Timeline",
     "Topology",

@@ -43,6 +43,8 @@ class JaxsyncDocstrings(griffe.Extension):
                 for dec in obj.decorators:
                     if dec.callable_path.rsplit(".", 1)[-1] == "document_overlap":
                         text = _add_overlap_args(text, dec.callable_path, loader)
+                        if "weights" not in [p.name for p in obj.parameters]:  # auto_mean
+                            text = re.sub(r"\n *weights: .*?(?=\nReturns:)", "", text, flags=re.S)
             doc.value = _split_shared_args(text)
 
 

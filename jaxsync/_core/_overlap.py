@@ -1,13 +1,11 @@
 """Overlap and double buffering: gradients travel while the step computes.
 
 ``run_async`` runs a strategy once per bucket, in the order backward produces
-the gradients, inside ``_async.asynchronous()`` (``overlap=True``);
-``double_buffer_fns`` is the init/update pair of ``double_buffering=True``
-(ChainerMN's double-buffering optimizer);
-``document_overlap`` adds the three options to a factory's docstring;
-``warn_no_inter_stage`` is their warning where no inter-process stage exists;
-``check_overlap`` validates the options and ``resolve_overlap`` decides
-``overlap="auto"`` (on where the inter-process stage spans hosts).
+the gradients, inside ``_async.asynchronous()`` (``overlap=True``); ``double_buffer_fns``
+is ``double_buffering=True``'s init/update pair (ChainerMN's double-buffering optimizer);
+``document_overlap`` adds the options (and ``weights``) to a factory's docstring;
+``warn_no_inter_stage`` warns where no inter-process stage exists; ``check_overlap``
+validates the options, ``resolve_overlap`` decides ``overlap="auto"``.
 
 Imports: jax, ``_async``, ``_invariance``, ``_tie``, ``_plugins``, ``_strategies``;
 ``_config`` (defaults, checks, ``bad_type``), ``_sync``, ``_transforms`` import it.
@@ -25,6 +23,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxsync._comm._async import asynchronous
 from jaxsync._comm._invariance import share_invariant
@@ -330,6 +329,9 @@ _ARGS = """      overlap: ``True`` sends the gradients in buckets, in the order 
         step of staleness costs accuracy on a short run (see docs/strategies.md);
         without an inter-process stage (one process) there is nothing to hide
         and the factory warns.
+      weights: ``True``: ``update`` takes ``weight=`` (a scalar per replica; 1 by default) and
+        ``done=`` (no data after this step) and returns ``sum(w g) / sum(w)`` (0 if all are 0);
+        ``"world"``: ``sum(w g) / n``. See :func:`jaxsync.all_done`, docs/strategies.md.
 
 """
 
@@ -349,13 +351,12 @@ _HOST_TIER_ARG = """      host_tier: the host tier (MPI on CPU, several hosts, s
 
 def document_overlap(factory):
     """Add ``overlap``, ``overlap_bucket_bytes`` and ``double_buffering`` (and
-    ``host_tier``, where the factory takes it) to a factory's docstring (before
-    ``Returns:``), and the state they make."""
-    doc = factory.__doc__
+    ``host_tier``, ``weights``, where the factory takes them) to a factory's
+    docstring (before ``Returns:``), and the state they make."""
+    doc, takes = factory.__doc__, inspect.signature(factory).parameters
     at = doc.index("\n    Returns:")
-    args = _ARGS.rstrip("\n")
-    if "host_tier" in inspect.signature(factory).parameters:
-        args = _HOST_TIER_ARG + args
+    args = _ARGS.rstrip("\n") if "weights" in takes else _ARGS[: _ARGS.index("      weights:")]
+    args = (_HOST_TIER_ARG if "host_tier" in takes else "") + args.rstrip("\n")
     doc = doc[:at] + "\n" + args + doc[at:]
     doc = doc.replace(
         "      ``check_finite``.\n",
@@ -375,8 +376,6 @@ def bad_type(fn, arg, expected, got, fix):
 
 def check_overlap(fn, overlap, overlap_bucket_bytes, double_buffering) -> int:
     """Validate overlap, overlap_bucket_bytes and double_buffering; the bucket bytes."""
-    import numpy as np
-
     if isinstance(overlap, str) and overlap != _AUTO:
         raise ValueError(
             f"{fn}: overlap must be one of (True, False, 'auto'), got {overlap!r}. Fix: "

@@ -2,7 +2,7 @@
 ``_config.make_config`` (validation when the factory is called) and
 ``_sync.transform_fns`` (the init/update pair).
 
-Imports: ``_config`` and ``_sync`` only (and ``_sparse`` for a type).
+Imports: ``_config``, ``_sync`` and ``_join`` (weights=) only (``_sparse`` for a type).
 """
 
 from __future__ import annotations
@@ -11,30 +11,24 @@ from typing import TYPE_CHECKING, Literal
 
 import optax
 
-from ._config import (
-    AUTO,
-    AxisName,
-    Bytes,
-    CheckFinite,
-    Comm,
-    DTypeLike,
-    OnTimeout,
-    Reduce,
-    Staging,
-    make_config,
-)
+from . import _join
+from ._config import AUTO, make_config
 from ._overlap import document_overlap
 from ._sync import transform_fns
 
 if TYPE_CHECKING:  # annotations only: the core does not import jaxsync.sparse
     from jaxsync.sparse._rows import SparseOptions
 
+    from ._config import AxisName, Bytes, CheckFinite, Comm, DTypeLike, OnTimeout, Reduce, Staging
+
 
 def _transform(
-    fn: str, strategy: str, axis_name, comm=None, **options
+    fn: str, strategy: str, axis_name, comm=None, weights=False, **options
 ) -> optax.GradientTransformation:
     # ``**locals()``: the factory's own (typed, documented) parameters, all validated.
     cfg = make_config(fn, strategy, axis_name, comm, **options)
+    if weights is not False:  # per-replica weights and the join (_join)
+        return _join.transform(fn, cfg, weights, lambda c: transform_fns(fn, c))
     return optax.GradientTransformation(*transform_fns(fn, cfg))
 
 
@@ -56,6 +50,7 @@ def naive_mean(
     overlap: bool | Literal["auto"] = AUTO,
     overlap_bucket_bytes: int | Literal["auto"] = AUTO,
     double_buffering: bool = False,
+    weights: _join.Weights = False,
 ) -> optax.GradientTransformation:
     """Average gradients leaf by leaf.
 
@@ -134,6 +129,7 @@ def flat_mean(
     overlap: bool | Literal["auto"] = AUTO,
     overlap_bucket_bytes: int | Literal["auto"] = AUTO,
     double_buffering: bool = False,
+    weights: _join.Weights = False,
     host_tier: bool | Literal["auto"] = AUTO,
 ) -> optax.GradientTransformation:
     """Average gradients packed into a few buffers.
@@ -218,6 +214,7 @@ def hierarchical_mean(
     overlap: bool | Literal["auto"] = AUTO,
     overlap_bucket_bytes: int | Literal["auto"] = AUTO,
     double_buffering: bool = False,
+    weights: _join.Weights = False,
     host_tier: bool | Literal["auto"] = AUTO,
 ) -> optax.GradientTransformation:
     """Average gradients hierarchically.
@@ -300,6 +297,7 @@ def two_dimensional_mean(
     overlap: bool | Literal["auto"] = AUTO,
     overlap_bucket_bytes: int | Literal["auto"] = AUTO,
     double_buffering: bool = False,
+    weights: _join.Weights = False,
     host_tier: bool | Literal["auto"] = AUTO,
 ) -> optax.GradientTransformation:
     """Average gradients two-dimensionally.
@@ -374,6 +372,7 @@ def single_node_mean(
     predivide: float | None = None,
     check_finite: CheckFinite = False,
     sparse: SparseOptions | None = None,
+    weights: _join.Weights = False,
 ) -> optax.GradientTransformation:
     """Average gradients over the local axes only.
 
@@ -404,6 +403,7 @@ def single_node_mean(
         ``FloatingPointError`` naming the non-finite leaves.
       sparse: how :class:`jaxsync.RowSparse` leaves are synchronised (a
         :class:`jaxsync.SparseOptions`; ``None``: automatic).
+      weights: as for :func:`jaxsync.hierarchical_mean`.
     Returns:
       an ``optax.GradientTransformation`` whose ``update`` returns the reduced
       gradients, the same on every replica. Its state is

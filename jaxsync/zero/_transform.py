@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxsync._core import _sync
+from jaxsync._core import _join, _sync
 from jaxsync._core._config import (
     AUTO,
     AxisName,
@@ -49,6 +49,7 @@ def sharded(
     timeout: float | None = None,
     on_timeout: OnTimeout = "report",
     accumulate: int = 1,
+    weights: _join.Weights = False,
 ) -> optax.GradientTransformation:
     """Synchronise gradients and run ``inner`` on a 1/N slice of them (ZeRO).
 
@@ -97,6 +98,8 @@ def sharded(
         accumulator beside the inner state (``ShardedState.inner`` is then
         ``(inner, acc, mini_step)``): ``gather_state`` and ``shard_state``
         take ``accumulate=1`` states only.
+      weights: as for :func:`jaxsync.hierarchical_mean`; a replica whose weight is 0
+        still updates its slice. The weights' sums travel in one small allreduce.
 
     Returns:
       an optax ``GradientTransformation`` whose state is a
@@ -162,6 +165,9 @@ def sharded(
         check_finite=False,
     )  # fmt: skip
     inner = optax.with_extra_args_support(inner)  # value=... reaches reduce_on_plateau
+    if weights is not False:  # per-replica weights and the join (jaxsync._core._join)
+        fns = lambda c: _fns(fn, inner, c, sums, accumulate)
+        return _join.transform(fn, cfg, weights, fns, lambda x: _sharded.allsum(sums, x))
     return optax.GradientTransformationExtraArgs(*_fns(fn, inner, cfg, sums, accumulate))
 
 
@@ -208,7 +214,7 @@ def _fns(fn, inner, cfg, sums, every=1):
             if post != 1.0:
                 wide = jnp.float32 if str(piece.dtype) in _sharded._LOW else piece.dtype
                 piece = piece.astype(wide) / jnp.asarray(post, wide)
-            return piece.astype(s.dtype)
+            return _join.divide(piece, _join.DIVISOR.get()).astype(s.dtype)
 
         g_slices = layout.split_leaves(bufs, finish) if place.alone else layout.split(bufs, finish)
         finite = state.all_finite

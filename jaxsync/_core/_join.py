@@ -1,0 +1,252 @@
+"""Uneven inputs: per-replica weights and the join (``weights=``, ``all_done``).
+
+A transform made with ``weights=True`` (or ``"world"``) takes two extra
+arguments in ``update``: ``weight`` (this replica's scalar, e.g. its batch's
+sample count) and ``done`` (this replica has no data after this step). Its
+gradients are multiplied by the weight before the sum, and three float32
+values ride with them as one more small leaf of the tree, in the same packed
+buffer (no extra collective): the weight, ``1 - done`` and ``1``. Their sums
+are the total weight ``W``, the replicas still training ``A`` and the replica
+count ``N``; the mean is ``sum(w g) / W`` (``weights=True``) or
+``sum(w g) / N`` (``"world"``: DDP's division by the initial world size; a
+replica of weight 0 adds zeros). ``A`` is kept in :class:`WeightedState`, the
+same on every replica, so every replica leaves its loop at the same step
+(:func:`all_done`). Double buffering keeps the extra leaf with the delayed
+gradients; ``sharded`` sums the three values in one small allreduce of its own
+(its reduce-scatter gives each replica a slice, not the whole buffer).
+
+Imports: ``_plan`` (the reduced dtypes), ``_sync`` (the mean's predivide), ``_intra``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jaxsync._comm import _intra
+
+from . import _sync
+from ._plan import REDUCED_DTYPES
+
+#: ``False`` (no weights), ``True`` (divide by the total weight) or ``"world"``
+#: (divide by the replica count).
+Weights = bool | Literal["world"]
+_WEIGHTS = (False, True, "world")
+
+
+class WeightedState(NamedTuple):
+    """State of a transform made with ``weights=True`` or ``"world"``.
+
+    Attributes:
+      inner: the state the transform has without weights
+        (``optax.EmptyState()``, :class:`jaxsync.SyncState`,
+        :class:`jaxsync.DoubleBufferState` or :class:`jaxsync.ShardedState`).
+      active: int32, how many replicas passed ``done=False`` in the last
+        synchronised step (with double buffering: the step before); 0 when every
+        replica is done (:func:`jaxsync.all_done`); -1 before the first step. The
+        same on every replica.
+      weight: float32, the sum of the replicas' weights in that step.
+    """
+
+    inner: Any
+    active: jax.Array
+    weight: jax.Array
+
+
+def check_weights(fn: str, weights, reduce: str) -> None:
+    """Validate ``weights=`` when a factory is called."""
+    if not any(weights is w or (isinstance(weights, str) and weights == w) for w in _WEIGHTS):
+        raise ValueError(
+            f"{fn}: weights must be one of (False, True, 'world'), got {weights!r}. Fix: "
+            "weights=True (the mean divides by the sum of the weights) or weights='world' "
+            "(by the replica count, DDP's division by the initial world size)."
+        )
+    if weights == "world" and reduce != "mean":
+        raise ValueError(
+            f"{fn}: weights='world' divides the weighted sum by the replica count, "
+            f"but reduce={reduce!r}. Fix: reduce='mean', or weights=True (with "
+            "reduce='sum' the result is the weighted sum)."
+        )
+
+
+def all_done(state: Any) -> jax.Array:
+    """Whether every replica passed ``done=True`` in the last synchronised step.
+
+    Finds the :class:`jaxsync.WeightedState` in an optimizer state (an
+    ``optax.chain``'s tuple too) and returns ``active == 0``: a boolean scalar,
+    the same on every replica, so every replica leaves its loop at the same step.
+
+    Args:
+      state: an optimizer state holding one :class:`jaxsync.WeightedState`.
+
+    Returns:
+      a boolean scalar array.
+
+    Raises:
+      ValueError: no transform of the state was made with ``weights=``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxsync
+      >>> tx = optax.chain(jaxsync.flat_mean(None, comm=None, weights=True),
+      ...                  optax.sgd(0.5))
+      >>> state = tx.init({"w": jnp.zeros(2)})
+      >>> bool(jaxsync.all_done(state))
+      False
+      >>> u, state = tx.update({"w": jnp.ones(2)}, state, weight=3.0, done=True)
+      >>> bool(jaxsync.all_done(state)), u["w"].tolist()
+      (True, [-0.5, -0.5])
+    """
+    found = [
+        s
+        for s in jax.tree.leaves(state, is_leaf=lambda n: isinstance(n, WeightedState))
+        if isinstance(s, WeightedState)
+    ]
+    if len(found) != 1:
+        raise ValueError(
+            f"all_done: expected one WeightedState in the optimizer state, found "
+            f"{len(found)}. Fix: make exactly one synchronising transform with "
+            "weights=True or weights='world', and pass its (chain's) state."
+        )
+    return found[0].active == 0
+
+
+def extras(weight, done, axes=()):
+    """``(w, extra)``: this replica's weight as float32 (1 when not given) and
+    the float32 ``[w, 1 - done, 1]`` that travels with the gradients (typed
+    varying over ``axes``, so each replica counts once)."""
+    w = jnp.asarray(1.0 if weight is None else weight)
+    d = jnp.asarray(False if done is None else done)
+    if w.ndim or d.ndim or d.dtype != jnp.bool_ or not jnp.issubdtype(w.dtype, jnp.number):
+        raise ValueError(
+            f"update: weight= must be a real scalar and done= a boolean scalar per "
+            f"replica, got weight {w.dtype}{list(w.shape)} and done {d.dtype}{list(d.shape)}. "
+            "Fix: pass each replica's own scalars (e.g. weight=jnp.float32(batch_size), "
+            "done=jnp.bool_(no_more_data)); under shard_map, their per-device values."
+        )
+    one = jnp.ones((), jnp.float32)
+    if axes:  # an axis index: varying under shard_map, batched under vmap
+        one = (lax.axis_index(axes) * 0 + 1).astype(jnp.float32)
+    w = w.astype(jnp.float32) * one
+    return w, jnp.stack([w, jnp.where(d, 0.0, one), one])
+
+
+def scale(tree, w, pre=lambda dtype: 1.0):
+    """Each reduced leaf times ``w / pre(dtype)`` (exactly 0 where ``w`` is 0,
+    even NaN): the weight and the mean's predivide in one pass."""
+
+    def one(g):
+        if str(g.dtype) not in REDUCED_DTYPES:
+            return g
+        f = (w / pre(g.dtype)).astype(g.dtype)
+        return jnp.where(w != 0, g * f, jnp.zeros_like(g))
+
+    return jax.tree.map(one, tree)
+
+
+def replicas(cfg) -> int:
+    """The replica count of a sync with ``cfg`` (at trace time)."""
+    _intra.check_axes(cfg.axes)
+    return _intra.AxisOps(cfg.axes).size * cfg.backend.size()
+
+
+def finish(tree, weights, reduce: str, summed, pre, n: int):
+    """The summed ``tree`` (each leaf scaled by ``1 / pre(dtype)`` before the sum)
+    divided by ``W`` (``weights=True``) or ``n`` (``"world"``), or (a sum) the
+    predivide multiplied back. With a power-of-two predivide ``n``, ``sum / n``
+    divided by ``W / n`` is exactly ``sum / W`` (both scaled by a power of two)."""
+
+    def each(x, d):
+        if str(x.dtype) not in REDUCED_DTYPES:
+            return x
+        p = pre(x.dtype)
+        if d is None:  # a sum
+            return x if p == 1.0 else x * jnp.asarray(p, x.dtype)
+        if isinstance(d, float) and d == p:
+            return x
+        return divide(x, jnp.asarray(d, jnp.float32) / p).astype(x.dtype)
+
+    if reduce != "mean":
+        return jax.tree.map(lambda x: each(x, None), tree)
+    if weights == "world":
+        return jax.tree.map(lambda x: each(x, float(n)), tree)
+    # Divided in every step: a cond that skips it where W == n copies every leaf
+    # (XLA's conditional), where the division fuses into the optimizer's pass.
+    return jax.tree.map(lambda x: each(x, summed[0]), tree)
+
+
+def divisor(weights, reduce: str, summed):
+    """What the summed gradients are divided by: ``W``, ``N`` or None (a sum)."""
+    if reduce != "mean":
+        return None
+    return summed[0] if weights is True else summed[2]
+
+
+def divide(piece, div):
+    """``piece / div`` (float32 for 16-bit data; 0 where ``div`` is 0), or
+    ``piece`` as it is where ``div`` is None."""
+    if div is None:
+        return piece
+    wide = jnp.float32 if str(piece.dtype) in ("float16", "bfloat16") else piece.dtype
+    d = div.astype(wide)
+    out = piece.astype(wide) / jnp.where(d > 0, d, jnp.ones_like(d))
+    return jnp.where(d > 0, out, jnp.zeros_like(out))
+
+
+# sharded's divisor while its update runs (``zero/_transform.py`` reads it).
+DIVISOR: contextvars.ContextVar = contextvars.ContextVar("jaxsync_divisor", default=None)
+
+
+def transform(fn: str, cfg, weights, make_fns, allsum=None):
+    """The weighted ``GradientTransformationExtraArgs`` of a transform.
+
+    ``make_fns(cfg)`` gives the unweighted ``(init, update)``. Without
+    ``allsum`` the extra leaf rides in the tree, whose sum (``reduce="sum"``)
+    this divides; with it (``sharded``), ``allsum`` sums the extra leaf and the
+    transform divides by :data:`DIVISOR`.
+    """
+    check_weights(fn, weights, cfg.reduce)
+    inner_cfg = dataclasses.replace(cfg, reduce="sum", predivide=None)  # both here
+    init_inner, update_inner = make_fns(inner_cfg)
+    axes = tuple(cfg.axes) + tuple(getattr(cfg.backend, "mesh_axes", ()))
+
+    def init_fn(params):
+        # double buffering's pending extra leaf: weight 0, not done, one replica.
+        x = jnp.array([0.0, 1.0, 1.0], jnp.float32)
+        inner = init_inner(params) if allsum else init_inner((params, x))
+        if hasattr(inner, "pending"):  # DoubleBufferState: it keeps zeros of the tree
+            inner = inner._replace(pending=(inner.pending[0], x))
+        n = jnp.full((), -1, jnp.int32)  # no step yet: not done
+        return WeightedState(inner, n, jnp.zeros((), jnp.float32))
+
+    def update_fn(updates, state, params=None, weight=None, done=None, **extra_args):
+        del extra_args  # other transforms' (optax.chain passes every one to all)
+        if not isinstance(state, WeightedState):
+            raise TypeError(
+                f"{fn}: update got a state of type {type(state).__name__}, expected "
+                "WeightedState from this transform's init (weights=). Make sure you "
+                "have called init first and pass the state returned by this transform."
+            )
+        w, x = extras(weight, done, axes)
+        if allsum:
+            summed = allsum(x)
+            reset = DIVISOR.set(divisor(weights, cfg.reduce, summed))
+            try:
+                out, inner = update_inner(scale(updates, w), state.inner, params)
+            finally:
+                DIVISOR.reset(reset)
+        else:
+            # the mean's predivide (a power of two, float16) folded into the weight
+            n = replicas(cfg)
+            pre = lambda dt: _sync._predivide(cfg, jnp.dtype(cfg.comm_dtype or dt), n)
+            (out, summed), inner = update_inner((scale(updates, w, pre), x), state.inner, params)
+            out = finish(out, weights, cfg.reduce, summed, pre, n)
+        active = jnp.round(summed[1]).astype(jnp.int32)
+        return out, WeightedState(inner, active, summed[0])
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,188 @@
+"""Uneven inputs in one process (8 fake devices): ``weights=`` and the join.
+
+Every replica has a weight (an integer) and dyadic gradients, so the weighted
+mean ``sum(w g) / sum(w)`` is exact in float32 and compared bitwise with its
+closed form; the join loop (replicas with different batch counts) ends at the
+same step everywhere with the parameters of a closed-form SGD run.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _common import MESH1, STRATEGIES, N, bits
+from jax.sharding import PartitionSpec as P
+
+import jaxsync
+
+W = np.array([1, 2, 0, 3, 4, 0, 1, 5], np.float32)  # replicas 2 and 5: weight 0
+
+
+def _grads():
+    a = np.arange(N * 6, dtype=np.float32).reshape(N, 2, 3) / 4
+    a[2, 0, 0] = np.nan  # on a replica of weight 0: it adds nothing
+    b = (np.arange(N, dtype=np.float32) - 3)[:, None] / 2 * np.ones((N, 2), np.float32)
+    return {"a": a, "b": b.astype(jnp.bfloat16), "i": np.arange(N, dtype=np.int32)}
+
+
+def _want(g, w, world=False):
+    out = {}
+    for k in ("a", "b"):
+        x = np.where((w != 0).reshape((N,) + (1,) * (g[k].ndim - 1)), g[k], 0).astype(np.float32)
+        s = (x * w.reshape((N,) + (1,) * (x.ndim - 1))).sum(0)
+        out[k] = (s / (N if world else w.sum())).astype(g[k].dtype)
+    return out
+
+
+def _tx(name, **kw):
+    comm = {} if name == "single_node" else {"comm": None}
+    return getattr(jaxsync, f"{name}_mean")(axis_name="i", **comm, **kw)
+
+
+def _mapped(mapper, tx, g, w, done):
+    def f(g, w, d):
+        u, s = tx.update(g, tx.init(g), weight=w, done=d)
+        return u, s.active, s.weight
+
+    if mapper == "vmap":
+        return jax.vmap(f, axis_name="i")(g, w, done)
+    if mapper == "pmap":
+        return jax.pmap(f, axis_name="i")(g, w, done)
+    one = lambda g, w, d: f(*jax.tree.map(lambda x: x[0], (g, w, d)))
+    sm = jax.shard_map(
+        lambda g, w, d: jax.tree.map(lambda x: x[None], one(g, w, d)),
+        mesh=MESH1,
+        in_specs=P("i"),
+        out_specs=P("i"),
+    )
+    return jax.jit(sm)(g, w, done)
+
+
+CASES = [(s, "vmap") for s in STRATEGIES] + [("hierarchical", m) for m in ("pmap", "shard_map")]
+
+
+@pytest.mark.parametrize("name, mapper", CASES)
+def test_weighted_mean_is_the_closed_form(name, mapper):
+    g, done = _grads(), W == 0
+    for weights in (True, "world"):
+        out, active, total = _mapped(mapper, _tx(name, weights=weights), g, W, done)
+        want = _want(g, W, world=weights == "world")
+        for r in range(N):
+            for k in ("a", "b"):
+                np.testing.assert_array_equal(bits(out[k][r]), bits(want[k]), err_msg=k)
+            np.testing.assert_array_equal(out["i"][r], g["i"][r])  # ints pass through
+        assert active.tolist() == [6] * N and total.tolist() == [16.0] * N
+
+
+def test_every_weight_zero_gives_zeros_and_all_done():
+    g = _grads()
+    out, active, total = _mapped("vmap", _tx("flat", weights=True), g, 0 * W, W == W)
+    assert not np.asarray(out["a"]).any() and not np.asarray(out["b"], np.float32).any()
+    assert active.tolist() == [0] * N and total.tolist() == [0.0] * N
+
+
+def _loop(tx, batches, mapper="shard_map"):
+    """Replica r has ``batches[r]`` batches (gradient ``(t + 1) * (r + 1) / 4``,
+    weight ``r + 1``); every replica calls the same step until ``all_done``."""
+    params = {"w": jnp.zeros((3,), jnp.float32), "s": jnp.zeros((), jnp.float32)}
+    specs = jaxsync.state_specs(jax.eval_shape(tx.init, params), "i")
+
+    def step(p, state, g, w, done):
+        u, state = tx.update(jax.tree.map(lambda x, q: x.reshape(q.shape), g, p), state, p,
+                             weight=w[0], done=done[0])  # fmt: skip
+        return optax.apply_updates(p, u), state, jaxsync.all_done(state)
+
+    init = jax.jit(jax.shard_map(tx.init, mesh=MESH1, in_specs=P(), out_specs=specs))
+    run = jax.jit(
+        jax.shard_map(
+            step, mesh=MESH1, in_specs=(P(), specs, P("i"), P("i"), P("i")),
+            out_specs=(P(), specs, P()),
+        )
+    )  # fmt: skip
+    state, p, t = init(params), params, 0
+    r = np.arange(N, dtype=np.float32)
+    while True:
+        have = t < batches
+        val = np.where(have, (t + 1) * (r + 1) / 4, 0).astype(np.float32)
+        g = {"w": np.repeat(val[:, None], 3, 1), "s": val}
+        w = np.where(have, r + 1, 0).astype(np.float32)
+        p, state, stop = run(p, state, g, w, t + 1 >= batches)
+        t += 1
+        if stop:
+            return p, t
+
+
+def _closed_form(batches, lr=0.5):
+    w = np.zeros((3,), np.float32)
+    r = np.arange(N, dtype=np.float32)
+    for t in range(batches.max()):
+        have = t < batches
+        num = np.sum(np.where(have, (t + 1) * (r + 1) / 4 * (r + 1), 0), dtype=np.float32)
+        w = w - np.float32(lr) * (num / np.sum(np.where(have, r + 1, 0), dtype=np.float32))
+    return w
+
+
+BATCHES = np.array([3, 1, 2, 3, 1, 2, 2, 1])
+
+
+def test_join_loop_ends_together_with_the_closed_form():
+    want = _closed_form(BATCHES)
+    txs = {
+        "chain": optax.chain(_tx("hierarchical", weights=True), optax.sgd(0.5)),
+        "sharded": jaxsync.sharded(optax.sgd(0.5), axis_name="i", comm=None, weights=True),
+    }
+    for what, tx in txs.items():
+        p, steps = _loop(tx, BATCHES)
+        assert steps == BATCHES.max(), what  # no step after the last batch
+        np.testing.assert_array_equal(bits(p["w"]), bits(want), err_msg=what)
+        np.testing.assert_array_equal(bits(p["s"]), bits(want[0]), err_msg=what)
+    with pytest.warns(UserWarning, match="double_buffering"):
+        tx = _tx("flat", weights=True, double_buffering=True)
+    p, steps = _loop(optax.chain(tx, optax.sgd(0.5)), BATCHES)
+    assert steps == BATCHES.max() + 1  # learns of the last step one step later
+    np.testing.assert_array_equal(bits(p["w"]), bits(want))  # every batch applied
+
+
+def test_weights_errors():
+    with pytest.raises(ValueError, match="weights must be one of"):
+        _tx("flat", weights="sum")
+    with pytest.raises(ValueError, match="reduce='mean'"):
+        _tx("flat", weights="world", reduce="sum")
+    tx = _tx("flat", weights=True)
+    g = {"a": jnp.ones((N, 2))}
+    with pytest.raises(ValueError, match="weight= must be a real scalar"):
+        jax.vmap(lambda g: tx.update(g, tx.init(g), weight=jnp.ones(2)), axis_name="i")(g)
+    with pytest.raises(TypeError, match="expected WeightedState"):
+        jax.vmap(lambda g: tx.update(g, optax.EmptyState()), axis_name="i")(g)
+    with pytest.raises(ValueError, match="found 0"):
+        jaxsync.all_done(optax.EmptyState())
+    # reduce="sum" with weights: the weighted sum
+    out = jax.vmap(
+        lambda g, w: _tx("flat", weights=True, reduce="sum").update(g, tx.init(g), weight=w)[0],
+        axis_name="i",
+    )(g, jnp.asarray(W))
+    assert out["a"][0].tolist() == [16.0, 16.0]
+
+
+def _collectives(jaxpr) -> int:
+    from jax._src import core
+
+    n = 0
+    for e in jaxpr.eqns:
+        n += e.primitive.name in ("psum", "psum_invariant", "all_gather", "reduce_scatter")
+        for sub in core.jaxprs_in_params(e.params):
+            n += _collectives(sub)
+    return n
+
+
+@pytest.mark.parametrize("name", ["flat", "hierarchical"])
+def test_weights_add_no_collective(name):
+    """The weights ride in the gradients' packed buffer: as many collectives."""
+    g = {"a": jnp.ones((N, 5)), "b": jnp.ones((N, 3))}
+    counts = []
+    for kw, extra in (({}, {}), ({"weights": True}, {"weight": 2.0, "done": False})):
+        tx = _tx(name, **kw)
+        f = jax.vmap(lambda g: tx.update(g, tx.init(g), **extra)[0], axis_name="i")
+        counts.append(_collectives(jax.make_jaxpr(f)(g).jaxpr))
+    assert counts[0] == counts[1] >= 1, counts
