@@ -14,6 +14,7 @@ from jaxsync._comm._timeline import Timeline, start_from_env, timeline
 from jaxsync._comm._topology import Topology, default_comm, free_communicators, topology
 from jaxsync._core._broadcast import broadcast_params
 from jaxsync._core._plan import Bucket, LeafSpec, Plan, make_plan
+from jaxsync._core._quant import Quantized
 from jaxsync._core._replica import replica_mean
 from jaxsync._core._sync import DoubleBufferState, SyncState, sync_gradients
 from jaxsync._core._transforms import (
@@ -53,6 +54,7 @@ __all__ = [
     "LeafSpec",
     "Plan",
     "PowerSGDState",
+    "Quantized",
     "RowSparse",
     "ShardedState",
     "SignState",
