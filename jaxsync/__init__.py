@@ -15,6 +15,7 @@ from jaxsync._comm._topology import Topology, default_comm, free_communicators, 
 from jaxsync._core._broadcast import broadcast_params
 from jaxsync._core._plan import Bucket, LeafSpec, Plan, make_plan
 from jaxsync._core._quant import Quantized
+from jaxsync._core._quantsum import QuantState
 from jaxsync._core._replica import replica_mean
 from jaxsync._core._sync import DoubleBufferState, SyncState, sync_gradients
 from jaxsync._core._transforms import (
@@ -55,6 +56,7 @@ __all__ = [
     "Plan",
     "PowerSGDState",
     "Quantized",
+    "QuantState",
     "RowSparse",
     "ShardedState",
     "SignState",
