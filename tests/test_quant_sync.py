@@ -200,3 +200,39 @@ def test_auto_and_sharded_raise_and_sync_gradients_needs_a_state():
     with pytest.raises(TypeError, match="QuantState"):
         tx = jaxsync.hierarchical_mean(axis_name=None, comm=None, comm_dtype=q)
         tx.update({"w": jnp.ones(3)}, optax.EmptyState())
+
+
+def test_host_tier_reduces_the_sums_only_and_skips_the_pipelined_call():
+    """The host tier (MPI, processes of several hosts) with a quantized program:
+    the host's float32 reduce takes the sums, never the residuals; the program
+    runs among the hosts' leaders; the sums and new residuals are broadcast; the
+    pipelined call (which would sum in float32 across hosts) is not taken."""
+    from jaxsync._comm import _host_tier
+
+    calls = []
+
+    class Ops:
+        def __init__(self, name):
+            self.name = name
+            self.pipelined = lambda cross, bufs, lo: calls.append("tier") or ["p"]
+
+        def reduce(self, bufs):
+            calls.append((self.name, "reduce", list(bufs)))
+            return [b * 10 for b in bufs]
+
+        def bcast(self, bufs):
+            calls.append((self.name, "bcast", list(bufs)))
+            return bufs
+
+    def prog(ops, bufs):
+        calls.append((ops.name, "prog", list(bufs)))
+        return [b + 1 for b in bufs]
+
+    prog.reduced = 2  # two sums, then two residuals
+    out = _host_tier.program(prog, Ops("host"), Ops("cross"), True)(None, [1, 2, 3, 4])
+    assert out == [11, 21, 4, 5]
+    assert calls == [
+        ("host", "reduce", [1, 2]),
+        ("cross", "prog", [10, 20, 3, 4]),
+        ("host", "bcast", [11, 21, 4, 5]),
+    ]
