@@ -18,6 +18,8 @@ from jaxsync._core._broadcast import broadcast_params
 from jaxsync._core._finite import apply_if_finite, skip_not_finite
 from jaxsync._core._join import WeightedState, all_done
 from jaxsync._core._plan import Bucket, LeafSpec, Plan, make_plan
+from jaxsync._core._quant import Quantized
+from jaxsync._core._quantsum import QuantState
 from jaxsync._core._replica import replica_mean
 from jaxsync._core._sync import DoubleBufferState, SyncState, sync_gradients
 from jaxsync._core._transforms import (
@@ -62,6 +64,8 @@ __all__ = [
     "LeafSpec",
     "Plan",
     "PowerSGDState",
+    "Quantized",
+    "QuantState",
     "RowSparse",
     "ShardedState",
     "SignState",

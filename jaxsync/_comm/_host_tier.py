@@ -176,7 +176,14 @@ def program(prog, host, cross, leader_only: bool):
     at once over chunks.
     """
 
+    # A quantized program (``_core._quantsum``) sums its first ``reduced``
+    # buffers; the rest (its residuals) stay on each process: only the leader's
+    # cross the hosts, and its new ones are broadcast with the sums.
+    reduced = getattr(prog, "reduced", None)
+
     def run(_, bufs):
+        if reduced is not None and leader_only:
+            return host.bcast(prog(cross, host.reduce(bufs[:reduced]) + list(bufs[reduced:])))
         pipe = getattr(host, "pipelined", None)
         got = None if pipe is None else pipe(cross, bufs, leader_only)
         if got is not None:

@@ -25,6 +25,7 @@ from . import _plugins, _strategies
 from ._overlap import OVERLAP_BUCKET_BYTES, check_overlap, resolve_overlap, warn_no_inter_stage
 from ._overlap import bad_type as _bad_type
 from ._plan import DEFAULT_BUCKET_BYTES, DEFAULT_PACK_THRESHOLD, REDUCED_DTYPES, _check_bytes
+from ._quant import Quantized
 
 # flat packs every leaf: its default buckets stay below glibc's largest mmap
 # threshold (32 MiB on 64-bit), so a packed temporary is never an mmap/munmap
@@ -148,7 +149,7 @@ def _check_comm_type(fn: str, comm) -> None:
 
 
 def _check_dtype(fn, comm_dtype):
-    if comm_dtype is None:
+    if comm_dtype is None or isinstance(comm_dtype, Quantized):
         return None
     try:
         dt = str(jnp.dtype(comm_dtype))
@@ -162,10 +163,35 @@ def _check_dtype(fn, comm_dtype):
         ) from None
     if dt not in REDUCED_DTYPES:
         raise ValueError(
-            f"{fn}: comm_dtype must be one of {REDUCED_DTYPES} or None, "
-            f"got {dt}. Fix: pass e.g. comm_dtype=jnp.bfloat16."
+            f"{fn}: comm_dtype must be one of {REDUCED_DTYPES}, a jaxsync.Quantized or "
+            f"None, got {dt}. Fix: pass e.g. comm_dtype=jnp.bfloat16, or "
+            "comm_dtype=jaxsync.Quantized(bits=8) for 8 bits (4 with bits=4)."
         )
     return dt
+
+
+def _check_quant(fn, comm_dtype, auto: bool, overlap, double_buffering):
+    """``comm_dtype=Quantized(...)``: where it is not supported (yet), an error."""
+    if not isinstance(comm_dtype, Quantized):
+        return None
+    what = (
+        "strategy='auto'"
+        if auto or fn == "auto_mean"
+        else "sharded"
+        if fn == "sharded"
+        else "overlap=True"
+        if overlap is True
+        else "double_buffering=True"
+        if double_buffering
+        else None
+    )
+    if what is not None:
+        raise ValueError(
+            f"{fn}: comm_dtype=Quantized(...) does not work with {what} yet, got "
+            f"comm_dtype={comm_dtype!r}. Fix: drop {what} (a named strategy, no "
+            "overlap or double buffering), or use comm_dtype=jnp.bfloat16."
+        )
+    return comm_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +213,7 @@ class SyncConfig:
     overlap_bucket_bytes: int = OVERLAP_BUCKET_BYTES
     double_buffering: bool = False  # apply step t-1's mean at step t
     host_tier: Any = AUTO  # True, False or "auto" (_host_tier.chosen)
+    quant: Any = None  # comm_dtype=Quantized(...): the wire format (_quantsum)
 
     def describe(self) -> str:
         forced = _host_tier.override()
@@ -206,6 +233,7 @@ class SyncConfig:
             + (" double_buffering" if self.double_buffering else "")
             # the path every synchronisation takes across hosts (its option)
             + f" host_tier {self.host_tier}"
+            + (f" quantized {self.quant.describe()}" if self.quant is not None else "")
             + ("" if forced is None else f" {_host_tier.HOST_TIER_ENV}={int(forced)}")
         )
 
@@ -234,6 +262,7 @@ def make_config(
 ) -> SyncConfig:
     """Validate every static option; raise TypeError/ValueError naming it."""
     chosen = _plugins.strategy(strategy) if isinstance(strategy, str) else None
+    quant = _check_quant(fn, comm_dtype, chosen is not None, overlap, double_buffering)
     if chosen is not None:  # "auto": chosen at trace time (jaxsync.auto, _sync.sync)
         return chosen.make_config(
             fn,
@@ -353,7 +382,7 @@ def make_config(
         backend = _axis_backend.LocalBackend()
     else:
         backend = _make_backend(fn, comm, staging, timeout, on_timeout)
-    overlap = resolve_overlap(overlap, backend)  # "auto": on where the sync spans hosts
+    overlap = resolve_overlap(overlap, backend) and quant is None  # "auto": where it spans hosts
     if (overlap or double_buffering) and isinstance(backend, _axis_backend.LocalBackend):
         warn_no_inter_stage(fn, comm, overlap, double_buffering)
     return SyncConfig(
@@ -371,4 +400,5 @@ def make_config(
         overlap_bucket_bytes=overlap_bucket_bytes,
         double_buffering=double_buffering,
         host_tier=host_tier,
+        quant=quant,
     )

@@ -16,7 +16,7 @@ import optax
 
 from jaxsync._comm import _host_tier, _intra, _invariance, _mpi_backend
 
-from . import _overlap, _plugins, _strategies
+from . import _overlap, _plugins, _quantsum, _strategies
 from ._config import (
     AUTO,
     AxisName,
@@ -40,8 +40,11 @@ if TYPE_CHECKING:  # annotations only: the core does not import jaxsync.sparse
 PyTree = Any
 
 
-def sync(tree: PyTree, cfg: SyncConfig):
-    """Reduce ``tree`` per ``cfg``; returns (tree, all_finite or None)."""
+def sync(tree: PyTree, cfg: SyncConfig, quant=None):
+    """Reduce ``tree`` per ``cfg``; returns (tree, all_finite or None).
+
+    ``quant``: ``(residuals, step)`` of a quantized wire's state (``_quantsum``):
+    then returns (tree, all_finite or None, new residuals)."""
     kind = _plugins.tree_kind(tree)
     if kind is not None:  # RowSparse leaves: split off and all-gathered (jaxsync.sparse)
         return kind.sync(tree, cfg, sync)
@@ -62,6 +65,8 @@ def sync(tree: PyTree, cfg: SyncConfig):
     # The host tier, where the topology has one, per the host_tier option
     # (the same on every process: the option is in the agreed text).
     tiered = _host_tier.chosen(cfg.host_tier, _wire(tree, cfg.comm_dtype))
+    if cfg.quant is not None:  # the host tier sends fewer bytes across hosts ("auto": on)
+        tiered = _host_tier.effective(cfg.host_tier) is not False
     scatters = cfg.strategy == "two_dimensional" and tiered and _scatters_over_host(cfg.backend)
     per_leaf = cfg.strategy == "naive" or (
         alone and not scatters and cfg.strategy in ("hierarchical", "two_dimensional", "flat")
@@ -74,6 +79,8 @@ def sync(tree: PyTree, cfg: SyncConfig):
     plan = make_plan(
         tree, bucket_bytes=cfg.bucket_bytes, pack_threshold=cfg.pack_threshold, per_leaf=per_leaf
     )
+    if cfg.quant is not None:
+        plan = _quantsum.plan_for(tree, cfg)
     agreed = f"{plan.describe()}\n{cfg.describe()}\nreplicas per process {intra.size}"
     n = intra.size * cfg.backend.size()
     if cfg.axes and alone:
@@ -84,6 +91,8 @@ def sync(tree: PyTree, cfg: SyncConfig):
     tree = _invariance.share_invariant(tree, cfg.axes + cfg.backend.mesh_axes)
     dtypes = [jnp.dtype(b.dtype) for b in plan.buckets]
     travel = [jnp.dtype(cfg.comm_dtype) if cfg.comm_dtype else dt for dt in dtypes]
+    if cfg.quant is not None:  # floating buckets are quantized from float32
+        travel = [_quantsum.travel(dt) for dt in travel]
     pres = [_predivide(cfg, dt, n) for dt in travel]
 
     def prepare(k, leaf):
@@ -94,7 +103,11 @@ def sync(tree: PyTree, cfg: SyncConfig):
     # Checked by every process the first time the compiled step runs, before
     # any buffer travels (never while tracing: a process may trace alone).
     bufs = cfg.backend.agree(agreed, "gradient tree", bufs)
-    if cfg.overlap or cfg.double_buffering:
+    residual = None
+    if cfg.quant is not None:
+        residual, step = quant if quant is not None else (None, None)
+        bufs, residual = _quantsum.run(cfg, bufs, residual, intra, tiered, step)
+    elif cfg.overlap or cfg.double_buffering:
         bufs = _overlap.run_async(cfg, bufs, intra, group, tiered)
     else:
         bufs = _strategies.run(cfg.strategy, bufs, intra, cfg.backend, group, tiered)
@@ -116,7 +129,7 @@ def sync(tree: PyTree, cfg: SyncConfig):
         finite = jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
         if cfg.check_finite == "raise":
             _raise_if_nonfinite(named)
-    return result, finite
+    return (result, finite) if quant is None else (result, finite, residual)
 
 
 def _wire(tree, comm_dtype) -> list:
@@ -312,6 +325,7 @@ def sync_gradients(
         sparse=sparse,
         profile=profile,
     )
+    _quantsum.check_stateless(cfg)
     out, finite = sync(tree, cfg)
     return (out, finite) if cfg.check_finite else out
 
@@ -331,6 +345,8 @@ def transform_fns(fn: str, cfg: SyncConfig):
     """``(init_fn, update_fn)`` of a transform that synchronises with ``cfg``."""
     if cfg.double_buffering:
         return _overlap.double_buffer_fns(fn, cfg, sync)
+    if cfg.quant is not None:  # the residuals and the step in a QuantState
+        return _quantsum.transform_fns(fn, cfg, sync)
     expected = SyncState if cfg.check_finite else optax.EmptyState
 
     def init_fn(params):

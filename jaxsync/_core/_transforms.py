@@ -72,8 +72,8 @@ def naive_mean(
         buffer without a copy (``None``: pack everything; ``"auto"``:
         256 KiB).
       comm_dtype: dtype on the wire (``None``: each buffer's own dtype; or
-        ``jnp.bfloat16``/``jnp.float16``, lossy). 16-bit data is always summed
-        in float32 and rounded once.
+        ``jnp.bfloat16``/``jnp.float16``, lossy, or a :class:`jaxsync.Quantized`:
+        8/4 bits). Always summed in float32 (16-bit: rounded once).
       predivide: divide by this before the sum and by ``n / predivide`` after
         (Horovod's ``gradient_predivide_factor``). ``None``: with
         ``reduce="mean"``, the replica count ``n`` if a power of two (exact,
@@ -157,8 +157,8 @@ def flat_mean(
         buffer without a copy (``None``: pack everything; ``"auto"``:
         ``None``).
       comm_dtype: dtype on the wire (``None``: each buffer's own dtype; or
-        ``jnp.bfloat16``/``jnp.float16``, lossy). 16-bit data is always summed
-        in float32 and rounded once.
+        ``jnp.bfloat16``/``jnp.float16``, lossy, or a :class:`jaxsync.Quantized`:
+        8/4 bits). Always summed in float32 (16-bit: rounded once).
       predivide: divide by this before the sum and by ``n / predivide`` after
         (Horovod's ``gradient_predivide_factor``). ``None``: with
         ``reduce="mean"``, the replica count ``n`` if a power of two (exact,
@@ -239,8 +239,8 @@ def hierarchical_mean(
         buffer without a copy (``None``: pack everything; ``"auto"``:
         256 KiB).
       comm_dtype: dtype on the wire (``None``: each buffer's own dtype; or
-        ``jnp.bfloat16``/``jnp.float16``, lossy). 16-bit data is always summed
-        in float32 and rounded once.
+        ``jnp.bfloat16``/``jnp.float16``, lossy, or a :class:`jaxsync.Quantized`:
+        8/4 bits). Always summed in float32 (16-bit: rounded once).
       predivide: divide by this before the sum and by ``n / predivide`` after
         (Horovod's ``gradient_predivide_factor``). ``None``: with
         ``reduce="mean"``, the replica count ``n`` if a power of two (exact,
@@ -323,8 +323,8 @@ def two_dimensional_mean(
         buffer without a copy (``None``: pack everything; ``"auto"``:
         256 KiB).
       comm_dtype: dtype on the wire (``None``: each buffer's own dtype; or
-        ``jnp.bfloat16``/``jnp.float16``, lossy). 16-bit data is always summed
-        in float32 and rounded once.
+        ``jnp.bfloat16``/``jnp.float16``, lossy, or a :class:`jaxsync.Quantized`:
+        8/4 bits). Always summed in float32 (16-bit: rounded once).
       predivide: divide by this before the sum and by ``n / predivide`` after
         (Horovod's ``gradient_predivide_factor``). ``None``: with
         ``reduce="mean"``, the replica count ``n`` if a power of two (exact,
@@ -391,8 +391,8 @@ def single_node_mean(
         buffer without a copy (``None``: pack everything; ``"auto"``:
         256 KiB).
       comm_dtype: dtype on the wire (``None``: each buffer's own dtype; or
-        ``jnp.bfloat16``/``jnp.float16``, lossy). 16-bit data is always summed
-        in float32 and rounded once.
+        ``jnp.bfloat16``/``jnp.float16``, lossy, or a :class:`jaxsync.Quantized`:
+        8/4 bits). Always summed in float32 (16-bit: rounded once).
       predivide: divide by this before the sum and by ``n / predivide`` after
         (Horovod's ``gradient_predivide_factor``). ``None``: with
         ``reduce="mean"``, the replica count ``n`` if a power of two (exact,

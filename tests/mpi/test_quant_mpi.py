@@ -1,0 +1,78 @@
+"""comm_dtype=jaxsync.Quantized(...) across processes: mpirun -n 2 x 2 devices,
+one worker run (tests/mpi/worker_quant.py): the timeline's byte counts against
+the formula, the property test's examples (the same on every rank), error
+feedback's state equal on every replica."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from mpi_harness import requires_mpi, run_mpi
+
+pytestmark = requires_mpi
+
+DEVICES = 2
+
+
+@pytest.fixture(scope="module")
+def quant_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("quant")
+    return run_mpi(
+        "worker_quant.py", n=2, devices=DEVICES, args=("--dir", str(d)), timeout=300
+    ).check()
+
+
+def _calls(path):
+    with open(path) as f:
+        doc = json.load(f)
+    return [
+        (e["name"], e["args"]["bytes"])
+        for e in doc["traceEvents"]
+        if e["ph"] == "X" and e["cat"] == "communication" and e["args"]["bytes"] > 0
+    ]
+
+
+@pytest.mark.parametrize("name", ["int8", "fp4"])
+def test_timeline_bytes_match_the_formula(quant_run, name):
+    """Per process: the all-to-all sends (N - 1) / N of its buffer, the all-gather
+    its slice to N - 1 peers: 2 (N - 1) / N * n * (b / 8 + 4 / B) in all."""
+    N = 2
+    for rank in range(N):
+        w = quant_run.results[rank]["bytes"][name]
+        n, b, B = w["n"], w["bits"], w["block"]
+        calls = _calls(os.path.join(w["dir"], f"rank{rank}.json"))
+        # the leader (local device 0) talks MPI: one all-to-all, one all-gather
+        assert sorted(k for k, _ in calls) == ["allgather", "alltoall"], calls
+        got = dict(calls)
+        assert got["alltoall"] == n * b // 8 + 4 * n // B
+        assert got["allgather"] == (n * b // 8 + 4 * n // B) // N
+        sent = (N - 1) / N * got["alltoall"] + (N - 1) * got["allgather"]
+        assert sent == 2 * (N - 1) / N * n * (b / 8 + 4 / B)
+        ratio = sent / (2 * (N - 1) / N * 4 * n)  # float32's ring allreduce
+        assert ratio == (b / 8 + 4 / B) / 4  # 0.2539 (int8) / 0.1289 (4 bits) at B=256
+
+
+def test_property_every_rank_same_examples_within_bound(quant_run):
+    rows = [quant_run.results[r]["property"] for r in range(2)]
+    assert len(rows[0]) == len(rows[1]) >= 3
+    for a, b in zip(*rows):
+        assert a["example"] == b["example"] and a["strategy"] == b["strategy"]
+        for ya, yb in zip(a["out"], b["out"]):  # every replica of every rank the same bits
+            assert (ya.view(np.uint32) == yb[:1].view(np.uint32)).all(), a["example"]
+        for row in (a, b):
+            assert row["error"] is None, row["error"]
+
+
+def test_error_feedback_state_equal_everywhere(quant_run):
+    ef = [quant_run.results[r]["ef"] for r in range(2)]
+    for step in range(3):
+        every = np.concatenate([e["outs"][step][0] for e in ef])
+        assert (every.view(np.uint32) == every[:1].view(np.uint32)).all()
+    for e in ef:  # each process's devices hold its one residual
+        r = e["residual"][0]
+        assert (r.view(np.uint32) == r[:1].view(np.uint32)).all()
+        assert np.abs(r).max() > 0
+    assert not np.array_equal(ef[0]["outs"][0][0], ef[0]["outs"][1][0])
