@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
+from jaxsync._comm import _mpi_backend
 from jaxsync._core import _config
 from jaxsync._core._overlap import bad_type
 
@@ -139,6 +140,15 @@ def make_local_config(
         check_finite=True,
         timeout=timeout,
     )
+    if isinstance(sync.backend, _mpi_backend.MPIBackend) and not sync.backend.native:
+        # The outer mean sits in a lax.cond on the step count, whose MPI calls
+        # jaxsync orders only on its native path.
+        raise ValueError(
+            f"{fn}: the outer mean runs every {every} steps inside a lax.cond, which "
+            "jaxsync orders only on its native MPI path (CPU, staging='device'); this "
+            f"backend is {sync.backend!r}. Fix: run on CPU with the native target "
+            "(python -m jaxsync info), or islands as a mesh axis (jaxsync.AxisComm)."
+        )
     return LocalConfig(
         fn,
         inner,
