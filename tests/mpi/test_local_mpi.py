@@ -32,13 +32,19 @@ def targets(mode):
     return [C[0], C[2]]
 
 
-def reference(mode, steps, every, outer):
-    """Parameters and anchor after each step; ``outer(pg, state) -> (anchor, state)``."""
+def reference(mode, steps, every, outer, warmup=0):
+    """Parameters and anchor after each step; ``outer(pg, state) -> (anchor, state)``;
+    ``warmup`` steps of data parallel first (the gradients averaged over both)."""
     cs = targets(mode)
     xs, anchor, state, out = [X0.copy(), X0.copy()], X0.copy(), None, []
     for t in range(1, steps + 1):
+        if t <= warmup:
+            xs = [x - 0.5 * (x - np.mean(cs, axis=0)) for x in xs]
+            anchor = xs[0].copy()
+            out.append((xs, anchor.copy()))
+            continue
         xs = [x - 0.5 * (x - c) for x, c in zip(xs, cs)]
-        if t % every == 0:
+        if (t - warmup) % every == 0:
             pg = np.mean([anchor - x for x in xs], axis=0)
             anchor, state = outer(anchor, pg, state)
             xs = [anchor.copy(), anchor.copy()]
@@ -77,6 +83,14 @@ def test_closed_forms_across_processes(local_run, mode, case):
             np.testing.assert_array_equal(x, xs[rank], err_msg=f"rank {rank} step {t}")
             np.testing.assert_array_equal(a, anchor, err_msg=f"rank {rank} step {t}")
             assert skipped == 0
+
+
+def test_post_local_sgd_warmup_is_data_parallel_first(local_run):
+    want = reference("smap", 6, 2, sgd(1.0), warmup=2)
+    for rank, res in enumerate(local_run.results):
+        for t, ((x, a, _), (xs, anchor)) in enumerate(zip(res["warmup"], want)):
+            np.testing.assert_array_equal(x, xs[rank], err_msg=f"rank {rank} step {t}")
+            np.testing.assert_array_equal(a, anchor, err_msg=f"rank {rank} step {t}")
 
 
 def test_bfloat16_wire_within_its_rounding(local_run):

@@ -93,6 +93,10 @@ def main():
             run(lambda isl: jaxsync.bmuf(inner(isl, 0.5), every=2, islands=isl), mode, 6),
         )
     res.add(
+        "warmup",
+        run(lambda isl: jaxsync.local_sgd(inner(isl, 0.5), 2, warmup=2, islands=isl), "smap", 6),
+    )
+    res.add(
         "bf16",
         run(
             lambda isl: jaxsync.diloco(
