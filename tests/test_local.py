@@ -277,3 +277,30 @@ def test_bfloat16_parameters_keep_a_float32_anchor():
         p = optax.apply_updates(p, u)
     assert p["x"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(p["x"], np.float32), [0.0, 2.0])
+
+
+def test_vmap_and_pmap_islands_follow_the_reference():
+    # Under vmap the step count is batched: both branches run and are selected.
+    tx = jaxsync.diloco(_inner(0.5), optax.sgd(0.5, momentum=0.5), every=2, islands=_isl())
+
+    def body(c):
+        p = {"x": jnp.asarray(X0, jnp.float32)}
+        s = tx.init(p)
+        for _ in range(4):
+            u, s = tx.update({"x": p["x"] - c}, s, p)
+            p = optax.apply_updates(p, u)
+        return s.anchor["x"]
+
+    c = jnp.asarray(C.reshape(2, 4, 2), jnp.float32)
+    ci = islands_c(2)
+    anchor, m = X0.copy(), None
+    for _ in range(2):
+        pg = np.mean([anchor - local_steps(anchor, ci[i], 0.5, 2) for i in range(2)], axis=0)
+        m = pg if m is None else 0.5 * m + pg
+        anchor = anchor - 0.5 * m
+    want = np.broadcast_to(anchor, (2, 4, 2))
+    inner_map = jax.vmap(body, axis_name="replica")
+    got = jax.jit(jax.vmap(inner_map, axis_name="island"))(c)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    got = jax.pmap(inner_map, axis_name="island")(c)
+    np.testing.assert_array_equal(np.asarray(got), want)
