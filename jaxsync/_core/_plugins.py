@@ -5,7 +5,9 @@ The core (config, sync, transforms) never imports ``jaxsync.sparse`` or
 imports both), and the core asks here at the three places it meets them: a tree
 with leaves of a registered kind (``RowSparse``: the tree is split there), a
 strategy it does not implement itself (``"auto"``: a transform made there, the
-choice resolved at trace time), and an option only an area reads (``sparse=``).
+choice resolved at trace time), and an option only an area reads (``sparse=``);
+``jaxsync.local`` checks every synchronisation traced inside its inner chain
+(``check_sync``: an inner mean must not span islands).
 
 Imports: the standard library only.
 """
