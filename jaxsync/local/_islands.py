@@ -25,6 +25,7 @@ from jaxsync._comm._topology import default_comm
 from jaxsync._core import _plugins
 
 _KINDS = ("host", "process")
+_MADE: dict = {}  # (id(comm), kind) -> (comm, Islands): the split communicators, kept
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -112,12 +113,15 @@ def islands(islands: Any = "host", *, axis_name: Any = None, comm: Any = "auto")
             return Islands(islands, axis_name, None, None, 1, 0)
         from mpi4py import MPI as _MPI
 
-        rank = comm.Get_rank()
-        if islands == "process":
-            island = comm.Split(rank, key=0)  # a communicator of one
-        else:
-            island = comm.Split_type(_MPI.COMM_TYPE_SHARED, key=rank)
-        return _from_island(islands, axis_name, comm, island)
+        key = (id(comm), islands)
+        if key not in _MADE or _MADE[key][0] is not comm:  # once per communicator
+            rank = comm.Get_rank()
+            if islands == "process":
+                island = comm.Split(rank, key=0)  # a communicator of one
+            else:
+                island = comm.Split_type(_MPI.COMM_TYPE_SHARED, key=rank)
+            _MADE[key] = (comm, _from_island(islands, None, comm, island))
+        return dataclasses.replace(_MADE[key][1], axis_name=axis_name)
     MPI = sys.modules.get("mpi4py.MPI")
     if MPI is not None and isinstance(islands, MPI.Intracomm):
         if comm is None:
