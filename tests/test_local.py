@@ -304,3 +304,36 @@ def test_vmap_and_pmap_islands_follow_the_reference():
     np.testing.assert_array_equal(np.asarray(got), want)
     got = jax.pmap(inner_map, axis_name="island")(c)
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_a_checkpoint_between_send_and_apply_resumes_alike(tmp_path):
+    # delay=1: saved right after fragment 0's send step, its mean held in the state.
+    ocp = pytest.importorskip("orbax.checkpoint")
+    tx = jaxsync.diloco(
+        optax.sgd(0.125, momentum=0.5),
+        every=4,
+        fragments=2,
+        delay=1,
+        islands=jaxsync.islands(comm=None),
+    )
+
+    def step(p, s):
+        u, s = tx.update(jax.tree.map(lambda x: x - 2.0, p), s, p)
+        return optax.apply_updates(p, u), s
+
+    step = jax.jit(step)
+    p = {"a": jnp.ones(3), "b": jnp.arange(4.0)}
+    s = tx.init(p)
+    for _ in range(2):
+        p, s = step(p, s)
+    ck = ocp.StandardCheckpointer()
+    ck.save(tmp_path / "ck", {"p": p, "s": s})
+    ck.wait_until_finished()
+    r = ck.restore(tmp_path / "ck", jax.eval_shape(lambda: {"p": p, "s": s}))
+    p2, s2 = r["p"], r["s"]
+    for _ in range(5):
+        p, s = step(p, s)
+        p2, s2 = step(p2, s2)
+    for x, y in zip(jax.tree.leaves((p, s)), jax.tree.leaves((p2, s2))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert not np.array_equal(np.asarray(p["a"]), np.ones(3))
