@@ -257,6 +257,7 @@ def test_streaming_follows_its_schedule(frags, delay, mix):
         ({"every": 4, "mix": 1.5}, "mix must be"),
         ({"every": 4, "outer": lambda g: g}, "outer"),
         ({"every": 2.0}, "every"),
+        ({"every": 4, "fragments": 2, "delay": 1, "overlap": True}, "overlap=True needs"),
     ],
 )
 def test_bad_configuration_fails_in_the_factory(kw, match):

@@ -3,7 +3,8 @@ islands that synchronise every step, and exchange parameters every ``H`` steps.
 
 Modules: ``_islands`` (``islands``, ``Islands``, the inner-mean guard),
 ``_state`` (the state, the static checks), ``_update`` (one step), ``_diloco``
-(``diloco``, streaming), ``_presets`` (``local_sgd``, ``bmuf``).
+(``diloco``, streaming), ``_inflight`` (streaming's mean in flight across
+steps), ``_presets`` (``local_sgd``, ``bmuf``).
 """
 
 from ._diloco import diloco

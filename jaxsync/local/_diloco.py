@@ -31,6 +31,7 @@ def diloco(
     labels: Any = None,
     mix: float = 0.0,
     delay: int = 0,
+    overlap: bool = False,
 ) -> optax.GradientTransformation:
     """DiLoCo: ``every`` local steps per island, then one outer step.
 
@@ -64,7 +65,11 @@ def diloco(
     alpha * local`` (``alpha = 0`` discards its ``tau`` local steps). Here the
     mean is taken at the send step and held in the state (``state.held``) until
     it is applied: the arithmetic and the bytes are streaming's, but the
-    transfer is not overlapped with the ``tau`` steps.
+    transfer is not overlapped with the ``tau`` steps. ``overlap=True`` (one
+    device per process, islands across processes) starts it instead at the
+    send step on a thread of its own and takes the result ``tau`` steps later:
+    the transfer runs while those steps compute (the state then holds a handle,
+    valid in this process only: checkpoint after an apply step).
 
     Args:
       inner: the whole inner optimizer, e.g. ``optax.chain(mean, adam)``.
@@ -81,6 +86,7 @@ def diloco(
       labels: each leaf's fragment (``None``: strided).
       mix: ``alpha`` in ``[0, 1]``.
       delay: ``tau < every / fragments``.
+      overlap: run the delayed mean during the ``tau`` steps (see above).
 
     Returns:
       an ``optax.GradientTransformation`` whose state is a
@@ -112,5 +118,6 @@ def diloco(
         labels=labels,
         mix=mix,
         delay=delay,
+        overlap=overlap,
     )
     return optax.GradientTransformation(init_fn(cfg), update_fn(cfg))

@@ -61,12 +61,13 @@ class LocalConfig:
     labels: Any = None  # a pytree of ints in [0, fragments), or None (strided)
     mix: float = 0.0
     delay: int = 0
+    lane: Any = None  # overlap=True: the outer communicator's lane (_inflight)
 
     def describe(self) -> str:
         return (
             f"{self.fn} every {self.every} warmup {self.warmup} reset_inner "
             f"{self.reset_inner} fragments {self.fragments} mix {self.mix} delay "
-            f"{self.delay} {self.islands.describe()}"
+            f"{self.delay} overlap {self.lane is not None} {self.islands.describe()}"
         )
 
 
@@ -100,6 +101,7 @@ def make_local_config(
     labels=None,
     mix=0.0,
     delay=0,
+    overlap=False,
 ) -> LocalConfig:
     """Validate every static option of a local-update factory."""
     _tx(fn, "inner", inner, "pass the whole inner optimizer, e.g. optax.chain(mean, adam)")
@@ -149,6 +151,22 @@ def make_local_config(
             f"backend is {sync.backend!r}. Fix: run on CPU with the native target "
             "(python -m jaxsync info), or islands as a mesh axis (jaxsync.AxisComm)."
         )
+    lane = None
+    if not isinstance(overlap, bool):
+        raise bad_type(fn, "overlap", "a bool", overlap, "overlap=False or overlap=True")
+    if overlap:
+        outer_comm = islands_.outer_comm
+        if not delay or islands_.axis_name is not None or not hasattr(outer_comm, "Allreduce"):
+            raise ValueError(
+                f"{fn}: overlap=True needs delay >= 1 (got {delay}), one device per "
+                f"process (the islands' axis_name None, got {islands_.axis_name!r}) and "
+                f"islands across processes (an MPI outer communicator, got {outer_comm!r}). "
+                "Fix: delay=1 or more and islands=jaxsync.islands('process'), or "
+                "overlap=False (the mean taken at the send step and held)."
+            )
+        from ._inflight import lane as _lane
+
+        lane = _lane(outer_comm)
     return LocalConfig(
         fn,
         inner,
@@ -162,6 +180,7 @@ def make_local_config(
         labels=labels,
         mix=float(mix),
         delay=delay,
+        lane=lane,
     )
 
 

@@ -59,7 +59,9 @@ def init_fn(cfg: LocalConfig):
         frags = _fragments(cfg, params)
         outer = tuple(cfg.outer.init([anchor[k] for k in ks]) for ks in frags)
         held = ()
-        if cfg.delay:
+        if cfg.lane is not None:  # a handle per fragment (-1: none in flight)
+            held = tuple(jnp.array(-1, jnp.int32) for _ in frags)
+        elif cfg.delay:
             held = tuple(([jnp.zeros_like(anchor[k]) for k in ks], jnp.array(True)) for ks in frags)
         return LocalUpdatesState(
             step=jnp.zeros((), jnp.int32),
@@ -110,6 +112,28 @@ def _outer(cfg: LocalConfig, mean, finite, anchor, ostate):
     return pick(new_anchor, anchor), pick(new_state, ostate)
 
 
+def _in_flight(cfg: LocalConfig, send, apply, handle, a_f, loc):
+    """overlap=True: start the fragment's mean at its send step, take it at apply."""
+    from . import _inflight
+
+    handle = lax.cond(
+        send,
+        lambda args: _inflight.start(cfg.lane, [x - y for x, y in zip(*args)]),
+        lambda _: handle,
+        (a_f, loc),
+    )
+
+    def take(h):
+        mean = _inflight.finish(cfg.lane, h, a_f)
+        return mean, jnp.all(jnp.stack([jnp.all(jnp.isfinite(m)) for m in mean]))
+
+    def idle(h):
+        return [jnp.zeros(x.shape, x.dtype) for x in a_f], jnp.array(True)
+
+    mean, finite = lax.cond(apply, take, idle, handle)
+    return mean, finite, handle
+
+
 def update_fn(cfg: LocalConfig):
     def update(updates, state, params=None, **extra):
         if params is None:
@@ -151,11 +175,13 @@ def update_fn(cfg: LocalConfig):
         ostates, held = list(state.outer_state), list(state.held)
         skipped, applied = state.skipped, jnp.array(False)
         for f, ks in enumerate(_fragments(cfg, params)):
+            if not ks:  # fewer leaves than fragments: this turn moves nothing
+                continue
             a_f = [anchor[k] for k in ks]
             loc = [l_leaves[k].astype(jnp.float32) for k in ks]
             send = _turn(n, cfg, f)
 
-            def mean_of(args, like=held[f][0] if cfg.delay else None):
+            def mean_of(args, like=held[f][0] if cfg.delay and cfg.lane is None else None):
                 a, lo = args
                 mean, finite = _mean(cfg, [x - y for x, y in zip(a, lo)])
                 if like is not None:  # typed as the held values (shard_map)
@@ -168,7 +194,12 @@ def update_fn(cfg: LocalConfig):
                 a, _ = args
                 return [jnp.zeros(x.shape, x.dtype) for x in a], jnp.array(True)
 
-            if cfg.delay:
+            if cfg.lane is not None:
+                mean, finite, held[f] = _in_flight(
+                    cfg, send, _turn(n - cfg.delay, cfg, f), held[f], a_f, loc
+                )
+                apply = _turn(n - cfg.delay, cfg, f)
+            elif cfg.delay:
                 got = _select_phase(~send, lambda _, h=held[f]: h, mean_of, (a_f, loc), cfg.sync)
                 held[f] = got
                 apply = _turn(n - cfg.delay, cfg, f)

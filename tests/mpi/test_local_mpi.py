@@ -93,6 +93,16 @@ def test_post_local_sgd_warmup_is_data_parallel_first(local_run):
             np.testing.assert_array_equal(a, anchor, err_msg=f"rank {rank} step {t}")
 
 
+def test_the_mean_in_flight_across_steps_equals_the_held_mean(local_run):
+    for res in local_run.results:
+        held, flying = res["stream:False"], res["stream:True"]
+        assert len(held) == 9
+        for t, ((x, a, _), (y, b, _)) in enumerate(zip(held, flying)):
+            np.testing.assert_array_equal(x, y, err_msg=f"step {t}")
+            np.testing.assert_array_equal(a, b, err_msg=f"step {t}")
+        assert not np.array_equal(held[-1][1], X0)  # the anchor moved
+
+
 def test_bfloat16_wire_within_its_rounding(local_run):
     def nesterov(anchor, pg, m):
         m = pg if m is None else 0.9 * m + pg

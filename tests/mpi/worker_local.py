@@ -33,7 +33,7 @@ def main():
     mesh = Mesh(np.array(jax.local_devices()), ("d",))
     c_all = np.asarray(C, np.float32)
 
-    def run(make, mode, steps, bad=None):
+    def run(make, mode, steps, bad=None, split=False):
         axis = "d" if mode == "smap" else None
         isl = jaxsync.islands("process", axis_name=axis, comm=comm)
         tx = make(isl)
@@ -54,17 +54,22 @@ def main():
             )
         else:  # one island of one device: the process's first device's target
             c = jnp.asarray(c_all[rank * dev])
+            if split:  # two leaves (streaming's fragments)
+                p = {"x": p["x"][:1], "y": p["x"][1:]}
 
             def step(c, s, p, nan):
-                u, s = tx.update({"x": p["x"] - c + nan}, s, p)
+                cs = {"x": c[:1], "y": c[1:]} if split else {"x": c}
+                g = jax.tree.map(lambda x, cc: x - cc + nan, p, cs)
+                u, s = tx.update(g, s, p)
                 return optax.apply_updates(p, u), s
 
             s, f = tx.init(p), jax.jit(step)
+        both = (lambda t: jnp.concatenate([t["x"], t["y"]])) if split else (lambda t: t["x"])
         out = []
         for t in range(steps):
             nan = jnp.float32(np.nan if bad == (t, rank) else 0.0)
             p, s = f(c, s, p, nan)
-            out.append((to_numpy(p["x"]), to_numpy(s.anchor["x"]), int(s.skipped)))
+            out.append((to_numpy(both(p)), to_numpy(both(s.anchor)), int(s.skipped)))
         return out
 
     def inner(isl, lr):
@@ -91,6 +96,25 @@ def main():
         res.add(
             f"{mode}:bmuf",
             run(lambda isl: jaxsync.bmuf(inner(isl, 0.5), every=2, islands=isl), mode, 6),
+        )
+    for ov in (False, True):  # streaming, its mean in flight across jitted calls or held
+        res.add(
+            f"stream:{ov}",
+            run(
+                lambda isl, ov=ov: jaxsync.diloco(
+                    inner(isl, 0.5),
+                    optax.sgd(0.5, momentum=0.5),
+                    every=4,
+                    fragments=2,
+                    delay=1,
+                    mix=0.5,
+                    islands=isl,
+                    overlap=ov,
+                ),
+                "jit",
+                9,
+                split=True,
+            ),
         )
     res.add(
         "warmup",
