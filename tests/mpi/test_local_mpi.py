@@ -125,6 +125,24 @@ def test_a_nonfinite_island_skips_the_outer_step_on_both(local_run):
     np.testing.assert_array_equal(r0[3][1], r1[3][1])
 
 
+def test_host_islands_on_one_machine_are_one_island_of_both(local_run):
+    # Lookahead with the two processes' mean as the inner step: x runs to the
+    # mean target; every 2 steps anchor <- anchor + 0.5 (x - anchor), x <- anchor.
+    target = (C[0] + C[2]) / 2
+    x, anchor, want = X0.copy(), X0.copy(), []
+    for t in range(1, 5):
+        x = x - 0.5 * (x - target)
+        if t % 2 == 0:
+            anchor = anchor - 0.5 * (anchor - x)
+            x = anchor.copy()
+        want.append((x.copy(), anchor.copy()))
+    for res in local_run.results:
+        assert res["host:islands"] == (1, 2, True)
+        for (x, a, _), (wx, wa) in zip(res["host"], want):
+            np.testing.assert_array_equal(x, wx)
+            np.testing.assert_array_equal(a, wa)
+
+
 def test_an_inner_mean_over_the_world_is_refused_on_every_rank(local_run):
     for res in local_run.results:
         kind, msg = res["guard"]

@@ -33,9 +33,9 @@ def main():
     mesh = Mesh(np.array(jax.local_devices()), ("d",))
     c_all = np.asarray(C, np.float32)
 
-    def run(make, mode, steps, bad=None, split=False):
+    def run(make, mode, steps, bad=None, split=False, kind="process"):
         axis = "d" if mode == "smap" else None
-        isl = jaxsync.islands("process", axis_name=axis, comm=comm)
+        isl = jaxsync.islands(kind, axis_name=axis, comm=comm)
         tx = make(isl)
         p = {"x": jnp.asarray(X0, jnp.float32)}
         if mode == "smap":
@@ -134,6 +134,17 @@ def main():
         "skip",
         run(lambda isl: jaxsync.diloco(inner(isl, 0.5), every=2, islands=isl), "smap", 4, (3, 1)),
     )
+
+    # islands="host": both processes share this machine: one island of two, whose
+    # inner mean may span the world (it is the island); the outer mean has no peer.
+    host = jaxsync.islands("host", comm=comm)
+    res.add("host:islands", (host.count, host.comm.Get_size(), host.outer_comm is None))
+
+    def world_island(isl):
+        tx = optax.chain(jaxsync.hierarchical_mean(axis_name=None, comm=comm), optax.sgd(0.5))
+        return jaxsync.diloco(tx, optax.sgd(0.5), every=2, islands=isl)
+
+    res.add("host", run(world_island, "jit", 4, kind="host"))
 
     def attempt(key, fn):
         try:
