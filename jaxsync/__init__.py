@@ -33,6 +33,15 @@ from jaxsync._core._transforms import (
 # The optional areas (each registers with the core when imported).
 from jaxsync.auto import auto_mean
 from jaxsync.compress import PowerSGDState, SignState, powersgd_mean, sign_mean, state_specs
+from jaxsync.local import (
+    BMUFState,
+    Islands,
+    LocalUpdatesState,
+    bmuf,
+    diloco,
+    islands,
+    local_sgd,
+)
 from jaxsync.sparse import (
     RowSparse,
     SparseOptions,
@@ -60,6 +69,13 @@ __all__ = [
     "accumulate",
     "apply_if_finite",
     "auto_mean",
+    "BMUFState",
+    "bmuf",
+    "diloco",
+    "Islands",
+    "islands",
+    "local_sgd",
+    "LocalUpdatesState",
     "Bucket",
     "LeafSpec",
     "Plan",

@@ -18,6 +18,7 @@ OPTIONAL = (
     "jaxsync.bench",
     "jaxsync.cluster",
     "jaxsync.zero",
+    "jaxsync.local",
 )
 
 

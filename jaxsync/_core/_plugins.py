@@ -5,7 +5,9 @@ The core (config, sync, transforms) never imports ``jaxsync.sparse`` or
 imports both), and the core asks here at the three places it meets them: a tree
 with leaves of a registered kind (``RowSparse``: the tree is split there), a
 strategy it does not implement itself (``"auto"``: a transform made there, the
-choice resolved at trace time), and an option only an area reads (``sparse=``).
+choice resolved at trace time), and an option only an area reads (``sparse=``);
+``jaxsync.local`` checks every synchronisation traced inside its inner chain
+(``check_sync``: an inner mean must not span islands).
 
 Imports: the standard library only.
 """
@@ -37,6 +39,7 @@ class Strategy(NamedTuple):
 _TREE_KINDS: dict[str, TreeKind] = {}
 _STRATEGIES: dict[str, Strategy] = {}
 _OPTIONS: dict[str, Callable[[str, Any], Any]] = {}
+_SYNC_CHECKS: list[Callable[[Any], None]] = []
 
 
 def register_tree_kind(kind: TreeKind) -> None:
@@ -50,6 +53,16 @@ def register_strategy(name: str, strategy: Strategy) -> None:
 def register_option(name: str, check: Callable[[str, Any], Any]) -> None:
     """``check(fn, value)`` validates option ``name`` of factory ``fn``."""
     _OPTIONS[name] = check
+
+
+def register_sync_check(check: Callable[[Any], None]) -> None:
+    """``check(cfg)`` runs when a synchronisation is traced (jaxsync.local's island guard)."""
+    _SYNC_CHECKS.append(check)
+
+
+def check_sync(cfg) -> None:
+    for check in _SYNC_CHECKS:
+        check(cfg)
 
 
 def tree_kind(tree) -> TreeKind | None:

@@ -49,6 +49,7 @@ def sync(tree: PyTree, cfg: SyncConfig, quant=None):
     if kind is not None:  # RowSparse leaves: split off and all-gathered (jaxsync.sparse)
         return kind.sync(tree, cfg, sync)
     _intra.check_axes(cfg.axes)
+    _plugins.check_sync(cfg)  # e.g. an inner mean that reaches past its island
     if cfg.auto is not None:  # chosen now, from the tree (jaxsync.auto)
         chosen = _plugins.strategy(cfg.strategy)
         assert chosen is not None, cfg.strategy  # its make_config made this cfg

@@ -1,0 +1,156 @@
+"""jaxsync.local under mpirun (``worker_local.py``): 2 processes of 2 devices,
+islands="process"; shard_map over both devices and plain jit on one. Against
+float64 references written out, bitwise (dyadic values): H=1 with outer sgd(1)
+is data-parallel sgd, DiLoCo with outer momentum, BMUF (Caffe2's recurrence);
+within a bound: a bfloat16 wire. A non-finite island skips the outer step on
+both; an inner mean over the world and a disagreement on ``every`` give an
+error on every rank (no hang)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi_harness import requires_mpi, run_mpi
+
+pytestmark = requires_mpi
+
+C = np.array([[3.0, -5.0], [1.0, 7.0], [-2.0, 4.0], [6.0, 0.0]])
+X0 = np.array([4.0, -2.0])
+
+
+@pytest.fixture(scope="module")
+def local_run():
+    run = run_mpi("worker_local.py", n=2, devices=2, timeout=300)
+    assert run.returncode == 0 and not run.timed_out, run.output[-3000:]
+    return run
+
+
+def targets(mode):
+    """Each island's target: the mean of its devices' (smap), or its first device's."""
+    if mode == "smap":
+        return [C[0:2].mean(axis=0), C[2:4].mean(axis=0)]
+    return [C[0], C[2]]
+
+
+def reference(mode, steps, every, outer, warmup=0):
+    """Parameters and anchor after each step; ``outer(pg, state) -> (anchor, state)``;
+    ``warmup`` steps of data parallel first (the gradients averaged over both)."""
+    cs = targets(mode)
+    xs, anchor, state, out = [X0.copy(), X0.copy()], X0.copy(), None, []
+    for t in range(1, steps + 1):
+        if t <= warmup:
+            xs = [x - 0.5 * (x - np.mean(cs, axis=0)) for x in xs]
+            anchor = xs[0].copy()
+            out.append((xs, anchor.copy()))
+            continue
+        xs = [x - 0.5 * (x - c) for x, c in zip(xs, cs)]
+        if (t - warmup) % every == 0:
+            pg = np.mean([anchor - x for x in xs], axis=0)
+            anchor, state = outer(anchor, pg, state)
+            xs = [anchor.copy(), anchor.copy()]
+        out.append((xs, anchor.copy()))
+    return out
+
+
+def sgd(lr, mu=0.0):
+    def outer(anchor, pg, m):
+        m = pg if m is None else mu * m + pg
+        return anchor - lr * m, m
+
+    return outer
+
+
+def bmuf(eta, zeta=1.0):
+    def outer(anchor, pg, v):  # Caffe2: v <- eta v + zeta (avg - theta_g); theta_g += v
+        v = np.zeros(2) if v is None else v
+        v = eta * v + zeta * ((anchor - pg) - anchor)
+        return anchor + v, v
+
+    return outer
+
+
+CASES = {"dp": (3, 1, sgd(1.0)), "diloco": (6, 2, sgd(0.5, 0.5)), "bmuf": (6, 2, bmuf(0.5))}
+
+
+@pytest.mark.parametrize("mode", ["smap", "jit"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_closed_forms_across_processes(local_run, mode, case):
+    steps, every, outer = CASES[case]
+    want = reference(mode, steps, every, outer)
+    for rank, res in enumerate(local_run.results):
+        got = res[f"{mode}:{case}"]
+        for t, ((x, a, skipped), (xs, anchor)) in enumerate(zip(got, want)):
+            np.testing.assert_array_equal(x, xs[rank], err_msg=f"rank {rank} step {t}")
+            np.testing.assert_array_equal(a, anchor, err_msg=f"rank {rank} step {t}")
+            assert skipped == 0
+
+
+def test_post_local_sgd_warmup_is_data_parallel_first(local_run):
+    want = reference("smap", 6, 2, sgd(1.0), warmup=2)
+    for rank, res in enumerate(local_run.results):
+        for t, ((x, a, _), (xs, anchor)) in enumerate(zip(res["warmup"], want)):
+            np.testing.assert_array_equal(x, xs[rank], err_msg=f"rank {rank} step {t}")
+            np.testing.assert_array_equal(a, anchor, err_msg=f"rank {rank} step {t}")
+
+
+def test_the_mean_in_flight_across_steps_equals_the_held_mean(local_run):
+    for res in local_run.results:
+        held, flying = res["stream:False"], res["stream:True"]
+        assert len(held) == 9
+        for t, ((x, a, _), (y, b, _)) in enumerate(zip(held, flying)):
+            np.testing.assert_array_equal(x, y, err_msg=f"step {t}")
+            np.testing.assert_array_equal(a, b, err_msg=f"step {t}")
+        assert not np.array_equal(held[-1][1], X0)  # the anchor moved
+
+
+def test_bfloat16_wire_within_its_rounding(local_run):
+    def nesterov(anchor, pg, m):
+        m = pg if m is None else 0.9 * m + pg
+        return anchor - 0.7 * (pg + 0.9 * m), m
+
+    want = reference("smap", 4, 2, nesterov)
+    for res in local_run.results:
+        for (_x, a, _), (_, anchor) in zip(res["bf16"], want):
+            # DiLoCo's default outer; each pseudo-gradient (|pg| < 4) is rounded once
+            # to bfloat16 (2^-8 relative) on the wire, times lr (1 + mu) < 2
+            np.testing.assert_allclose(a, anchor, rtol=0, atol=2.0**-8 * 8)
+
+
+def test_a_nonfinite_island_skips_the_outer_step_on_both(local_run):
+    r0, r1 = (res["skip"] for res in local_run.results)
+    for rows in (r0, r1):
+        np.testing.assert_array_equal(rows[3][1], rows[1][1])  # anchor kept
+        np.testing.assert_array_equal(rows[3][0], rows[1][1])  # params back to it
+        assert [s for _, _, s in rows] == [0, 0, 0, 1]
+    np.testing.assert_array_equal(r0[3][1], r1[3][1])
+
+
+def test_host_islands_on_one_machine_are_one_island_of_both(local_run):
+    # Lookahead with the two processes' mean as the inner step: x runs to the
+    # mean target; every 2 steps anchor <- anchor + 0.5 (x - anchor), x <- anchor.
+    target = (C[0] + C[2]) / 2
+    x, anchor, want = X0.copy(), X0.copy(), []
+    for t in range(1, 5):
+        x = x - 0.5 * (x - target)
+        if t % 2 == 0:
+            anchor = anchor - 0.5 * (anchor - x)
+            x = anchor.copy()
+        want.append((x.copy(), anchor.copy()))
+    for res in local_run.results:
+        assert res["host:islands"] == (1, 2, True)
+        for (x, a, _), (wx, wa) in zip(res["host"], want):
+            np.testing.assert_array_equal(x, wx)
+            np.testing.assert_array_equal(a, wa)
+
+
+def test_an_inner_mean_over_the_world_is_refused_on_every_rank(local_run):
+    for res in local_run.results:
+        kind, msg = res["guard"]
+        assert kind == "ValueError" and "beyond the island" in msg and "isl.comm" in msg, msg
+
+
+def test_islands_that_disagree_on_every_fail_alike(local_run):
+    got = [res["disagree"] for res in local_run.results]
+    assert all(kind != "OK" for kind, _ in got), got
+    assert got[0] == got[1], got
+    assert "every 2" in got[0][1] and "every 4" in got[0][1], got[0][1]

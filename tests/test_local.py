@@ -1,0 +1,340 @@
+"""jaxsync.local (DiLoCo, local SGD, BMUF, streaming) against closed forms, in one
+process: the islands are a mesh axis ("island", "replica") of 8 fake devices
+under shard_map. Each device d holds the quadratic 1/2 |x - c_d|^2 (gradient
+x - c_d); values are dyadic, so where the float64 reference is exact the float32
+result is compared bitwise, elsewhere within a stated bound."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jaxsync
+
+AX = ("island", "replica")
+C = np.array([[3.0, -5.0], [1.0, 7.0], [-2.0, 4.0], [6.0, 0.0],
+              [0.0, 2.0], [-7.0, 1.0], [5.0, -3.0], [2.0, 6.0]])  # fmt: skip
+X0 = np.array([4.0, -2.0])
+
+
+def _mesh(islands):
+    return Mesh(np.array(jax.devices()).reshape(islands, 8 // islands), AX)
+
+
+def _isl():
+    return jaxsync.islands(jaxsync.AxisComm("island"), axis_name="replica", comm=None)
+
+
+def _inner(lr, **kw):
+    return optax.chain(
+        jaxsync.hierarchical_mean(axis_name="replica", comm=None), optax.sgd(lr, **kw)
+    )
+
+
+def run(tx, islands, steps, c=C, x0=X0, bad=None):
+    """Params and anchor after every step, per device: (8, steps, 2) each.
+    ``bad=(step, device)`` feeds that device a NaN gradient at that step."""
+
+    def body(c):
+        # varying from the start: the scan's carry keeps one type
+        p = {"x": jax.lax.pcast(jnp.asarray(x0, jnp.float32), AX, to="varying")}
+        me = jax.lax.axis_index(AX)
+
+        def step(carry, t):
+            p, s = carry
+            g = p["x"] - c[0]
+            if bad is not None:
+                g = jnp.where((me == bad[1]) & (t == bad[0]), jnp.nan, g)
+            u, s = tx.update({"x": g}, s, p)
+            p = optax.apply_updates(p, u)
+            return (p, s), (p["x"], s.anchor["x"], s.skipped)
+
+        _, (ps, anchors, skipped) = jax.lax.scan(step, (p, tx.init(p)), jnp.arange(steps))
+        return ps[None], anchors[None], skipped[None]
+
+    f = jax.shard_map(body, mesh=_mesh(islands), in_specs=P(AX), out_specs=P(AX))
+    return [np.asarray(a) for a in jax.jit(f)(jnp.asarray(C if c is None else c, jnp.float32))]
+
+
+def islands_c(islands):
+    """Each island's mean target (the inner mean's)."""
+    return C.reshape(islands, 8 // islands, 2).mean(axis=1)
+
+
+def local_steps(x, c, lr, h):
+    for _ in range(h):
+        x = x - lr * (x - c)
+    return x
+
+
+@pytest.mark.parametrize("islands", [2, 4])
+def test_h1_outer_sgd1_is_data_parallel_sgd(islands):
+    tx = jaxsync.diloco(_inner(0.5), optax.sgd(1.0), every=1, islands=_isl())
+    ps, anchors, _ = run(tx, islands, 5)
+    x = X0.copy()
+    for t in range(5):
+        x = x - 0.5 * (x - C.mean(axis=0))  # synchronous data parallel, sgd(0.5)
+        np.testing.assert_array_equal(ps[:, t], np.broadcast_to(x, (8, 2)))
+        np.testing.assert_array_equal(anchors[:, t], np.broadcast_to(x, (8, 2)))
+
+
+def test_h1_outer_momentum_is_data_parallel_momentum():
+    eta, zeta, mu = 0.5, 0.5, 0.5
+    tx = jaxsync.diloco(_inner(eta), optax.sgd(zeta, momentum=mu), every=1, islands=_isl())
+    ps, _, _ = run(tx, 2, 5)
+    x, m = X0.copy(), np.zeros(2)
+    for t in range(5):  # data parallel sgd(eta * zeta, momentum mu)
+        m = mu * m + (x - C.mean(axis=0))
+        x = x - eta * zeta * m
+        np.testing.assert_array_equal(ps[:, t], np.broadcast_to(x, (8, 2)))
+
+
+def test_one_island_is_optax_lookahead():
+    h, alpha = 3, 0.5
+    inner = optax.sgd(0.5, momentum=0.5)
+    tx = jaxsync.diloco(
+        optax.chain(jaxsync.hierarchical_mean(axis_name="replica", comm=None), inner),
+        optax.sgd(alpha),
+        every=h,
+        islands=_isl(),
+    )
+    ps, anchors, _ = run(tx, 1, 7)
+    la = optax.lookahead(inner, sync_period=h, slow_step_size=alpha)
+    lp = optax.LookaheadParams.init_synced({"x": jnp.asarray(X0, jnp.float32)})
+    ls = la.init(lp)
+    la_update = jax.jit(la.update)
+    for t in range(7):
+        g = {"x": lp.fast["x"] - jnp.asarray(C.mean(axis=0), jnp.float32)}
+        with jax.numpy_dtype_promotion("standard"):  # optax multiplies by a bool
+            u, ls = la_update(g, ls, lp)
+        lp = optax.apply_updates(lp, u)
+        np.testing.assert_array_equal(ps[:, t], np.broadcast_to(lp.fast["x"], (8, 2)))
+        np.testing.assert_array_equal(anchors[:, t], np.broadcast_to(lp.slow["x"], (8, 2)))
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_bmuf_is_caffe2s_recurrence(nesterov):
+    h, lr, n, zeta = 2, 0.5, 2, 1.0
+    eta = 1.0 - 1.0 / n  # block_momentum=None
+    tx = jaxsync.bmuf(_inner(lr), every=h, nesterov=nesterov, islands=_isl())
+    ps, anchors, _ = run(tx, n, 3 * h)
+    ci = islands_c(n)
+    theta_g, v, start = X0.copy(), np.zeros(2), X0.copy()
+    for block in range(3):
+        avg = np.mean([local_steps(start, ci[i], lr, h) for i in range(n)], axis=0)
+        v = eta * v + zeta * (avg - theta_g)  # Caffe2's Parallelize_BMUF
+        theta_g = theta_g + v
+        start = theta_g + eta * v if nesterov else theta_g
+        np.testing.assert_array_equal(ps[:, block * h + h - 1], np.broadcast_to(start, (8, 2)))
+        np.testing.assert_array_equal(anchors[:, block * h + h - 1], np.broadcast_to(start, (8, 2)))
+
+
+def test_anchor_follows_the_quadratics_linear_recurrence():
+    # Inner sgd(eta) for H steps on island i's 1/2|x - cbar_i|^2 ends at
+    # cbar_i + q (a - cbar_i), q = (1 - eta)^H; so the pseudo-gradient mean is
+    # (1 - q)(a - cbar) and DiLoCo's Nesterov outer step makes e = a - cbar
+    # follow m <- mu m + (1-q) e; e <- e - lr ((1-q) e + mu m).
+    h, eta, lr, mu, outer_steps = 3, 0.25, 0.7, 0.9, 5
+    tx = jaxsync.diloco(_inner(eta), every=h, islands=_isl())  # DiLoCo's default outer
+    _, anchors, _ = run(tx, 4, h * outer_steps)
+    q = (1.0 - eta) ** h
+    e, m = X0 - C.mean(axis=0), np.zeros(2)
+    for k in range(outer_steps):
+        m = mu * m + (1 - q) * e
+        e = e - lr * ((1 - q) * e + mu * m)
+        got = anchors[:, (k + 1) * h - 1]
+        # float32 arithmetic of a few dozen operations on values of size ~10
+        np.testing.assert_allclose(got, np.broadcast_to(e + C.mean(axis=0), (8, 2)), atol=2e-5)
+
+
+def test_a_nonfinite_pseudo_gradient_skips_the_outer_step_everywhere():
+    tx = jaxsync.diloco(_inner(0.5), optax.sgd(1.0), every=2, islands=_isl())
+    ps, anchors, skipped = run(tx, 2, 4, bad=(3, 5))  # island 1, second outer step
+    a1 = anchors[:, 1]
+    np.testing.assert_array_equal(anchors[:, 3], a1)  # the anchor stays, on every island
+    np.testing.assert_array_equal(ps[:, 3], a1)  # and the parameters return to it
+    assert np.isfinite(ps).all() and np.isfinite(anchors).all()
+    np.testing.assert_array_equal(skipped[:, 3], np.ones(8))
+    np.testing.assert_array_equal(skipped[:, 1], np.zeros(8))
+
+
+def test_an_inner_mean_across_islands_is_refused():
+    inner = optax.chain(jaxsync.hierarchical_mean(axis_name=AX, comm=None), optax.sgd(0.5))
+    tx = jaxsync.diloco(inner, every=2, islands=_isl())
+    with pytest.raises(ValueError, match="spans the mesh axis 'island'.*isl.axis_name"):
+        run(tx, 2, 1)
+
+
+def test_local_sgd_warmup_is_data_parallel_then_averages():
+    h, w, lr = 2, 3, 0.5
+    tx = jaxsync.local_sgd(_inner(lr, momentum=0.5), every=h, warmup=w, islands=_isl())
+    ps, _, _ = run(tx, 2, w + 2 * h)
+    ci = islands_c(2)
+    x, m = X0.copy(), np.zeros(2)
+    for t in range(w):  # gradients averaged over every island, momentum on them
+        m = 0.5 * m + (x - C.mean(axis=0))
+        x = x - lr * m
+        np.testing.assert_array_equal(ps[:, t], np.broadcast_to(x, (8, 2)))
+    xs, ms = [x.copy(), x.copy()], [m.copy(), m.copy()]  # inner state kept
+    for block in range(2):
+        for _ in range(h):
+            for i in range(2):
+                ms[i] = 0.5 * ms[i] + (xs[i] - ci[i])
+                xs[i] = xs[i] - lr * ms[i]
+        avg = (xs[0] + xs[1]) / 2
+        xs = [avg.copy(), avg.copy()]
+        np.testing.assert_array_equal(ps[:, w + block * h + h - 1], np.broadcast_to(avg, (8, 2)))
+
+
+def streaming_reference(h, frags, delay, mix, lr, outer_lr, steps, n=2):
+    """Streaming DiLoCo written out: leaf k in fragment k % P (here the two
+    coordinates are two leaves), fragment f sent at local step n with
+    n % (H/P) == 0 and (n/(H/P) - 1) % P == f, applied delay steps later."""
+    ci = islands_c(n)
+    xs = [X0.copy() for _ in range(n)]
+    anchor, held, out = X0.copy(), {}, []
+    k = h // frags
+    for t in range(1, steps + 1):
+        xs = [local_steps(x, ci[i], lr, 1) for i, x in enumerate(xs)]
+        for f in range(frags):
+            idx = [j for j in range(2) if j % frags == f]
+            if t % k == 0 and (t // k - 1) % frags == f:
+                held[f] = np.mean([anchor[idx] - x[idx] for x in xs], axis=0)
+            s = t - delay
+            if s > 0 and s % k == 0 and (s // k - 1) % frags == f:
+                anchor[idx] = anchor[idx] - outer_lr * held.pop(f)
+                for x in xs:
+                    x[idx] = (1 - mix) * anchor[idx] + mix * x[idx]
+        out.append(np.stack(xs))
+    return out
+
+
+def run_leaves(tx, islands, steps):
+    """As run, with the two coordinates as two leaves (so fragments can split them)."""
+
+    def body(c):
+        x = jax.lax.pcast(jnp.asarray(X0, jnp.float32), AX, to="varying")
+        p = {"a": x[:1], "b": x[1:]}
+
+        def step(carry, _):
+            p, s = carry
+            g = {"a": p["a"] - c[0, :1], "b": p["b"] - c[0, 1:]}
+            u, s = tx.update(g, s, p)
+            p = optax.apply_updates(p, u)
+            return (p, s), jnp.concatenate([p["a"], p["b"]])
+
+        _, out = jax.lax.scan(step, (p, tx.init(p)), None, length=steps)
+        return out[None]
+
+    f = jax.shard_map(body, mesh=_mesh(islands), in_specs=P(AX), out_specs=P(AX))
+    return np.asarray(jax.jit(f)(jnp.asarray(C, jnp.float32)))
+
+
+@pytest.mark.parametrize(
+    "frags,delay,mix", [(1, 0, 0.0), (2, 0, 0.0), (2, 1, 0.5)], ids=["diloco", "P2", "P2tau1mix"]
+)
+def test_streaming_follows_its_schedule(frags, delay, mix):
+    h, lr, olr, steps = 4, 0.5, 0.5, 9
+    tx = jaxsync.diloco(
+        _inner(lr), optax.sgd(olr), every=h, islands=_isl(), fragments=frags, delay=delay, mix=mix
+    )
+    got = run_leaves(tx, 2, steps)
+    want = streaming_reference(h, frags, delay, mix, lr, olr, steps)
+    for t in range(steps):
+        island_rows = got[[0, 4], t]
+        np.testing.assert_array_equal(island_rows, want[t])
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"every": 0}, "every must be >= 1"),
+        ({"every": 4, "fragments": 3}, "not a multiple of fragments"),
+        ({"every": 4, "fragments": 2, "delay": 2}, "delay=2 must be < every/fragments=2"),
+        ({"every": 4, "mix": 1.5}, "mix must be"),
+        ({"every": 4, "outer": lambda g: g}, "outer"),
+        ({"every": 2.0}, "every"),
+        ({"every": 4, "fragments": 2, "delay": 1, "overlap": True}, "overlap=True needs"),
+    ],
+)
+def test_bad_configuration_fails_in_the_factory(kw, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        jaxsync.diloco(optax.sgd(0.1), islands=_isl(), **kw)
+    with pytest.raises(ValueError, match="block_momentum"):
+        jaxsync.bmuf(optax.sgd(0.1), 4, block_momentum=1.0, islands=_isl())
+
+
+def test_bfloat16_parameters_keep_a_float32_anchor():
+    tx = jaxsync.diloco(optax.sgd(0.5), optax.sgd(1.0), every=2, islands=jaxsync.islands(comm=None))
+    p = {"x": jnp.array([1.0, 3.0], jnp.bfloat16)}
+    s = tx.init(p)
+    assert s.anchor["x"].dtype == jnp.float32
+    step = jax.jit(tx.update)
+    for _ in range(2):
+        u, s = step({"x": jnp.array([1.0, 1.0], jnp.bfloat16)}, s, p)
+        p = optax.apply_updates(p, u)
+    assert p["x"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(p["x"], np.float32), [0.0, 2.0])
+
+
+def test_vmap_and_pmap_islands_follow_the_reference():
+    # Under vmap the step count is batched: both branches run and are selected.
+    tx = jaxsync.diloco(_inner(0.5), optax.sgd(0.5, momentum=0.5), every=2, islands=_isl())
+
+    def body(c):
+        p = {"x": jnp.asarray(X0, jnp.float32)}
+        s = tx.init(p)
+        for _ in range(4):
+            u, s = tx.update({"x": p["x"] - c}, s, p)
+            p = optax.apply_updates(p, u)
+        return s.anchor["x"]
+
+    c = jnp.asarray(C.reshape(2, 4, 2), jnp.float32)
+    ci = islands_c(2)
+    anchor, m = X0.copy(), None
+    for _ in range(2):
+        pg = np.mean([anchor - local_steps(anchor, ci[i], 0.5, 2) for i in range(2)], axis=0)
+        m = pg if m is None else 0.5 * m + pg
+        anchor = anchor - 0.5 * m
+    want = np.broadcast_to(anchor, (2, 4, 2))
+    inner_map = jax.vmap(body, axis_name="replica")
+    got = jax.jit(jax.vmap(inner_map, axis_name="island"))(c)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    got = jax.pmap(inner_map, axis_name="island")(c)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_a_checkpoint_between_send_and_apply_resumes_alike(tmp_path):
+    # delay=1: saved right after fragment 0's send step, its mean held in the state.
+    ocp = pytest.importorskip("orbax.checkpoint")
+    tx = jaxsync.diloco(
+        optax.sgd(0.125, momentum=0.5),
+        every=4,
+        fragments=2,
+        delay=1,
+        islands=jaxsync.islands(comm=None),
+    )
+
+    def step(p, s):
+        u, s = tx.update(jax.tree.map(lambda x: x - 2.0, p), s, p)
+        return optax.apply_updates(p, u), s
+
+    step = jax.jit(step)
+    p = {"a": jnp.ones(3), "b": jnp.arange(4.0)}
+    s = tx.init(p)
+    for _ in range(2):
+        p, s = step(p, s)
+    ck = ocp.StandardCheckpointer()
+    ck.save(tmp_path / "ck", {"p": p, "s": s})
+    ck.wait_until_finished()
+    r = ck.restore(tmp_path / "ck", jax.eval_shape(lambda: {"p": p, "s": s}))
+    p2, s2 = r["p"], r["s"]
+    for _ in range(5):
+        p, s = step(p, s)
+        p2, s2 = step(p2, s2)
+    for x, y in zip(jax.tree.leaves((p, s)), jax.tree.leaves((p2, s2))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert not np.array_equal(np.asarray(p["a"]), np.ones(3))
