@@ -12,8 +12,15 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
-from jaxsync.auto import _cost, _cost_ops, _project, _project_cli, _project_model, _published
-from jaxsync.auto import _project_trees
+from jaxsync.auto import (
+    _cost,
+    _cost_ops,
+    _project,
+    _project_cli,
+    _project_model,
+    _project_trees,
+    _published,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 

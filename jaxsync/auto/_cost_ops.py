@@ -351,8 +351,7 @@ def strategy_ops(
         if topo.native and total > TIER_CHUNK_BYTES:  # jaxsync_tier: stages pipelined
             m = -(-total // TIER_CHUNK_BYTES)
             ops[first:] = [
-                dataclasses.replace(op, chunks=m) if op.kind != "copy" else op
-                for op in ops[first:]
+                dataclasses.replace(op, chunks=m) if op.kind != "copy" else op for op in ops[first:]
             ]
         if bcast:
             intra("allreduce", [n for _, n, _, _ in items], calls=k)

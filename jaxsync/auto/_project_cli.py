@@ -82,12 +82,12 @@ def _hosts(text) -> list[int]:
 
 def question(args, profile=None) -> dict:
     """The answer as data (what ``--json`` prints)."""
+    import jax
+
     from ._choose import choose
     from ._cost_ops import ModelTopology
     from ._project_model import exposed, mpi_profile, nccl_allreduce
     from ._project_trees import load_tree
-
-    import jax
 
     try:
         tree, label = load_tree(args.tree, args.params, args.tree_file)

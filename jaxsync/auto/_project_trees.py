@@ -196,8 +196,7 @@ def load_tree(name: str | None = None, params: float | None = None, tree_file=No
     given = [x is not None for x in (name, params, tree_file)]
     if sum(given) != 1:
         raise ValueError(
-            "give exactly one of --tree NAME, --params N, --tree-file PATH "
-            f"(got {sum(given)})."
+            f"give exactly one of --tree NAME, --params N, --tree-file PATH (got {sum(given)})."
         )
     if tree_file is not None:
         tree = load_tree_spec(tree_file)

@@ -107,9 +107,7 @@ def predict_row(row: dict, fit: dict | None = None) -> tuple[float, float, str]:
     """``(predicted, published, unit)`` of one row."""
     fit = fit or fit_defaults()
     if row["kind"] == "collective":
-        t, algo = nccl_allreduce(
-            row["figure"]["bytes"], _cluster(row["setup"], fit), _latency(fit)
-        )
+        t, algo = nccl_allreduce(row["figure"]["bytes"], _cluster(row["setup"], fit), _latency(fit))
         return t * 1e6, row["figure"]["time_us"], f"us ({algo})"
     sync, k = _training_sync(row, fit)
     eff = _efficiency(fitted_compute(row["model"], fit), sync, k)
