@@ -35,13 +35,10 @@ from ._cost import (
     collective_seconds,
 )
 
-PIECE_BYTES = 512 << 10
-"""The native target cuts a buffer summed across hosts into MPI calls of at most
-this many bytes, two in flight (``_mpi_ops.PIECE_BYTES``, ``kPiecesInFlight``)."""
-PIECES_IN_FLIGHT = 2
-TIER_CHUNK_BYTES = 512 << 10
-"""The host tier's chunk: its three stages run at once over consecutive chunks
-(``_mpi_ops.TIER_CHUNK_BYTES``, ``jaxsync_tier``)."""
+# Across hosts the native target sums a buffer in calls of at most PIECE_BYTES, two
+# in flight (_mpi_ops.PIECE_BYTES, kPiecesInFlight); the host tier runs its three
+# stages at once over chunks of TIER_CHUNK_BYTES (_mpi_ops, jaxsync_tier).
+PIECE_BYTES, PIECES_IN_FLIGHT, TIER_CHUNK_BYTES = 512 << 10, 2, 512 << 10
 
 FLAT_GROUP_BYTES = 4 << 20
 """``flat_mean``'s default ``bucket_bytes``: with one device per process the
@@ -97,10 +94,9 @@ class ModelTopology:
         ``False``, or ``"auto"`` (for a mostly 16-bit wire, see :meth:`tiers`);
         ``None``: what the native target does by default (the factories'
         ``"auto"`` after ``JAXSYNC_HOST_TIER``).
-      staging: ``"device"`` (MPI on the device buffers) or ``"host"`` (each
-        buffer the inter stage sums is copied to host memory and back:
-        ``staging="host"``, and mpi4jax without CUDA-aware MPI on GPUs); the
-        copies are priced at the profile's ``stage`` (else ``copy``) per byte.
+      staging: ``"host"``: the inter stage's buffers go to host memory and back
+        (``staging="host"``; mpi4jax without CUDA-aware MPI), priced at the
+        profile's ``stage`` (else ``copy``) per byte; ``"device"``: not.
     """
 
     processes: int = 1
@@ -177,16 +173,10 @@ class Op:
         def one(s):
             return collective_seconds(self.kind, s, self.members, link, "link", flows=self.flows)
 
-        total = 0.0
-        for s in self.sizes:
-            if self.piece and s > self.piece:
-                # pieces of `piece` bytes, PIECES_IN_FLIGHT at once: the bytes
-                # cost as one message, each piece's latency overlapped
-                m = -(-s // self.piece)
-                lat = one(1)
-                total += one(s) + (m - 1) * lat / PIECES_IN_FLIGHT
-            else:
-                total += one(s)
+        # pieces of `piece` bytes, PIECES_IN_FLIGHT at once: the bytes cost as one
+        # message; each further piece adds its latency, overlapped with another's
+        extra = [(-(-s // self.piece) - 1) for s in self.sizes] if self.piece else [0]
+        total = sum(one(s) for s in self.sizes) + sum(extra) * one(1) / PIECES_IN_FLIGHT
         return self.calls * link.call + total
 
 

@@ -15,7 +15,9 @@ Example:
   >>> from jaxsync.auto._project_trees import save_tree_spec, load_tree
   >>> path = os.path.join(tempfile.mkdtemp(), "tree.json")
   >>> save_tree_spec({"w": jnp.zeros((4, 8)), "b": jnp.zeros(8, jnp.bfloat16)}, path)
-  >>> sorted((k, v["shape"], v["dtype"]) for k, v in json.load(open(path))["leaves"].items())
+  >>> from pathlib import Path
+  >>> spec = json.loads(Path(path).read_text())
+  >>> sorted((k, v["shape"], v["dtype"]) for k, v in spec["leaves"].items())
   [('b', [8], 'bfloat16'), ('w', [4, 8], 'float32')]
   >>> tree, label = load_tree(tree_file=path)
   >>> label
@@ -150,9 +152,10 @@ def save_tree_spec(tree, path) -> None:
 
     Example:
       >>> import jax.numpy as jnp, tempfile, os, jaxsync
+      >>> from pathlib import Path
       >>> p = os.path.join(tempfile.mkdtemp(), "t.json")
       >>> jaxsync.save_tree_spec({"w": jnp.zeros((2, 3))}, p)
-      >>> open(p).read().count("float32")
+      >>> Path(p).read_text().count("float32")
       1
     """
     Path(path).write_text(json.dumps(tree_spec(tree), indent=1))
