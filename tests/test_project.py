@@ -90,12 +90,30 @@ def test_profile_without_topology_is_an_error_naming_it(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(data))
     with pytest.raises(SystemExit, match=r"lacks \['topology'\]"):
-        _project.read_profile(path)
+        _project.run_project(path, False)  # the old code printed every figure "assumed"
     data["topology"] = None  # said explicitly: its links are used, and say so
     path.write_text(json.dumps(data))
     prof = _project.read_profile(path)
     _, _, figures = _project.measured_projection(prof, "p.json")
     assert dict((f, h) for f, _, h in figures)["network link"].startswith("measured")
+
+
+def test_a_measured_profile_keeps_the_gpu_path(tmp_path, capsys):
+    # the old run_project priced jaxsync's native CPU target whenever the
+    # profile had a topology (every profile tune writes): not the GPU path
+    prof = _cost.Profile(
+        (("network", _cost.Link(2e-5, 8e-9, 3e-10)),), 2e-10, {"processes": 2, "hosts": 2}
+    )
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof.to_json()))
+    assert _project.run_project(path, True) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    merged, devices, _ = _project.measured_projection(prof, str(path))
+    gpu = _project.project(devices=devices, profiles={"m": merged}, native=False)
+    assert [r["ms"] for r in rows] == [r["ms"] for r in gpu]
+    # in a question, the links it lacks come from the flags, and it says so
+    ans = _project_cli.question(_args(tree="small500", hosts="2"), prof)
+    assert ans["rows"][0]["paths"]
 
 
 def test_staging_reaches_the_model():

@@ -104,7 +104,7 @@ def question(args, profile=None) -> dict:
             c.check()
         except ValueError as e:
             raise SystemExit(f"jaxsync tune: {e}") from None
-        prof = mpi_profile(c) if profile is None else profile
+        prof = mpi_profile(c) if profile is None else _merged(profile, mpi_profile(c))
         native = args.backend == "cpu"
         staging = "device" if (native or c.cuda_aware) else "host"
         topo = ModelTopology(
@@ -161,6 +161,18 @@ def question(args, profile=None) -> dict:
     return out
 
 
+def _merged(measured, flags):
+    """``measured``'s links where it has them, the flags' elsewhere (never the
+    built-in CPU default's); its copy, per-leaf and per-strategy costs."""
+    import dataclasses
+
+    links = tuple(
+        (k, measured.link(k) if measured.has(k) else flags.link(k))
+        for k in ("device", "host", "network")
+    )
+    return dataclasses.replace(measured, links=links, stage=flags.stage)
+
+
 def render(ans: dict, compute: bool) -> str:
     lines = [f"tree: {ans['tree']}, {ans['bytes'] / 2**20:.1f} MiB a sync"]
     for row in ans["rows"]:
@@ -188,6 +200,9 @@ def answer(args) -> int:
     profile = read_profile(args.profile) if args.profile is not None else None
     ans = question(args, profile)
     if profile is not None:
-        ans["notes"].append(f"links from profile {args.profile} (measured), not the flags")
+        got = [k for k in ("device", "host", "network") if profile.has(k)]
+        ans["notes"].append(
+            f"links measured (profile {args.profile}): {got}; the others from the flags"
+        )
     print(json.dumps(ans, indent=1) if args.json else render(ans, args.compute_ms is not None))
     return 0
