@@ -173,3 +173,15 @@ def test_question_answers_every_path():
     assert sum("PLACEHOLDER" in n for n in ans["notes"]) == 2
     text = _project_cli.render(ans, True)
     assert "auto picks" in text and "double buffering" in text
+
+
+def test_in_sample_emulated_cluster_rows():
+    # this machine's cluster runs: one process a host, wire-bound: within 10%;
+    # several processes a host at 1 Gb/s: CPU-bound (the README says so)
+    rows = _published.in_sample(ROOT / "docs/bench/cluster")
+    assert len(rows) == 30
+    one = [r for r in rows if r["config"] == "2x1x1@1gbit"]
+    assert one and all(0.9 <= r["ratio"] <= 1.1 and not r["cpu_bound"] for r in one)
+    many = [r for r in rows if r["config"] in ("2x2x1@1gbit", "2x4x1@1gbit")]
+    assert many and all(r["cpu_bound"] for r in many)
+    assert not any(r["cpu_bound"] for r in rows if "100mbit" in r["config"])

@@ -163,3 +163,77 @@ def accuracy_table(split: str = "held_out") -> str:
             f"{fmt(r['predicted'])} {unit} | {r['ratio']:.2f} | {'yes' if r['ok'] else 'no'} |"
         )
     return "\n".join(lines)
+
+
+CLUSTER_RUNS = ("cluster-100mbit.json", "cluster-1gbit.json")
+CPU_BOUND_BUSY = 0.33
+"""A row timed while the machine was more than this share busy is CPU-bound (the
+README's benchmark section: wire-bound rows 10-32% busy, CPU-bound 35-87%)."""
+
+
+def in_sample(folder) -> list[dict]:
+    """This machine's emulated-cluster runs (``docs/bench/cluster``) against the cost
+    model on the native CPU path, the network link at the rate measured in the
+    same run (latency 30 us, stated), the host link the built-in default's: per
+    configuration, tree (the 22 and 19 MB ones) and lossless strategy, measured /
+    projected and whether the row was CPU-bound. In-sample: the defaults were
+    made on this machine."""
+    from jaxsync._core._plan import make_plan
+    from jaxsync.bench import trees as _trees
+
+    from ._choose import buckets_of
+    from ._cost import DEFAULT_PROFILE, Link
+    from ._cost_ops import ModelTopology, per_leaf_plan, predict, strategy_defaults
+
+    trees = _trees.make_trees(False)
+    out = []
+    for name in CLUSTER_RUNS:
+        data = json.loads((Path(folder) / name).read_text())
+        for res in data["results"]:
+            cfg = res["config"]
+            topo = ModelTopology(processes=2 * cfg["procs"], hosts=cfg["hosts"])
+            net = Link(
+                alpha=30e-6, beta=8 / res["rate_bps"], gamma=DEFAULT_PROFILE.link("network").gamma
+            )
+            prof = DEFAULT_PROFILE.replace_link("network", net)
+            for row in res["rows"]:
+                s = row["method"]
+                if row["kind"] != "jaxsync" or s not in ("hierarchical", "two_dimensional", "flat"):
+                    continue
+                if row["tree"] not in ("resnet18", "transformer"):
+                    continue
+                b, t = strategy_defaults(s)
+                plan = make_plan(
+                    trees[row["tree"]](),
+                    bucket_bytes=b,
+                    pack_threshold=t,
+                    per_leaf=per_leaf_plan(s, topo),
+                )
+                got = predict(s, buckets_of(plan), topo, prof, bucket_bytes=b) * 1e3
+                out.append(
+                    {
+                        "config": res["name"],
+                        "tree": row["tree"],
+                        "strategy": s,
+                        "measured_ms": row["ms"],
+                        "projected_ms": got,
+                        "ratio": row["ms"] / got,
+                        "cpu_busy": row["cpu_busy"],
+                        "cpu_bound": row["cpu_busy"] > CPU_BOUND_BUSY,
+                    }
+                )
+    return out
+
+
+def in_sample_table(folder) -> str:
+    lines = [
+        "| run | tree | strategy | measured | projected | measured / projected | CPU busy |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in in_sample(folder):
+        busy = f"{r['cpu_busy']:.0%}" + (" (CPU-bound)" if r["cpu_bound"] else "")
+        lines.append(
+            f"| {r['config']} | {r['tree']} | {r['strategy']} | {r['measured_ms']:.1f} ms | "
+            f"{r['projected_ms']:.1f} ms | {r['ratio']:.2f} | {busy} |"
+        )
+    return "\n".join(lines)
