@@ -98,7 +98,7 @@ def test_profile_without_topology_is_an_error_naming_it(tmp_path):
     assert dict((f, h) for f, _, h in figures)["network link"].startswith("measured")
 
 
-def test_a_measured_profile_keeps_the_gpu_path(tmp_path, capsys):
+def test_a_measured_profile_keeps_the_gpu_path(tmp_path, capsys, monkeypatch):
     # the old run_project priced jaxsync's native CPU target whenever the
     # profile had a topology (every profile tune writes): not the GPU path
     prof = _cost.Profile(
@@ -106,11 +106,18 @@ def test_a_measured_profile_keeps_the_gpu_path(tmp_path, capsys):
     )
     path = tmp_path / "p.json"
     path.write_text(json.dumps(prof.to_json()))
+    seen = []
+
+    def project(**kw):
+        seen.append(kw["native"])
+        return [{"network": "m", "tree": "t", "hosts": 8, "devices": 8, "ms": {}, "choice": ""}]
+
+    monkeypatch.setattr(_project, "project", project)
     assert _project.run_project(path, True) == 0
-    rows = json.loads(capsys.readouterr().out)["rows"]
-    merged, devices, _ = _project.measured_projection(prof, str(path))
-    gpu = _project.project(devices=devices, profiles={"m": merged}, native=False)
-    assert [r["ms"] for r in rows] == [r["ms"] for r in gpu]
+    assert seen == [False]  # the old code: [True]
+    assert _project.run_project(path, True, native=True) == 0  # --backend cpu
+    assert seen == [False, True]
+    capsys.readouterr()
     # in a question, the links it lacks come from the flags, and it says so
     ans = _project_cli.question(_args(tree="small500", hosts="2"), prof)
     assert ans["rows"][0]["paths"]

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
+from typing import Any
 
 TREE_FORMAT = "jaxsync-tree-1"
 
@@ -141,7 +143,7 @@ def tree_spec(tree) -> dict:
     return {"format": TREE_FORMAT, "leaves": leaves}
 
 
-def save_tree_spec(tree, path) -> None:
+def save_tree_spec(tree: Any, path: str | os.PathLike) -> None:
     """Write the shapes and dtypes of ``tree``'s leaves (no values) to ``path``
     as JSON, for ``python -m jaxsync tune --project --tree-file PATH``.
 
