@@ -175,11 +175,12 @@ def test_question_answers_every_path():
         assert any(n.startswith("nccl flat") for n in names)
         assert f"{r['auto']} (mpi4jax)" in names
         for cell in r["paths"].values():
-            assert cell["sync_ms_every"] == pytest.approx(cell["sync_ms"] / 4)
+            assert cell["every"]["sync_ms"] == pytest.approx(cell["sync_ms"] / 4)
             assert 0 < cell["blocking"]["efficiency"] <= cell["overlap"]["efficiency"] <= 1
+            assert cell["overlap"]["efficiency"] <= cell["every"]["overlap"]["efficiency"]
     assert sum("PLACEHOLDER" in n for n in ans["notes"]) == 2
     text = _project_cli.render(ans, True)
-    assert "auto picks" in text and "double buffering" in text
+    assert "auto picks" in text and "double buffering" in text and "every H" in text
 
 
 def test_in_sample_emulated_cluster_rows():

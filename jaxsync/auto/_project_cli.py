@@ -95,6 +95,7 @@ def question(args, profile=None) -> dict:
         raise SystemExit(f"jaxsync tune: {e}") from None
     leaves = jax.tree.leaves(tree)
     nbytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
+    elems = sum(math.prod(x.shape) for x in leaves)
     compute = None if args.compute_ms is None else args.compute_ms * 1e-3
     bits = args.wire_bits
     out: dict = {"tree": label, "bytes": nbytes, "rows": [], "notes": []}
@@ -120,31 +121,34 @@ def question(args, profile=None) -> dict:
         for s, bb, _t, sec, _dt in ch.table:
             if s not in best or sec < best[s][0]:
                 best[s] = (sec, bb)
+        wire = elems * bits / 8 if bits else nbytes
         if bits in (8, 4):  # placeholder: bytes scaled, not a format jaxsync has yet
-            best = {s: (v * bits / 32, bb) for s, (v, bb) in best.items()}
-        wire = nbytes * (bits / 32 if bits else 1)
+            best = {s: (v * wire / nbytes, bb) for s, (v, bb) in best.items()}
         nccl, algo = nccl_allreduce(wire, c)
         paths = {f"{s} (mpi4jax)" if not native else s: v for s, v in best.items()}
         paths[f"nccl flat ({algo}; not in jaxsync)"] = (nccl, 64 << 20)
         row: dict = {"hosts": h, "auto": ch.strategy, "paths": {}}
         for name, (sec, bb) in paths.items():
             cell: dict = {"sync_ms": sec * 1e3}
-            if args.every:
-                cell["sync_ms_every"] = sec * 1e3 / args.every
+            k = max(1, math.ceil(nbytes / (bb or nbytes)))
+
+            def lost(t, k=k):
+                return {
+                    k2: {"lost_ms": v["lost_s"] * 1e3, "efficiency": v["efficiency"]}
+                    for k2, v in exposed(t, compute, args.backward_share, k).items()
+                }
+
             if compute is not None:
-                per = sec / (args.every or 1)
-                k = max(1, math.ceil(nbytes / (bb or nbytes)))
-                cell.update(
-                    {
-                        k2: {"lost_ms": v["lost_s"] * 1e3, "efficiency": v["efficiency"]}
-                        for k2, v in exposed(per, compute, args.backward_share, k).items()
-                    }
-                )
+                cell.update(lost(sec))
+            if args.every:  # PLACEHOLDER: the sync's time spread over H steps
+                cell["every"] = {"sync_ms": sec * 1e3 / args.every}
+                if compute is not None:
+                    cell["every"].update(lost(sec / args.every))
             row["paths"][name] = cell
         out["rows"].append(row)
     if bits in (8, 4):
         out["notes"].append(
-            f"--wire-bits {bits}: PLACEHOLDER, bytes x {bits}/32 on every path (no scales, "
+            f"--wire-bits {bits}: PLACEHOLDER, {bits} bits an element on every path (no scales, "
             "no error feedback): jaxsync has no such wire format yet."
         )
     if args.every:
@@ -177,15 +181,23 @@ def render(ans: dict, compute: bool) -> str:
     lines = [f"tree: {ans['tree']}, {ans['bytes'] / 2**20:.1f} MiB a sync"]
     for row in ans["rows"]:
         lines.append(f"\n{row['hosts']} hosts: auto picks `{row['auto']}`")
+        every = any("every" in c for c in row["paths"].values())
         head = "| path | sync ms |"
         if compute:
             head += " blocking: lost ms, eff | overlap | double buffering |"
+        if every:
+            head += " every H (PLACEHOLDER): sync ms" + (", overlap |" if compute else " |")
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
         for name, cell in row["paths"].items():
             line = f"| {name} | {cell['sync_ms']:.2f} |"
             if compute:
                 for k in ("blocking", "overlap", "double"):
                     line += f" {cell[k]['lost_ms']:.1f}, {cell[k]['efficiency']:.0%} |"
+            if every:
+                e = cell["every"]
+                line += f" {e['sync_ms']:.2f}" + (
+                    f", {e['overlap']['efficiency']:.0%} |" if compute else " |"
+                )
             lines.append(line)
     lines += [f"\nnote: {n}" for n in ans["notes"]]
     if not compute:
