@@ -9,7 +9,8 @@ efficiency, and what ``auto`` would pick; ``--json`` for the same as data.
 those features land: they divide the bytes (or the sync) and say so.
 
 May import: the standard library, ``_project``, ``_project_model``,
-``_project_trees``, ``_cost_ops``, ``_choose``, ``_published``.
+``_project_trees``, ``_cost_ops``, ``_choose``, ``_published``;
+``jaxsync._core._overlap`` (overlap's default bucket) inside :func:`question`.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ def question(args, profile=None) -> dict:
     """The answer as data (what ``--json`` prints)."""
     import jax
 
+    from jaxsync._core._overlap import OVERLAP_BUCKET_BYTES
+
     from ._choose import choose
     from ._cost_ops import ModelTopology
     from ._project_model import exposed, mpi_profile, nccl_allreduce
@@ -128,9 +131,11 @@ def question(args, profile=None) -> dict:
         paths = {f"{s} (mpi4jax)" if not native else s: v for s, v in best.items()}
         paths[f"nccl flat ({algo}; not in jaxsync)"] = (nccl, 64 << 20)
         row: dict = {"hosts": h, "auto": ch.strategy, "paths": {}}
-        for name, (sec, bb) in paths.items():
+        for name, (sec, _bb) in paths.items():
             cell: dict = {"sync_ms": sec * 1e3}
-            k = max(1, math.ceil(nbytes / (bb or nbytes)))
+            # overlap's buckets: overlap_bucket_bytes' default (4 MiB), the last one
+            # summed after the backward (their extra calls are not priced)
+            k = max(1, math.ceil(nbytes / OVERLAP_BUCKET_BYTES))
 
             def lost(t, k=k):
                 return {
