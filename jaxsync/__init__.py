@@ -31,7 +31,7 @@ from jaxsync._core._transforms import (
 )
 
 # The optional areas (each registers with the core when imported).
-from jaxsync.auto import auto_mean
+from jaxsync.auto import auto_mean, save_tree_spec
 from jaxsync.compress import PowerSGDState, SignState, powersgd_mean, sign_mean, state_specs
 from jaxsync.local import (
     BMUFState,
@@ -123,6 +123,7 @@ __all__ = [
     "topology",
     "tune_host_allocator",
     "two_dimensional_mean",
+    "save_tree_spec",
 ]
 
 start_from_env()  # JAXSYNC_TIMELINE=DIR: the whole run's timeline, written at exit

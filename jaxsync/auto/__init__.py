@@ -13,7 +13,8 @@ timings), ``_choose`` (the deterministic choice), ``_auto`` (``auto_mean`` and
 from jaxsync._core import _plugins
 
 from ._auto import AUTO, auto_mean, make_auto_config, resolve
+from ._project_trees import save_tree_spec
 
 _plugins.register_strategy(AUTO, _plugins.Strategy(make_auto_config, resolve))
 
-__all__ = ["auto_mean"]
+__all__ = ["auto_mean", "save_tree_spec"]

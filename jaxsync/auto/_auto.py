@@ -202,6 +202,7 @@ def resolve(tree, cfg):
         hosts=spec.hosts,
         local_devices=D,
         native=bool(getattr(backend, "native", False)),
+        staging=getattr(backend, "staging", "device"),
         broadcast=isinstance(backend, _mpi_backend.MPIBackend) and not batched,
         inter_link=inter_link,
         # where the topology has a tier: the option, after JAXSYNC_HOST_TIER

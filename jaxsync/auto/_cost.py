@@ -111,6 +111,8 @@ class Profile:
         shaped link: ``{"link", "rate_bps", "hosts", "procs_per_host"}``).
       source: where it came from (a path, or ``"built-in default"``).
       fit: the calibration's report (relative errors per link), for display.
+      stage: seconds per byte of a copy between device and host memory and back
+        (host staging; mpi4jax without CUDA-aware MPI); 0: ``copy``'s.
     """
 
     links: tuple
@@ -121,6 +123,7 @@ class Profile:
     leaf: float = 0.0
     overheads: tuple = ()
     overheads16: tuple = ()
+    stage: float = 0.0
 
     def link(self, name: str) -> Link:
         for k, v in self.links:
@@ -157,6 +160,7 @@ class Profile:
             "overheads": {k: list(v) for k, v in self.overheads},
             "overheads16": dict(self.overheads16),
             "fit": self.fit,
+            **({"stage": self.stage} if self.stage else {}),
         }
 
     @classmethod
@@ -204,6 +208,7 @@ class Profile:
             float(data.get("leaf", 0.0)),
             over,
             over16,
+            float(data.get("stage", 0.0)),
         )
         bad = prof.problems()
         if bad:
@@ -228,7 +233,7 @@ class Profile:
                     out.append(f"links.{name}.{field} must be a finite number >= 0, got {value}")
             if link.flows < 1:
                 out.append(f"links.{name}.flows must be >= 1, got {link.flows}")
-        for field in ("copy", "leaf"):
+        for field in ("copy", "leaf", "stage"):
             if bad(getattr(self, field)):
                 out.append(f"{field} must be a finite number >= 0, got {getattr(self, field)}")
         for k, (per_leaf, per_byte) in self.overheads:  # either may be negative
@@ -250,6 +255,8 @@ class Profile:
             body["overheads"] = {k: list(v) for k, v in self.overheads}
         if self.overheads16:
             body["overheads16"] = dict(self.overheads16)
+        if self.stage:
+            body["stage"] = self.stage
         text = json.dumps(body, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 

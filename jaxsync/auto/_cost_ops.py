@@ -35,6 +35,11 @@ from ._cost import (
     collective_seconds,
 )
 
+# Across hosts the native target sums a buffer in calls of at most PIECE_BYTES, two
+# in flight (_mpi_ops.PIECE_BYTES, kPiecesInFlight); the host tier runs its three
+# stages at once over chunks of TIER_CHUNK_BYTES (_mpi_ops, jaxsync_tier).
+PIECE_BYTES, PIECES_IN_FLIGHT, TIER_CHUNK_BYTES = 512 << 10, 2, 512 << 10
+
 FLAT_GROUP_BYTES = 4 << 20
 """``flat_mean``'s default ``bucket_bytes``: with one device per process the
 native target packs every leaf into messages of up to this size."""
@@ -89,6 +94,9 @@ class ModelTopology:
         ``False``, or ``"auto"`` (for a mostly 16-bit wire, see :meth:`tiers`);
         ``None``: what the native target does by default (the factories'
         ``"auto"`` after ``JAXSYNC_HOST_TIER``).
+      staging: ``"host"``: the inter stage's buffers go to host memory and back
+        (``staging="host"``; mpi4jax without CUDA-aware MPI), priced at the
+        profile's ``stage`` (else ``copy``) per byte; ``"device"``: not.
     """
 
     processes: int = 1
@@ -98,6 +106,7 @@ class ModelTopology:
     broadcast: bool = True
     inter_link: str | None = None
     host_tier: bool | str | None = None
+    staging: str = "device"
 
     @property
     def link(self) -> str:
@@ -144,10 +153,14 @@ class Op:
     sizes: tuple  # bytes of each message (whole buffer per member)
     flows: int = 1
     calls: int = 1  # separate calls (ops) that send these messages
+    piece: int = 0  # > 0: each message cut into calls of at most this, 2 in flight
+    chunks: int = 0  # > 1: a stage of the host tier's pipeline over this many chunks
 
     def seconds(self, profile: Profile) -> float:
         if self.kind == "copy":
             return profile.copy * float(sum(self.sizes))
+        if self.kind == "stage":  # device -> host -> device
+            return (profile.stage or profile.copy) * float(sum(self.sizes))
         if self.kind == "leaf":
             return profile.leaf * float(sum(self.sizes))
         if self.kind == "strategy":  # sizes: (leaves, bytes of the tree)
@@ -156,12 +169,15 @@ class Op:
         if self.kind == "strategy16":  # sizes: (bytes of 16-bit data,)
             return profile.overhead16(self.link) * self.sizes[0]
         link = profile.link(self.link)
-        return self.calls * link.call + float(
-            sum(
-                collective_seconds(self.kind, s, self.members, link, "link", flows=self.flows)
-                for s in self.sizes
-            )
-        )
+
+        def one(s):
+            return collective_seconds(self.kind, s, self.members, link, "link", flows=self.flows)
+
+        # pieces of `piece` bytes, PIECES_IN_FLIGHT at once: the bytes cost as one
+        # message; each further piece adds its latency, overlapped with another's
+        extra = [(-(-s // self.piece) - 1) for s in self.sizes] if self.piece else [0]
+        total = sum(one(s) for s in self.sizes) + sum(extra) * one(1) / PIECES_IN_FLIGHT
+        return self.calls * link.call + total
 
 
 def _native_messages(
@@ -281,7 +297,10 @@ def strategy_ops(
                 else ([n for _, n in wide], 0)
             )
             calls = 1 if topo.native else len(wide)  # mpi4jax: one call per buffer
-            ops.append(Op("inter", "allreduce", link, P, tuple(msgs), flows, calls))
+            piece = PIECE_BYTES if topo.native and link == "network" else 0
+            ops.append(Op("inter", "allreduce", link, P, tuple(msgs), flows, calls, piece))
+            if topo.staging == "host":
+                ops.append(Op("local", "stage", "", 1, (2 * sum(n for _, n in wide),)))
             if copied:  # the target's memcpy into its scratch buffer and back
                 ops.append(Op("local", "copy", "", 1, (2 * copied,)))
         if low:
@@ -292,6 +311,8 @@ def strategy_ops(
             ops.append(Op("inter", "alltoall", link, P, (total,), flows))
             ops.append(Op("local", "copy", "", 1, (total,)))  # f32 sum of my slice
             ops.append(Op("inter", "allgather", link, P, (total,), flows))
+            if topo.staging == "host":
+                ops.append(Op("local", "stage", "", 1, (4 * total,)))
 
     bcast = D > 1 and P > 1 and topo.broadcast
     k = len(items)
@@ -312,9 +333,16 @@ def strategy_ops(
         # processes of a host onto its leader, the leaders over the hosts, the
         # leader's result broadcast on the host
         intra("allreduce", [intra_bytes(n, isz) for _, n, isz, _ in items])  # one psum
+        first = len(ops)
         host("reduce", [intra_bytes(n, isz) for _, n, isz, _ in items])
         inter(items, P=H)
         host("broadcast", [n for _, n, _, _ in items])
+        total = sum(n for _, n, _, _ in items)
+        if topo.native and total > TIER_CHUNK_BYTES:  # jaxsync_tier: stages pipelined
+            m = -(-total // TIER_CHUNK_BYTES)
+            ops[first:] = [
+                dataclasses.replace(op, chunks=m) if op.kind != "copy" else op for op in ops[first:]
+            ]
         if bcast:
             intra("allreduce", [n for _, n, _, _ in items], calls=k)
     elif tier:
@@ -378,6 +406,10 @@ def predict(
     profile = profile or DEFAULT_PROFILE
     ops = strategy_ops(strategy, buckets, topo, comm_itemsize, bucket_bytes)
     over = ("strategy", "strategy16")
-    base = sum(op.seconds(profile) for op in ops if op.kind not in over)
+    base = sum(op.seconds(profile) for op in ops if op.kind not in over and op.chunks <= 1)
+    piped = [op.seconds(profile) for op in ops if op.chunks > 1]
+    if piped:  # m chunks through the stages: one fill, then the slowest stage's pace
+        m = max(op.chunks for op in ops)
+        base += (sum(piped) + (m - 1) * max(piped)) / m
     total = base + sum(op.seconds(profile) for op in ops if op.kind in over)
     return max(total, MIN_SHARE * base)

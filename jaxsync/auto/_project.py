@@ -6,9 +6,13 @@ stated link figures (NVLink-class inside a host; 100 and 400 Gb/s between
 hosts), so a user can see where hierarchical and two-dimensional pay off
 before renting the cluster. Nothing is measured.
 
+A question about the user's own cluster (tree, hosts, links, compute time) is
+``_project_cli``'s; the model it prices with ``_project_model``; the trees
+``_project_trees``; the published figures it is held to ``_published``.
+
 May import: the standard library, JAX (shapes only) and ``jaxsync.auto._cost``,
-``_cost_ops``, ``_auto_choose``; ``_auto`` (profiles) and ``jaxsync.bench.trees``
-inside ``explain_tree``, for ``info --tree``.
+``_cost_ops``, ``_choose``, ``_project_trees``; ``_profiles`` inside
+``explain_tree``, for ``info --tree``.
 
 Example:
   >>> from jaxsync.auto import _project
@@ -21,61 +25,46 @@ from __future__ import annotations
 
 import math
 
-from ._cost import Link, Profile
+from ._cost import DEFAULT_PROFILE, Link, Profile
 from ._cost_ops import ModelTopology
+from ._project_trees import named_trees, resnet50_tree, transformer_1b_tree
+
+__all__ = ["named_trees", "resnet50_tree", "transformer_1b_tree"]  # re-exported
+
+PROFILE_KEYS = ("format", "links", "copy", "topology")
+"""What a profile file must have for ``--project`` (``tune`` writes them all;
+``format`` carries the version)."""
 
 
-def _spec(shape, dtype="float32"):
-    import jax
-    import jax.numpy as jnp
+def read_profile(path) -> Profile:
+    """A profile file for ``--project``: an error naming what is missing (never a
+    silent fall-back to the stated figures), or the profile."""
+    import json
+    from pathlib import Path
 
-    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
-
-
-def resnet50_tree() -> dict:
-    """ResNet-50's parameter shapes: 161 leaves, 25.6 M float32."""
-    tree = {}
-
-    def conv(name, k, cin, cout):
-        tree[name] = {
-            "kernel": _spec((k, k, cin, cout)),
-            "bn": {"scale": _spec((cout,)), "bias": _spec((cout,))},
-        }
-
-    conv("stem", 7, 3, 64)
-    cin = 64
-    for stage, (blocks, w) in enumerate(zip((3, 4, 6, 3), (64, 128, 256, 512))):
-        for b in range(blocks):
-            conv(f"s{stage}b{b}c1", 1, cin, w)
-            conv(f"s{stage}b{b}c2", 3, w, w)
-            conv(f"s{stage}b{b}c3", 1, w, 4 * w)
-            if b == 0:
-                conv(f"s{stage}b{b}down", 1, cin, 4 * w)
-            cin = 4 * w
-    tree["fc"] = {"kernel": _spec((2048, 1000)), "bias": _spec((1000,))}
-    return tree
-
-
-def transformer_1b_tree() -> dict:
-    """A 1.0 B-parameter transformer: 18 layers, d=2048, ff=8192, 50k vocabulary, f32."""
-    d, ff = 2048, 8192
-
-    def dense(a, b):
-        return {"kernel": _spec((a, b)), "bias": _spec((b,))}
-
-    tree = {
-        f"layer{i:02d}": {
-            "qkv": dense(d, 3 * d),
-            "out": dense(d, d),
-            "mlp_in": dense(d, ff),
-            "mlp_out": dense(ff, d),
-            "ln1": {"scale": _spec((d,)), "bias": _spec((d,))},
-            "ln2": {"scale": _spec((d,)), "bias": _spec((d,))},
-        }
-        for i in range(18)
-    }
-    tree["embed"] = _spec((50304, d))
-    return tree
+    path = Path(path)
+    if not path.exists():
+        raise SystemExit(
+            f"jaxsync tune: --profile {path} does not exist. Fix: write one with "
+            f"`python -m jaxsync tune --out {path}` (inside `python -m jaxsync cluster` "
+            "for a network link)."
+        )
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:
+        raise SystemExit(f"jaxsync tune: --profile {path} is not JSON ({e})") from None
+    missing = [k for k in PROFILE_KEYS if not isinstance(data, dict) or k not in data]
+    if missing:
+        raise SystemExit(
+            f"jaxsync tune: --profile {path} lacks {missing} (a profile needs "
+            f"{list(PROFILE_KEYS)}; format 'jaxsync-profile-1'; topology may be null "
+            "for one written by hand, saying so). Fix: write it with `python -m jaxsync "
+            "tune --out FILE` on the cluster, or add the keys."
+        )
+    try:
+        return Profile.from_json(data, str(path))
+    except ValueError as e:
+        raise SystemExit(f"jaxsync tune: --profile {e}") from None
 
 
 def projection_profiles() -> dict[str, Profile]:
@@ -129,7 +118,9 @@ def measured_projection(profile: Profile, where: str) -> tuple[Profile, int, lis
     def describe(lk):
         return f"alpha {lk.alpha * 1e6:.3g} us, {1 / lk.beta / 1e9:.4g} GB/s per flow"
 
-    calibrated = profile.topology is not None  # written by tune, not the built-in default
+    # a profile read from a file is used for every figure it has (its keys are
+    # checked by read_profile); only the built-in default is not a measurement
+    calibrated = profile is not DEFAULT_PROFILE
     for name in ("device", "network"):
         got = calibrated and profile.has(name)
         lk = profile.link(name) if got else stated.link(name)
@@ -215,18 +206,6 @@ def projection_table(rows) -> str:
     return "\n".join(lines)
 
 
-def named_trees() -> dict:
-    """Trees ``info --tree`` knows: the bench's and the projection's."""
-    from jaxsync.bench import trees as _trees
-
-    return {
-        **_trees.make_trees(False),
-        **_trees.make_trees(True),
-        "resnet50": resnet50_tree,
-        "transformer1b": transformer_1b_tree,
-    }
-
-
 def explain_tree(name: str, topo: dict, profile=None) -> str:
     """What ``strategy="auto"`` would choose for tree ``name`` on ``topo``
     (``python -m jaxsync info --tree NAME``; ``topo`` as ``Topology.as_dict()``)."""
@@ -248,14 +227,14 @@ def explain_tree(name: str, topo: dict, profile=None) -> str:
     return choose(trees[name](), model, prof, profile_note=note).describe()
 
 
-def run_project(path, as_json: bool) -> int:
-    """``tune --project [--profile P]``: the projection with stated figures, or on
-    P's measured figures where it has them (saying which are which)."""
+def run_project(path, as_json: bool, native: bool = False) -> int:
+    """``tune --project [--profile P]``: the fixed projection with stated figures,
+    or on P's measured figures where it has them (saying which are which);
+    ``native``: price jaxsync's native CPU target instead of mpi4jax (GPU)."""
     import json
-    from pathlib import Path
 
     if path is None:
-        rows = project()
+        rows = project(native=native)
         print(json.dumps(rows, indent=1) if as_json else projection_table(rows))
         if not as_json:
             for name, prof in projection_profiles().items():
@@ -267,23 +246,18 @@ def run_project(path, as_json: bool) -> int:
                         for k, lk in prof.links
                     )
                     + ". GPU: mpi4jax, one MPI call per buffer; one process per host. "
-                    "All figures assumed (stated); --profile P uses measured ones."
+                    "All figures assumed (stated); --profile P uses measured ones; "
+                    "--tree/--params/--tree-file with --hosts, link rates and "
+                    "--compute-ms ask about your own cluster."
                 )
         return 0
-    path = Path(path)
-    if not path.exists():
-        raise SystemExit(
-            f"jaxsync tune: --profile {path} does not exist. Fix: write one with "
-            f"`python -m jaxsync tune --out {path}` (inside `python -m jaxsync cluster` "
-            "for a network link)."
-        )
-    try:
-        prof = Profile.from_json(json.loads(path.read_text()), str(path))
-    except ValueError as e:
-        raise SystemExit(f"jaxsync tune: --profile {e}") from None
+    prof = read_profile(path)
+    from pathlib import Path
+
     merged, devices, figures = measured_projection(prof, str(path))
-    native = prof.topology is not None  # measured with jaxsync's native target (CPU)
-    rows = project(devices=devices, profiles={f"measured ({path.name})": merged}, native=native)
+    rows = project(
+        devices=devices, profiles={f"measured ({Path(path).name})": merged}, native=native
+    )
     if as_json:
         figs = [{"figure": f, "value": v, "source": how} for f, v, how in figures]
         print(json.dumps({"figures": figs, "rows": rows}, indent=1))
@@ -293,4 +267,5 @@ def run_project(path, as_json: bool) -> int:
     print(f"\nfigures (one process per host, {devices} device(s) each):")
     for f, v, how in figures:
         print(f"  {f:<20} {how:<{width}}  {v}")
+    print("  path                 " + ("native CPU target" if native else "mpi4jax (GPU)"))
     return 0

@@ -302,7 +302,8 @@ def main(argv: list[str]) -> int:
         "--devices",
         type=int,
         default=None,
-        help="fake CPU devices per process (default: 8 alone, 1 under mpirun)",
+        help="fake CPU devices per process (default: 8 alone, 1 under mpirun); "
+        "with --project: GPUs a host (default 8)",
     )
     p.add_argument("--quick", action="store_true", help="two sizes, three rounds")
     p.add_argument(
@@ -327,13 +328,30 @@ def main(argv: list[str]) -> int:
         "and the output says which figures are measured and which assumed",
     )
     p.add_argument("--json", action="store_true", help="with --project: JSON rows")
+    p.add_argument(
+        "--accuracy",
+        action="store_true",
+        help="print the projection against the published figures (published.json)",
+    )
+    from . import _project_cli
+
+    _project_cli.add_args(p)
     args = p.parse_args(argv)
+    if args.accuracy:
+        from ._published import accuracy_table
+
+        print(accuracy_table())
+        return 0
+    if _project_cli.asked(args) and not args.project:
+        p.error("--tree/--params/--tree-file/--hosts/--compute-ms go with --project")
     if args.profile is not None and not args.project:
         p.error("--profile goes with --project (to calibrate, use --out)")
     if args.project:
         from ._project import run_project
 
-        return run_project(args.profile, args.json)
+        if _project_cli.asked(args):
+            return _project_cli.answer(args)
+        return run_project(args.profile, args.json, native=args.backend == "cpu")
     if args.tune_host_allocator and not tune_host_allocator():
         raise SystemExit(
             "jaxsync tune: --tune-host-allocator needs glibc (mallopt); this C library "
