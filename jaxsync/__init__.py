@@ -12,8 +12,8 @@ from jaxsync._comm._axis_backend import AxisComm
 from jaxsync._comm._host import host_allocator_state, tune_host_allocator
 from jaxsync._comm._timeline import Timeline, start_from_env, timeline
 from jaxsync._comm._topology import Topology, default_comm, free_communicators, topology
-from jaxsync._core._batch import local_batch
 from jaxsync._core._accumulate import AccumulateState, accumulate
+from jaxsync._core._batch import local_batch
 from jaxsync._core._broadcast import broadcast_params
 from jaxsync._core._finite import apply_if_finite, skip_not_finite
 from jaxsync._core._join import WeightedState, all_done
