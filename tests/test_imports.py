@@ -157,3 +157,19 @@ def test_the_areas_are_registered_by_import_jaxsync():
     assert _plugins.strategy("auto") is not None
     assert set(_plugins._TREE_KINDS) == {"row_sparse"}
     assert set(_plugins._OPTIONS) == {"sparse"}
+
+
+def test_importing_jaxsync_starts_no_jax_backend():
+    """Nothing may run a JAX computation at import: a later
+    ``jax.distributed.initialize()`` is then refused (the bench's jax.distributed
+    peer failed so when a module built a float8 table with jnp at import)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import jax._src.xla_bridge as xb\n"
+        "import jaxsync, jaxsync.bench.cli, jaxsync.local, jaxsync.auto\n"
+        "assert not xb._backends, 'a JAX backend was started at import'\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

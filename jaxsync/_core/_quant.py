@@ -29,6 +29,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax import lax
 
@@ -37,9 +38,9 @@ _ROUNDINGS = ("nearest", "stochastic")
 
 # The non-negative values of each float format, in code order (the code of a
 # magnitude is its bit pattern without the sign): e4m3fn's 0x00..0x7e, e2m1's 0..7.
-_E4M3 = np.asarray(
-    jnp.asarray(np.arange(127, dtype=np.uint8)).view(jnp.float8_e4m3fn).astype(jnp.float32)
-)
+# (numpy, not jnp: nothing may start JAX's backend at import, or a later
+# jax.distributed.initialize() is refused)
+_E4M3 = np.arange(127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
 _E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
 
