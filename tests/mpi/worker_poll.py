@@ -11,6 +11,11 @@ core for the whole wait, one that polls almost none. Recorded too: the
 and the results (equal to the chain's, bit for bit). Over rank 0's late call, the
 native library's count of its polled waits' yields (between tests in the wait's
 first millisecond) and sleeps (after it).
+
+With ``--agree run`` (the default) every run of a step first exchanges its
+agreement header, so the late peer's wait is spent there (in the header's own
+polled loop, which these counts leave out); ``--agree once`` checks it on the
+first (warm-up) run only, so the late call's wait is the data calls'.
 """
 
 import os
@@ -23,8 +28,9 @@ PAUSE_S = 1.5
 
 
 def main():
-    ns, jax, MPI = init([(("--hosts",), dict(default="2"))])
+    ns, jax, MPI = init([(("--hosts",), dict(default="2")), (("--agree",), dict(default="run"))])
     os.environ["JAXSYNC_TESTING_HOSTS"] = ns.hosts  # before jaxsync reads the topology
+    os.environ["JAXSYNC_AGREE"] = ns.agree  # before the native library reads it
     import jax.numpy as jnp
     import optax
 
