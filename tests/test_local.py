@@ -338,3 +338,50 @@ def test_a_checkpoint_between_send_and_apply_resumes_alike(tmp_path):
     for x, y in zip(jax.tree.leaves((p, s)), jax.tree.leaves((p2, s2))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert not np.array_equal(np.asarray(p["a"]), np.ones(3))
+
+
+def test_inflight_lane_survives_a_finish_before_its_thread_takes_the_job():
+    """Streaming's in-flight lane: ``finish`` pops its slot, then waits. The
+    lane's thread looked the slot up by handle when it took the job, so a
+    finish that came first (a late thread, under load) made it raise KeyError,
+    die, and leave the step waiting for ever (tests/mpi/test_local_mpi.py hung
+    1 run in 4 beside the suite). The job now carries its slot."""
+    import threading
+
+    import numpy as np
+
+    from jaxsync.local._inflight import Lane
+
+    gate = threading.Event()
+
+    class Comm:  # a one-process "allreduce" whose first call waits for the gate
+        calls = 0
+
+        def Dup(self):
+            return self
+
+        def Get_size(self):
+            return 1
+
+        def Allreduce(self, src, dst, op=None):
+            Comm.calls += 1
+            if Comm.calls == 1:
+                gate.wait(30)
+            dst[...] = src
+
+    ln = Lane(Comm())
+    first = int(ln.start(np.arange(3.0)))  # the thread takes it and waits at the gate
+    second = int(ln.start(np.full(2, 7.0)))  # queued behind it
+    got = {}
+    waiter = threading.Thread(target=lambda: got.update(b=ln.finish(second)), daemon=True)
+    waiter.start()
+    for _ in range(1000):  # until finish(second) has popped its slot
+        if second not in ln.slots:
+            break
+        threading.Event().wait(0.001)
+    assert second not in ln.slots
+    gate.set()
+    np.testing.assert_array_equal(ln.finish(first), np.arange(3.0, dtype=np.float32))
+    waiter.join(30)
+    assert not waiter.is_alive(), "the lane's thread died: finish waits for ever"
+    np.testing.assert_array_equal(got["b"], np.full(2, 7.0, np.float32))

@@ -41,22 +41,27 @@ class Lane:
         from mpi4py import MPI
 
         while True:
-            handle = self.jobs.get()
-            slot = self.slots[handle]
-            out = np.empty_like(slot[0])
+            # The job carries its slot: ``finish`` may pop the slot from
+            # ``slots`` before this thread takes the job (a lookup here raised
+            # KeyError under load, killed the thread, and the step hung).
+            slot = self.jobs.get()
             try:
+                out = np.empty_like(slot[0])
                 self.comm.Allreduce(slot[0], out, op=MPI.SUM)
                 slot[2] = out
-            except Exception as e:  # noqa: BLE001 - raised where it is awaited
+            except BaseException as e:  # noqa: BLE001 - raised where it is awaited
                 slot[2] = e
-            slot[1].set()
+            finally:
+                slot[1].set()
 
     def start(self, buf) -> np.ndarray:
+        slot = [np.array(buf, np.float32, copy=True), threading.Event(), None]
         with self.lock:
             handle = self.count
             self.count += 1
-            self.slots[handle] = [np.array(buf, np.float32, copy=True), threading.Event(), None]
-        self.jobs.put(handle)
+            self.slots[handle] = slot
+            # Queued under the lock: the lane's order is the handles' order.
+            self.jobs.put(slot)
         return np.asarray(handle, np.int32)
 
     def finish(self, handle) -> np.ndarray:
@@ -70,7 +75,7 @@ class Lane:
                 "overlap=False (the held mean is saved with the state)."
             )
         slot[1].wait()
-        if isinstance(slot[2], Exception):
+        if isinstance(slot[2], BaseException):
             raise slot[2]
         return slot[2]
 

@@ -12,13 +12,7 @@ import numpy as np
 import pytest
 from mpi_harness import requires_mpi, run_mpi
 
-# KNOWN DEFECT (stop 41): after merging the per-run agreement header (issue 46) with
-# jaxsync.local, this worker ran past its 300 s limit under mpirun (a hang, cause not
-# yet found). Skipped so that the rest of the suite runs; issue 42 stays open on it.
-pytestmark = [
-    requires_mpi,
-    pytest.mark.skip(reason="worker_local.py hangs since the per-run agreement merge"),
-]
+pytestmark = requires_mpi
 
 C = np.array([[3.0, -5.0], [1.0, 7.0], [-2.0, 4.0], [6.0, 0.0]])
 X0 = np.array([4.0, -2.0])
