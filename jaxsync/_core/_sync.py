@@ -220,20 +220,25 @@ def _raise_if_nonfinite(named):
     def check(flags):
         bad = [n for n, ok in zip(names, np.asarray(flags)) if not ok]
         if bad:
-            raise FloatingPointError(
-                f"jaxsync: non-finite values after the gradient reduction in "
-                f"{len(bad)} leaf/leaves: {', '.join(bad[:10])}"
-                f"{' ...' if len(bad) > 10 else ''}. Every replica sees the same "
-                "values. To skip such steps on every replica at once instead of "
-                "failing: optax.chain(<the jaxsync mean>, "
-                "optax.apply_if_finite(opt, n)) (the decision after the "
-                "mean), or jaxsync.apply_if_finite(tx, n, axis_name=...) "
-                "around a chain or jaxsync.sharded; optax.apply_if_finite "
-                "around the synchronisation skips on one replica alone (a "
-                "hang across processes)."
-            )
+            raise nonfinite_error(bad)
 
     jax.debug.callback(check, flags)
+
+
+def nonfinite_error(bad: list) -> FloatingPointError:
+    """The error for non-finite values in the reduced leaves named ``bad``."""
+    return FloatingPointError(
+        f"jaxsync: non-finite values after the gradient reduction in "
+        f"{len(bad)} leaf/leaves: {', '.join(bad[:10])}"
+        f"{' ...' if len(bad) > 10 else ''}. Every replica sees the same "
+        "values. To skip such steps on every replica at once instead of "
+        "failing: optax.chain(<the jaxsync mean>, "
+        "optax.apply_if_finite(opt, n)) (the decision after the "
+        "mean), or jaxsync.apply_if_finite(tx, n, axis_name=...) "
+        "around a chain or jaxsync.sharded; optax.apply_if_finite "
+        "around the synchronisation skips on one replica alone (a "
+        "hang across processes)."
+    )
 
 
 def sync_gradients(

@@ -34,9 +34,9 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
+from .compress import _time
 from .overlap import loss, make_params
 
 
@@ -120,15 +120,7 @@ def measure(comm, k, layers, width, batch, rounds, iters):
     samples: dict = {n: [] for n in fns}
     for _ in range(rounds):
         for n, fn in fns.items():
-            if comm is not None:
-                comm.Barrier()
-            times = []
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            t = statistics.median(times)
-            samples[n].append(t if comm is None else comm.allreduce(t, op=_max()))
+            samples[n].append(_time(fn, iters, comm))
     return {n: statistics.median(v) for n, v in samples.items()}, syncs, nbytes
 
 

@@ -326,18 +326,7 @@ def _finite(fn, cfg, sums, layout: Layout, slices):
         def check(counts):
             hit = [m for m, c in zip(names, np.asarray(counts)) if c]
             if hit:
-                raise FloatingPointError(
-                    f"jaxsync: non-finite values after the gradient reduction in "
-                    f"{len(hit)} leaf/leaves: {', '.join(hit[:10])}"
-                    f"{' ...' if len(hit) > 10 else ''}. Every replica sees the same "
-                    "values. To skip such steps on every replica at once instead of "
-                    "failing: optax.chain(<the jaxsync mean>, "
-                    "optax.apply_if_finite(opt, n)) (the decision after the "
-                    "mean), or jaxsync.apply_if_finite(tx, n, axis_name=...) "
-                    "around a chain or jaxsync.sharded; optax.apply_if_finite "
-                    "around the synchronisation skips on one replica alone (a "
-                    "hang across processes)."
-                )
+                raise _sync.nonfinite_error(hit)
 
         jax.debug.callback(check, bad)
     return jnp.all(bad == 0)
