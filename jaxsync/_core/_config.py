@@ -10,6 +10,7 @@ nothing here traces.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import sys
 from typing import TYPE_CHECKING, Any, Final, Literal, Union
@@ -194,6 +195,11 @@ def _check_quant(fn, comm_dtype, auto: bool, overlap, double_buffering):
     return comm_dtype
 
 
+# jaxsync.accumulate's k while it traces its wrapped update: in the agreed text
+# (ranks with another k reach the sync at other calls: named, not only counted)
+ACCUMULATE: contextvars.ContextVar[int] = contextvars.ContextVar("jaxsync_acc", default=1)
+
+
 @dataclasses.dataclass(frozen=True)
 class SyncConfig:
     """Validated static configuration of one synchronisation."""
@@ -241,6 +247,7 @@ class SyncConfig:
             # the path every synchronisation takes across hosts (its option)
             + f" host_tier {self.host_tier}"
             + (f" weights {weights}" if weights is not None else "")
+            + (f" accumulate {ACCUMULATE.get()}" if ACCUMULATE.get() > 1 else "")
             + ("" if forced is None else f" {_host_tier.HOST_TIER_ENV}={int(forced)}")
         )
 
