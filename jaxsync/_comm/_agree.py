@@ -188,7 +188,7 @@ _FIXES = {
 # pairs, and flags without a value.
 _OPTION_KEYS = (
     "strategy", "reduce", "comm_dtype", "predivide", "check_finite", "backend",
-    "staging", "timeout", "on_timeout", "overlap", "host_tier",
+    "staging", "timeout", "on_timeout", "overlap", "host_tier", "weights", "accumulate",
 )  # fmt: skip
 _FLAGS = ("double_buffering",)
 

@@ -12,7 +12,7 @@ jaxsync orders a synchronisation inside ``lax.cond`` with the others of the
 step (``_comm._ordering``).
 
 Imports: ``_comm._intra`` (bound axes), ``_comm._invariance`` (axis types),
-``_config`` (``make_config``).
+``_config`` (``make_config``, ``ACCUMULATE``: ``k`` in the agreed text).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from jax import lax
 
 from jaxsync._comm import _intra, _invariance
 
-from ._config import AxisName, make_config
+from ._config import ACCUMULATE, AxisName, make_config
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["tree"], meta_fields=[])
@@ -138,7 +138,11 @@ def accumulate(
 
         def sync(acc, inner):
             mean = jax.tree.map(lambda a, g: (a[0] / every).astype(g.dtype), acc, updates)
-            out, inner = tx.update(mean, inner, params, **extra_args)
+            reset = ACCUMULATE.set(every)  # named in the synchronisation's agreed text
+            try:
+                out, inner = tx.update(mean, inner, params, **extra_args)
+            finally:
+                ACCUMULATE.reset(reset)
             seen.append(out)
             return out, inner, jax.tree.map(jnp.zeros_like, acc)
 

@@ -10,6 +10,7 @@ nothing here traces.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import sys
 from typing import TYPE_CHECKING, Any, Final, Literal, Union
@@ -194,6 +195,11 @@ def _check_quant(fn, comm_dtype, auto: bool, overlap, double_buffering):
     return comm_dtype
 
 
+# jaxsync.accumulate's k while it traces its wrapped update: in the agreed text
+# (ranks with another k reach the sync at other calls: named, not only counted)
+ACCUMULATE: contextvars.ContextVar[int] = contextvars.ContextVar("jaxsync_acc", default=1)
+
+
 @dataclasses.dataclass(frozen=True)
 class SyncConfig:
     """Validated static configuration of one synchronisation."""
@@ -214,12 +220,19 @@ class SyncConfig:
     double_buffering: bool = False  # apply step t-1's mean at step t
     host_tier: Any = AUTO  # True, False or "auto" (_host_tier.chosen)
     quant: Any = None  # comm_dtype=Quantized(...): the wire format (_quantsum)
+    # weights=: (weights, reduce, predivide) as the user gave them (_join sums
+    # with reduce="sum"); the agreed text shows these, so a rank without weights
+    # is told that weights differs, not reduce
+    weights: Any = None
 
     def describe(self) -> str:
         forced = _host_tier.override()
+        weights, reduce, predivide = self.weights or (None, self.reduce, self.predivide)
+        # one word per value (_agree names the option that differs)
+        wire = self.comm_dtype if self.quant is None else repr(self.quant).replace(" ", "")
         return (
-            f"strategy {self.strategy} reduce {self.reduce} comm_dtype "
-            f"{self.comm_dtype} predivide {self.predivide} check_finite "
+            f"strategy {self.strategy} reduce {reduce} comm_dtype "
+            f"{wire} predivide {predivide} check_finite "
             f"{self.check_finite!r} backend {self.backend.name} staging "
             f"{getattr(self.backend, 'staging', None)} timeout "
             f"{getattr(self.backend, 'timeout', None)}"
@@ -233,7 +246,8 @@ class SyncConfig:
             + (" double_buffering" if self.double_buffering else "")
             # the path every synchronisation takes across hosts (its option)
             + f" host_tier {self.host_tier}"
-            + (f" quantized {self.quant.describe()}" if self.quant is not None else "")
+            + (f" weights {weights}" if weights is not None else "")
+            + (f" accumulate {ACCUMULATE.get()}" if ACCUMULATE.get() > 1 else "")
             + ("" if forced is None else f" {_host_tier.HOST_TIER_ENV}={int(forced)}")
         )
 

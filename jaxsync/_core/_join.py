@@ -211,7 +211,9 @@ def transform(fn: str, cfg, weights, make_fns, allsum=None):
     transform divides by :data:`DIVISOR`.
     """
     check_weights(fn, weights, cfg.reduce)
-    inner_cfg = dataclasses.replace(cfg, reduce="sum", predivide=None)  # both here
+    inner_cfg = dataclasses.replace(  # both here; the agreed text shows the user's
+        cfg, reduce="sum", predivide=None, weights=(weights, cfg.reduce, cfg.predivide)
+    )
     init_inner, update_inner = make_fns(inner_cfg)
     axes = tuple(cfg.axes) + tuple(getattr(cfg.backend, "mesh_axes", ()))
 

@@ -200,7 +200,10 @@ def _fns(fn, inner, cfg, sums, every=1):
             for x, s in zip(grads, layout.slots)
         ]
         bufs = layout.leaf_rows(leaves) if place.alone else layout.pack_rows(leaves)
-        agreed = f"{layout.describe()}\n{cfg.describe()}\nsharded"
+        # accumulate=k: when the all-gather runs (ranks with another k would pair
+        # it with their next reduce-scatter: a hang)
+        acc = f" accumulate {every}" if every > 1 else ""
+        agreed = f"{layout.describe()}\n{cfg.describe()}{acc}\nsharded"
         bufs = cfg.backend.agree(agreed, "gradient tree", bufs)
         if place.alone:
             bufs = _sharded.scatter_leaves(place.intra, cfg.backend, bufs)

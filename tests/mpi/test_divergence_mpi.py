@@ -5,7 +5,11 @@ reduce or an int32 leaf on one rank (every strategy, ``sharded``), a
 ``broadcast_params`` root that differs, strategies that differ, a compiled step
 run again on one rank while the other runs another, ``optax.apply_if_finite``
 skipping the sync on one rank only (the header's step count), a sync inside a
-``lax.cond`` taken alike (no false alarm). ``worker_abort.py``: an uncaught
+``lax.cond`` taken alike (no false alarm); ``accumulate`` and
+``sharded(accumulate=k)`` with another ``k`` or a NaN micro-step on one rank,
+``weights=True`` on one rank, ``Quantized`` against float32 or another block,
+``diloco`` with another outer optimizer or ``fragments`` (a rank done early is
+``test_join_mpi.py``'s, a NaN island ``test_local_mpi.py``'s). ``worker_abort.py``: an uncaught
 trace-time error on one rank ends the job while the other waits in a sync with
 no stall timeout.
 """
@@ -63,6 +67,37 @@ def test_divergent_paths_fail_on_every_rank():
     assert r0["skip-1"][0] == "OK" and "skip-2" not in r1
     msg = "rank 0 reached it 2 times and rank 1 once: a rank skipped it"
     assert msg in r0["skip-2"][1] and msg in r1["skip-1"][1], (r0["skip-2"], r1["skip-1"])
+    # The entry points added since (each case stops at its first error).
+    # accumulate with k = 2 on rank 0, 3 on rank 1: rank 0 runs the sync at its
+    # 2nd call, rank 1 at its 3rd; both fail there alike, k named (it was only
+    # counted: "rank 0 reached it 2 times and rank 1 3 times").
+    r0, r1 = run.results
+    assert r0["acc-k-0"][0] == r1["acc-k-1"][0] == "OK" and "acc-k-2" not in r0
+    for r, key in ((0, "acc-k-1"), (1, "acc-k-2")):
+        msg = run.results[r][key][1]
+        assert "options differ" in msg and "accumulate 2" in msg and "accumulate 3" in msg
+    strip = lambda m: m[m.index("jaxsync:") :]  # noqa: E731
+    assert strip(r0["acc-k-1"][1]) == strip(r1["acc-k-2"][1])
+    # A NaN micro-step on rank 0 only: the accumulated step (micro-steps 0, 1) is
+    # skipped on both, the next one is the mean of micro-steps 2, 3 (3 and 4).
+    # sharded(accumulate=2) under jaxsync.apply_if_finite: the NaN micro-step is
+    # dropped on both, the next two (2 and 3) are applied.
+    for key, want in (("acc-nan", [0, 0, 0, -3.5]), ("zero2-nan", [0, 0, -2.5])):
+        for r in range(2):
+            got = [run.results[r][f"{key}-{i}"] for i in range(len(want))]
+            assert [k for k, _ in got] == ["OK"] * len(want), (r, key, got)
+            assert [u["w"].tolist() for _, u in got] == [[w] * 3 for w in want], (r, key, got)
+    # sharded(accumulate=k) with another k: it hung (rank 0 all-gathering while
+    # rank 1 reduce-scatters its next micro-step); now the first step names it.
+    _same_error(run, "zero2-k-0", "options differ", "accumulate 2", "accumulate 3")
+    # weights=True on rank 0 only: named as weights (not the sum it implies).
+    _same_error(run, "weights-0", "options differ", "(weights)", "weights True", "weights <unset>")
+    # Quantized on one rank, float32 or another block on the other: comm_dtype.
+    _same_error(run, "quant-f32-0", "(comm_dtype)", "block=2", "comm_dtype None")
+    _same_error(run, "quant-block-0", "(comm_dtype)", "block=2", "block=4")
+    # diloco: another outer optimizer (its state), another fragments: both ranks.
+    _same_error(run, "local-outer-0", "diloco configuration differs", "outer state")
+    _same_error(run, "local-fragments-0", "diloco configuration differs", "fragments 2")
     # Still in step after every error.
     for r in range(2):
         assert run.results[r]["after"][0] == "OK", run.results[r]["after"]

@@ -2,7 +2,8 @@
 
 Each case makes one rank do something the other does not (a tree with nothing
 to reduce, another dtype, another root, another strategy, a skipped or another
-synchronisation); every rank records ``(type, message)`` or ``("OK", value)``.
+synchronisation, another ``accumulate`` k, weights, ``comm_dtype`` or local-update
+configuration); every rank records ``(type, message)`` or ``("OK", value)``.
 Cases run in sequence: a case that hangs ends the run through the watchdog
 (``--watchdog``: exit code 124). ``--only NAME`` runs one case (to check a case
 alone on older code).
@@ -127,6 +128,103 @@ def main():
         attempt(key, lambda: step(grads, state)[0])
         if res.data.get(key, ("OK",))[0] != "OK":
             break
+
+    # The entry points added since: each case stops at its first error.
+    def steps(key, n, fn):
+        for i in range(n):
+            attempt(f"{key}-{i}", lambda: fn(i))
+            if res.data.get(f"{key}-{i}", ("OK",))[0] != "OK":
+                return
+
+    w1 = {"w": jnp.ones(3, f32)}
+
+    def jit_steps(tx, grads, params=w1, **extra):  # plain jit, one device
+        st, f = [], jax.jit(lambda g, s: tx.update(g, s, params, **extra))
+
+        def one(i):  # the state made on the first call (an error is the case's)
+            st[:] = st or [tx.init(params)]
+            u, st[0] = f(grads(i), st[0])
+            return u
+
+        return one
+
+    def smap_steps(tx, grads):  # shard_map over both devices, P("d") gradients
+        specs = jaxsync.state_specs(jax.eval_shape(tx.init, w1), "d")
+        init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+        st, f = [], jax.jit(
+            jax.shard_map(
+                lambda g, s: tx.update(g, s, w1),
+                mesh=mesh, in_specs=(P("d"), specs), out_specs=(P(), specs),
+            )
+        )  # fmt: skip
+
+        def one(i):
+            st[:] = st or [init(w1)]
+            u, st[0] = f(grads(i), st[0])
+            return u
+
+        return one
+
+    def mean_then(opt, c=comm, **kw):
+        return optax.chain(jaxsync.hierarchical_mean(axis_name=None, comm=c, **kw), opt)
+
+    def ones(i):
+        return {"w": jnp.full(3, 1.0 + i, f32)}
+
+    # (accumulate) a different k on each rank.
+    acc_k = jaxsync.accumulate(mean_then(optax.sgd(1.0)), mine(2, 3), axis_name=None)
+    steps("acc-k", 3, jit_steps(acc_k, ones))
+    # (accumulate) a NaN micro-step on rank 0 only, apply_if_finite after the mean:
+    # the whole accumulated step is skipped on both ranks, the next one applies.
+    acc_nan = jaxsync.accumulate(
+        mean_then(optax.apply_if_finite(optax.sgd(1.0), 3)), 2, axis_name=None
+    )
+
+    def nan0(i):
+        return {"w": jnp.full(3, jnp.nan if (rank, i) == (0, 0) else 1.0 + i, f32)}
+
+    steps("acc-nan", 4, jit_steps(acc_nan, nan0))
+
+    # (sharded accumulate=k) a different k on each rank, 2 devices each.
+    def grads2(i):  # (3,) on each device
+        return {"w": jnp.full(6, 1.0 + i, f32)}
+
+    zk = jaxsync.sharded(optax.sgd(1.0), axis_name="d", comm=comm, accumulate=mine(2, 3))
+    steps("zero2-k", 3, smap_steps(zk, grads2))
+    # (sharded accumulate=2) a NaN micro-step on rank 0's device 0, inside
+    # jaxsync.apply_if_finite: dropped on both ranks (accumulator and count kept).
+    zn = jaxsync.apply_if_finite(
+        jaxsync.sharded(optax.sgd(1.0), axis_name="d", comm=comm, accumulate=2, check_finite=True),
+        3,
+        axis_name="d",
+        comm=comm,
+    )
+
+    def nan2(i):
+        return {"w": grads2(i)["w"].at[0].set(jnp.nan if (rank, i) == (0, 0) else 1.0 + i)}
+
+    steps("zero2-nan", 3, smap_steps(zn, nan2))
+    # (weights) weights=True on rank 0 only.
+    wt = mean_then(optax.sgd(1.0), weights=mine(True, False))
+    steps("weights", 1, jit_steps(wt, ones, weight=jnp.float32(1.0), done=jnp.bool_(False)))
+    # (comm_dtype) Quantized on rank 0, float32 on rank 1; two blocks.
+    q8 = jaxsync.Quantized(bits=8, block=2)
+    for key, cd in (
+        ("quant-f32", mine(q8, None)),
+        ("quant-block", mine(q8, jaxsync.Quantized(bits=8, block=4))),
+    ):
+        steps(key, 1, jit_steps(mean_then(optax.sgd(1.0), comm_dtype=cd), ones))
+    # (local) another outer optimizer (its state's structure), another fragments.
+    isl = jaxsync.islands("process", axis_name=None, comm=comm)
+    outer = mine(optax.sgd(0.5), optax.sgd(0.5, momentum=0.5))
+    lo = jaxsync.diloco(mean_then(optax.sgd(0.5), isl.comm), outer, every=2, islands=isl)
+    steps("local-outer", 2, jit_steps(lo, ones))
+    frag = jaxsync.diloco(
+        mean_then(optax.sgd(0.5), isl.comm), optax.sgd(0.5), every=2, fragments=mine(1, 2),
+        islands=isl,
+    )  # fmt: skip
+    wv = {"w": jnp.ones(3, f32), "v": jnp.ones(2, f32)}
+    steps("local-fragments", 2, jit_steps(frag, lambda i: {**ones(i), "v": wv["v"]}, wv))
 
     # Still in step after all of that: a matching sync is exact.
     attempt("after", lambda: sync(factories["flat"](axis_name="d", comm=comm), g))
