@@ -84,10 +84,27 @@ def _agree(cfg: LocalConfig, step, params, state):
     shapes = [(str(x.dtype), tuple(x.shape)) for x in jax.tree.leaves(params)]
     text = (
         f"{cfg.describe()}\nparameters {jax.tree.structure(params)} {shapes}\n"
-        f"outer state {jax.tree.structure(state.outer_state)}"
+        f"outer state {jax.tree.structure(state.outer_state)} outer probe {_probe(cfg.outer)}"
     )
     (out,) = backend.agree(text, f"{cfg.fn} configuration", [step[None]])
     return out[0]
+
+
+def _probe(outer) -> str:
+    """The outer optimizer's updates of a fixed pseudo-gradient over two steps:
+    islands whose outer learning rate or momentum differ (the state's structure
+    alike) get different numbers, so the agreement names them instead of the
+    anchors drifting apart. Computed while tracing, outside the step."""
+    try:
+        with jax.ensure_compile_time_eval():
+            p = {"x": jnp.asarray([1.0, -0.5], jnp.float32)}
+            s, out = outer.init(p), []
+            for g in ([1.0, 0.25], [-0.5, 2.0]):
+                u, s = outer.update({"x": jnp.asarray(g, jnp.float32)}, s, p)
+                out += [f"{float(v):.9g}" for v in u["x"]]
+        return " ".join(out)
+    except Exception as e:  # noqa: BLE001 - an outer optimizer the probe cannot drive
+        return f"(no probe: {type(e).__name__})"
 
 
 def _turn(n, cfg: LocalConfig, f: int):

@@ -8,7 +8,7 @@ skipping the sync on one rank only (the header's step count), a sync inside a
 ``lax.cond`` taken alike (no false alarm); ``accumulate`` and
 ``sharded(accumulate=k)`` with another ``k`` or a NaN micro-step on one rank,
 ``weights=True`` on one rank, ``Quantized`` against float32 or another block,
-``diloco`` with another outer optimizer or ``fragments`` (a rank done early is
+``diloco`` with another outer optimizer, outer learning rate or ``fragments`` (a rank done early is
 ``test_join_mpi.py``'s, a NaN island ``test_local_mpi.py``'s). ``worker_abort.py``: an uncaught
 trace-time error on one rank ends the job while the other waits in a sync with
 no stall timeout.
@@ -97,6 +97,9 @@ def test_divergent_paths_fail_on_every_rank():
     _same_error(run, "quant-block-0", "(comm_dtype)", "block=2", "block=4")
     # diloco: another outer optimizer (its state), another fragments: both ranks.
     _same_error(run, "local-outer-0", "diloco configuration differs", "outer state")
+    # the same outer optimizer with another learning rate: the outer probe's numbers
+    # (the anchors drifted apart silently: 0.25 against 0.625 after 2 steps)
+    _same_error(run, "local-outer-lr-0", "diloco configuration differs", "outer probe -0.5")
     _same_error(run, "local-fragments-0", "diloco configuration differs", "fragments 2")
     # Still in step after every error.
     for r in range(2):

@@ -219,6 +219,11 @@ def main():
     outer = mine(optax.sgd(0.5), optax.sgd(0.5, momentum=0.5))
     lo = jaxsync.diloco(mean_then(optax.sgd(0.5), isl.comm), outer, every=2, islands=isl)
     steps("local-outer", 2, jit_steps(lo, ones))
+    # The same outer optimizer with another learning rate (the state alike).
+    lr = jaxsync.diloco(
+        mean_then(optax.sgd(0.5), isl.comm), optax.sgd(mine(0.5, 0.25)), every=2, islands=isl
+    )
+    steps("local-outer-lr", 2, jit_steps(lr, ones))
     frag = jaxsync.diloco(
         mean_then(optax.sgd(0.5), isl.comm), optax.sgd(0.5), every=2, fragments=mine(1, 2),
         islands=isl,
