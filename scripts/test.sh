@@ -19,4 +19,20 @@ site="$(mktemp -d)"
 NO_MKDOCS_2_WARNING=1 "$venv/bin/mkdocs" build --strict --site-dir "$site" \
   || { rm -rf "$site"; exit 1; }
 rm -rf "$site"
-exec "$venv/bin/python" -m pytest -q "$@"
+# Extra args: one pytest run with them (e.g. a file, -k). Else the whole suite in two
+# runs: the in-process tests on 2 workers (pytest-xdist; each keeps about one core
+# busy), then the multi-process ones (mpirun, the emulated cluster, jax.distributed)
+# one at a time, alone on the machine as their ranks need. Both run; either failing
+# fails the suite.
+if [ "$#" -gt 0 ]; then
+  exec "$venv/bin/python" -m pytest -q "$@"
+fi
+workers="${JAXSYNC_TEST_WORKERS:-2}"
+multi=(tests/mpi tests/cluster tests/distributed)
+rc=0
+echo "[test] pytest: in-process tests, $workers workers"
+"$venv/bin/python" -m pytest -q -n "$workers" tests jaxsync notebooks \
+  "${multi[@]/#/--ignore=}" || rc=$?
+echo "[test] pytest: multi-process tests, one at a time"
+"$venv/bin/python" -m pytest -q "${multi[@]}" || rc=$?
+exit "$rc"

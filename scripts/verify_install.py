@@ -32,6 +32,7 @@ def main(checkout: str) -> int:
         "pytest",
         "hypothesis",
         "nbmake",
+        "xdist",  # pytest-xdist
         "ipykernel",
         "rich",
         "matplotlib",

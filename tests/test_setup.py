@@ -260,6 +260,7 @@ def test_verify_install_imports_every_extra_the_suite_needs():
         "griffelib": "griffe",
         "mkdocs-jupyter": "mkdocs_jupyter",
         "orbax-checkpoint": "orbax.checkpoint",
+        "pytest-xdist": "xdist",
     }
     wanted = set()
     for req in reqs:
