@@ -153,6 +153,13 @@ def shard_state(
     Raises:
       ValueError: the counts do not fit, or ``state`` is not ``inner``'s state
         for ``params``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxsync
+      >>> inner, params = optax.sgd(0.1, momentum=0.9), {"w": jnp.ones((3, 2))}
+      >>> mine = jaxsync.shard_state(inner, inner.init(params), params, replicas=2)
+      >>> mine.inner[0].trace["w"].shape  # one process, 2 devices' (1, 3) slices
+      (2, 3)
     """
     fn = "shard_state"
     _counts(fn, replicas, process, processes)
