@@ -385,3 +385,36 @@ def test_inflight_lane_survives_a_finish_before_its_thread_takes_the_job():
     waiter.join(30)
     assert not waiter.is_alive(), "the lane's thread died: finish waits for ever"
     np.testing.assert_array_equal(got["b"], np.full(2, 7.0, np.float32))
+
+
+def test_the_exit_drain_waits_for_the_lanes_job_in_flight():
+    """A streaming fragment still in flight at exit (its all-reduce on the
+    lane's thread) must end before MPI does: the exit drain watched only the
+    native calls and the agreement callbacks, and called a step in flight on
+    the lane quiet at once."""
+    import threading
+
+    import numpy as np
+
+    from jaxsync._comm._quiet import wait_until_quiet
+    from jaxsync.local._inflight import Lane
+
+    gate = threading.Event()
+
+    class Comm:
+        def Dup(self):
+            return self
+
+        def Get_size(self):
+            return 1
+
+        def Allreduce(self, src, dst, op=None):
+            gate.wait(30)
+            dst[...] = src
+
+    ln = Lane(Comm())
+    h = int(ln.start(np.ones(2)))
+    assert not wait_until_quiet(quiet_s=0.05, limit_s=0.5)
+    gate.set()
+    np.testing.assert_array_equal(ln.finish(h), np.ones(2, np.float32))
+    assert wait_until_quiet(quiet_s=0.05, limit_s=5.0)

@@ -21,6 +21,15 @@ def count_native_calls(lib) -> None:
     _LIB[:] = [lib]
 
 
+_OTHERS: list = []  # () -> (begun, ended): other threads' MPI work (local's lanes)
+
+
+def watch(counts) -> None:
+    """Watch ``counts() -> (begun, ended)`` too: MPI work on a thread of its own
+    (``jaxsync.local``'s in-flight lane) that must end before MPI does."""
+    _OTHERS.append(counts)
+
+
 def _drain():
     wait_until_quiet()
     try:
@@ -51,7 +60,11 @@ def wait_until_quiet(quiet_s: float = 0.25, limit_s: float = 10.0) -> bool:
             if lib is not None
             else (0, 0)
         )
-        return (*calls, *_agree.ACTIVITY)
+        others = [c for f in _OTHERS for c in f()]
+        return (*calls, *_agree.ACTIVITY, *others)
+
+    def busy(cur) -> bool:
+        return any(cur[i] != cur[i + 1] for i in range(0, len(cur), 2))
 
     start = now = time.monotonic()
     last, since = state(), start
@@ -61,7 +74,7 @@ def wait_until_quiet(quiet_s: float = 0.25, limit_s: float = 10.0) -> bool:
         time.sleep(0.01)
         now = time.monotonic()
         cur = state()
-        if cur != last or cur[0] != cur[1] or cur[2] != cur[3]:
+        if cur != last or busy(cur):
             last, since = cur, now
         elif now - since >= quiet_s:
             _QUIET[0] = cur

@@ -11,7 +11,8 @@ transfer runs while the steps between compute: the lane's thread holds no
 lock while MPI moves the bytes (mpi4py releases the GIL; MPI is initialised
 with ``MPI_THREAD_MULTIPLE``, which jaxsync requires).
 
-May import: JAX, numpy, mpi4py (lazily).
+May import: JAX, numpy, mpi4py (lazily), ``jaxsync._comm._quiet`` (the exit
+drain waits for the lane's jobs).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from jaxsync._comm import _quiet
+
 
 class Lane:
     """One thread per communicator running its allreduces in order."""
@@ -35,6 +38,8 @@ class Lane:
         self.slots: dict = {}
         self.count = 0
         self.lock = threading.Lock()
+        self.done = 0  # jobs finished (the exit drain waits for count == done)
+        _quiet.watch(lambda: (self.count, self.done))
         threading.Thread(target=self._loop, daemon=True, name="jaxsync-inflight").start()
 
     def _loop(self):
@@ -53,6 +58,7 @@ class Lane:
                 slot[2] = e
             finally:
                 slot[1].set()
+                self.done += 1
 
     def start(self, buf) -> np.ndarray:
         slot = [np.array(buf, np.float32, copy=True), threading.Event(), None]
