@@ -1,0 +1,70 @@
+"""ULFM in the ft environment (scripts/setup_ft.sh): a killed rank, survivors recover.
+
+Needs the second virtual environment with Open MPI 5's wheel ($JAXSYNC_FT_VENV, default
+.venv-ft in the checkout); without it the tests are skipped, naming it (scripts/test.sh
+does not build it: ``bash scripts/setup_ft.sh`` takes about 40 s with a warm pip cache).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FT_VENV = Path(os.environ.get("JAXSYNC_FT_VENV") or ROOT / ".venv-ft")
+FT_READY = (FT_VENV / ".jaxsync-ft-setup").exists()
+requires_ft = pytest.mark.skipif(
+    not FT_READY,
+    reason=f"needs the ULFM environment {FT_VENV} (build it: bash scripts/setup_ft.sh)",
+)
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(ROOT)  # this checkout; the .pth names the native library
+    return env
+
+
+@requires_ft
+def test_survivors_of_a_killed_rank_revoke_shrink_sum_and_agree(tmp_path):
+    cmd = [
+        str(FT_VENV / "bin" / "mpirun"),
+        "--with-ft",
+        "ulfm",
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-n",
+        "3",
+        str(FT_VENV / "bin" / "python"),
+        str(Path(__file__).parent / "worker_elastic_ulfm.py"),
+        str(tmp_path),
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env())
+    recs = {int(f.stem.split("-")[1]): json.loads(f.read_text()) for f in tmp_path.glob("rank-*")}
+    assert sorted(recs) == [0, 1], f"survivors' records: {sorted(recs)}\n{p.stdout}{p.stderr}"
+    for r, rec in recs.items():
+        assert rec["library"].startswith("Open MPI v5"), rec
+        assert rec["first_sum"] == 6, rec
+        assert rec["error_class"] in ("MPI_ERR_PROC_FAILED", "MPI_ERR_REVOKED"), rec
+        assert (rec["shrunk_size"], rec["shrunk_rank"]) == (2, r), rec
+        assert rec["sum_on_survivors"] == 3 and rec["agreed"] == 1, rec
+
+
+@requires_ft
+def test_info_says_the_ft_environment_can_recover_in_process():
+    run = lambda py: subprocess.run(
+        [str(py), "-c", "from jaxsync.elastic import ulfm_status; print(ulfm_status())"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+        cwd=str(FT_VENV),
+    )
+    ft = run(FT_VENV / "bin" / "python")
+    assert "'in_process_recovery': True" in ft.stdout, ft.stdout + ft.stderr
+    assert "libmpi.so.40" in ft.stdout, ft.stdout
+    default = run(sys.executable)  # the default environment: the mpich wheel
+    assert "'in_process_recovery': False" in default.stdout, default.stdout + default.stderr
