@@ -7,6 +7,7 @@ does not build it: ``bash scripts/setup_ft.sh`` takes about 40 s with a warm pip
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -42,9 +43,22 @@ def test_survivors_of_a_killed_rank_revoke_shrink_sum_and_agree(tmp_path):
         str(Path(__file__).parent / "worker_elastic_ulfm.py"),
         str(tmp_path),
     ]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env())
+    p = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(),
+        start_new_session=True,
+    )
+    try:
+        out, _ = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # a hang fails the test, and leaves nothing behind
+        os.killpg(p.pid, signal.SIGKILL)
+        out = p.communicate()[0] + "\n(TIMED OUT after 60 s)"
     recs = {int(f.stem.split("-")[1]): json.loads(f.read_text()) for f in tmp_path.glob("rank-*")}
-    assert sorted(recs) == [0, 1], f"survivors' records: {sorted(recs)}\n{p.stdout}{p.stderr}"
+    assert sorted(recs) == [0, 1], f"survivors' records: {sorted(recs)}\n{out}"
+    assert p.returncode is not None and "TIMED OUT" not in out, out
     for r, rec in recs.items():
         assert rec["library"].startswith("Open MPI v5"), rec
         assert rec["first_sum"] == 6, rec
