@@ -120,3 +120,35 @@ def test_world_outside_and_inside_the_supervisor(tmp_path, monkeypatch):
     assert (w.restart, w.np, w.min_np, w.max_np, w.hosts, w.supervised) == (2, 3, 1, 4, "a:3", True)
     [rec] = list(tmp_path.glob("pid-*"))
     assert rec.read_text() == "2"
+
+
+def test_state_commits_copies_keeps_two_and_restores_the_agreed_one():
+    import numpy as np
+
+    from jaxsync.elastic import State
+    from jaxsync.elastic._run import is_process_failure
+
+    s = State(comm=object(), w=np.zeros(2), step=0)
+    for k in range(3):
+        s.w = s.w + 1.0
+        s.step = k + 1
+        s.commit()
+        s.w[0] = 99.0  # a later in-place change: the commit holds a copy
+    assert s.commits == 3 and [n for n, _ in s._commits] == [2, 3]
+    s._restore(2)  # a survivor one commit ahead goes back to the agreed one
+    assert s.step == 2 and s.w.tolist() == [100.0, 2.0] and s.commits == 2  # not 99
+    with pytest.raises(KeyError):
+        s._restore(1)  # only the last two are kept
+    assert is_process_failure(ValueError("MPI_Allgather failed: MPI_ERR_REVOKED: ..."))
+    assert not is_process_failure(ValueError("MPI_ERR_TRUNCATE"))
+
+
+def test_run_reraises_what_is_not_a_process_failure():
+    from jaxsync.elastic import State, run
+
+    def train(state):
+        raise ValueError("a bug in the training step")
+
+    with pytest.raises(ValueError, match="a bug"):
+        run(train, State(comm=object()))
+    assert run(lambda st: st.x * 2, State(comm=object(), x=21)) == 42

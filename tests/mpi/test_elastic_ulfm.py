@@ -29,8 +29,7 @@ def _env():
     return env
 
 
-@requires_ft
-def test_survivors_of_a_killed_rank_revoke_shrink_sum_and_agree(tmp_path):
+def _launch(worker, tmp_path, timeout=60):
     cmd = [
         str(FT_VENV / "bin" / "mpirun"),
         "--with-ft",
@@ -40,7 +39,7 @@ def test_survivors_of_a_killed_rank_revoke_shrink_sum_and_agree(tmp_path):
         "-n",
         "3",
         str(FT_VENV / "bin" / "python"),
-        str(Path(__file__).parent / "worker_elastic_ulfm.py"),
+        str(Path(__file__).parent / worker),
         str(tmp_path),
     ]
     p = subprocess.Popen(
@@ -52,13 +51,19 @@ def test_survivors_of_a_killed_rank_revoke_shrink_sum_and_agree(tmp_path):
         start_new_session=True,
     )
     try:
-        out, _ = p.communicate(timeout=60)
+        out, _ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:  # a hang fails the test, and leaves nothing behind
         os.killpg(p.pid, signal.SIGKILL)
-        out = p.communicate()[0] + "\n(TIMED OUT after 60 s)"
+        out = p.communicate()[0] + f"\n(TIMED OUT after {timeout} s)"
     recs = {int(f.stem.split("-")[1]): json.loads(f.read_text()) for f in tmp_path.glob("rank-*")}
+    assert "TIMED OUT" not in out, out
+    return recs, out
+
+
+@requires_ft
+def test_survivors_of_a_killed_rank_revoke_shrink_sum_and_agree(tmp_path):
+    recs, out = _launch("worker_elastic_ulfm.py", tmp_path)
     assert sorted(recs) == [0, 1], f"survivors' records: {sorted(recs)}\n{out}"
-    assert p.returncode is not None and "TIMED OUT" not in out, out
     for r, rec in recs.items():
         assert rec["library"].startswith("Open MPI v5"), rec
         assert rec["first_sum"] == 6, rec
@@ -82,3 +87,22 @@ def test_info_says_the_ft_environment_can_recover_in_process():
     assert "libmpi.so.40" in ft.stdout, ft.stdout
     default = run(sys.executable)  # the default environment: the mpich wheel
     assert "'in_process_recovery': False" in default.stdout, default.stdout + default.stderr
+
+
+@requires_ft
+def test_in_process_recovery_prototype_finishes_on_the_survivors_bitwise(tmp_path):
+    """jaxsync.elastic.run: rank 2 killed at step 3; the survivors revoke jaxsync's
+    communicators, shrink, restore the commit of step 3, make a new transform and
+    finish: steps 0-2 averaged over 3 ranks, 3-5 over 2 (float32, dyadic: exact)."""
+    import numpy as np
+
+    recs, out = _launch("worker_elastic_inprocess.py", tmp_path, timeout=120)
+    assert sorted(recs) == [0, 1], f"survivors' records: {sorted(recs)}\n{out}"
+    w = np.zeros((1, 4), np.float32)
+    for t in range(6):
+        ct = np.array([[t + 1, 0.5, -(t % 3), 0.25]], np.float32)
+        w = w - np.float32(0.5) * (np.float32(2.0 if t < 3 else 1.5) * ct)
+    for r, rec in recs.items():
+        got = np.array(rec["w"], np.float32)
+        assert got.tobytes() == w.tobytes(), (r, got, w, out)
+        assert (rec["rank"], rec["size"], rec["recoveries"], rec["commits"]) == (r, 2, 1, 7), rec
