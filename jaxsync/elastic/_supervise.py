@@ -151,7 +151,9 @@ def host_of_rank(placed: list[tuple[str, int]], rank: int) -> str | None:
 
 
 _HYDRA = re.compile(r"=\s+(?:RANK\s+(\d+)\s+)?PID\s+(\d+)\s+RUNNING AT\s+(\S+)")
-_OMPI = re.compile(r"process rank (\d+) with PID (\d+) on node (\S+) (?:exited|terminated)")
+_OMPI = re.compile(  # Open MPI wraps the line at any space
+    r"process\s+rank\s+(\d+)\s+with\s+PID\s+(\d+)\s+on\s+node\s+(\S+)\s+(?:exited|terminated)"
+)
 
 
 def lost_processes(output: str) -> list[tuple[int | None, int, str]]:
@@ -161,7 +163,7 @@ def lost_processes(output: str) -> list[tuple[int | None, int, str]]:
       >>> from jaxsync.elastic._supervise import lost_processes
       >>> lost_processes("=   PID 13527 RUNNING AT vm\\n=   EXIT CODE: 9")
       [(None, 13527, 'vm')]
-      >>> lost_processes("prterun noticed that process rank 1 with PID 77 on node n2 "
+      >>> lost_processes("prterun noticed that process rank 1 with PID 77 on node\\nn2 "
       ...                "exited on signal 9 (Killed).")
       [(1, 77, 'n2')]
     """
