@@ -62,6 +62,7 @@ class State:
 
     comm: Any
     recoveries: int
+    last_recovery: dict  # seconds per part of the last recovery (revoke ... reset)
     _entries: dict[str, Any]
     _commits: list[tuple[int, Any]]
     _resets: list[Callable[[State], None]]
@@ -76,6 +77,7 @@ class State:
         object.__setattr__(self, "_commits", [])  # [(number, entries)], newest last
         object.__setattr__(self, "_resets", [])
         object.__setattr__(self, "recoveries", 0)
+        object.__setattr__(self, "last_recovery", {})
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -84,7 +86,7 @@ class State:
             raise AttributeError(f"State has no entry {name!r}") from None
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("comm", "recoveries") or name.startswith("_"):
+        if name in ("comm", "recoveries", "last_recovery") or name.startswith("_"):
             object.__setattr__(self, name, value)
         else:
             self._entries[name] = value
@@ -148,23 +150,34 @@ def _forget(comm: Any) -> None:
 
 def recover(state: State) -> None:
     """Revoke, shrink, agree on the commit, restore, reset (every survivor calls it)."""
+    import time
+
     from mpi4py import MPI
 
+    t = [time.perf_counter()]
     old = state.comm
     for c in _derived(old):
         try:
             c.Revoke()
         except MPI.Exception:
             pass  # already revoked by a peer
+    t.append(time.perf_counter())
     new = old.Shrink()
     _forget(old)
+    t.append(time.perf_counter())
     # Survivors differ by at most one commit: the newest that all hold is the minimum.
     number = new.allreduce(state.commits, op=MPI.MIN)
+    t.append(time.perf_counter())
     state.comm = new
     state.recoveries += 1
     state._restore(number)
+    t.append(time.perf_counter())
     for fn in state._resets:
         fn(state)
+    t.append(time.perf_counter())
+    parts = ("revoke", "shrink", "agree", "restore", "reset")
+    state.last_recovery = {k: t[i + 1] - t[i] for i, k in enumerate(parts)}
+    state.last_recovery["restored_commit"] = number
 
 
 def run(train_fn: Callable[[State], Any], state: State, max_recoveries: int = 8) -> Any:

@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import jax
 from mpi4py import MPI
@@ -55,15 +56,27 @@ step_fn["f"] = _make(state)
 state.commit()
 
 
+times = {}
+
+
 def train(s):
+    if s.recoveries:  # how long the failed step waited before it raised
+        times["failed_after"] = times["failed"] - times["t0"]
     while int(s.t) < STEPS:
         t = int(s.t)
         if first == victim and t == KILL_AT:
             os.kill(os.getpid(), signal.SIGKILL)
         g = (s.comm.Get_rank() + 1) * c(t)
-        s.w = step_fn["f"](jnp.asarray(s.w), g)
-        s.t = t + 1
-        s.commit()
+        times["t0"] = time.perf_counter()
+        try:
+            s.w = step_fn["f"](jnp.asarray(s.w), g)
+            s.t = t + 1
+            s.commit()  # blocks: a failure in the step surfaces here at the latest
+        except Exception:
+            times["failed"] = time.perf_counter()
+            raise
+        if s.recoveries and "first_step_after" not in times:
+            times["first_step_after"] = time.perf_counter() - times["failed"]
     return np.asarray(s.w)
 
 
@@ -74,6 +87,8 @@ rec = {
     "size": state.comm.Get_size(),
     "recoveries": state.recoveries,
     "commits": state.commits,
+    "recovery_s": state.last_recovery,
+    "times_s": times,
 }
 with open(os.path.join(out, f"rank-{first}.json"), "w") as f:
     json.dump(rec, f)
