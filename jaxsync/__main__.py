@@ -1,4 +1,4 @@
-"""Command line: ``python -m jaxsync {demo,bench,tune,cluster,selftest,timeline,info}``."""
+"""Command line: ``python -m jaxsync {demo,bench,tune,cluster,selftest,timeline,elastic,info}``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ _HELP = {
     "each tier's bandwidth (run under mpirun/srun or the cluster)",
     "timeline": "merge the ranks' timelines (jaxsync.timeline / JAXSYNC_TIMELINE=DIR) into "
     "one Chrome trace and draw a lane per rank and thread",
+    "elastic": "run a job under mpirun and restart it on the processes or hosts left when "
+    "one is lost, from the training script's last checkpoint (--min-np, --max-np)",
     "info": "versions, MPI library and thread level, and this process's topology "
     "(run alone or under mpirun)",
 }
@@ -61,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         from ._cli import _timeline
 
         return _timeline.main(rest)
+    if command == "elastic":
+        from .elastic import _cli as elastic_cli
+
+        return elastic_cli.main(rest)
     if command == "info":
         from ._cli import _info
 

@@ -60,6 +60,10 @@ def collect(comm="auto") -> dict:
             MPI.THREAD_MULTIPLE: "multiple",
         }
         info["mpi_thread_level"] = levels.get(MPI.Query_thread(), "?")
+        from jaxsync.elastic import ulfm_status
+
+        ft = ulfm_status()  # ULFM's MPIX_ symbols in the libmpi this process loaded
+        info["ulfm"] = ("yes: " if ft["in_process_recovery"] else "no: ") + ft["why"]
     info["devices"] = [str(d) for d in jax.local_devices()]
     info["topology"] = topology(comm).as_dict()
     return info
@@ -182,6 +186,7 @@ def main(argv: list[str]) -> int:
         "mpi_backend",
         "mpi_library",
         "mpi_thread_level",
+        "ulfm",
     ):
         if key in first:
             con.print(f"{key:>19}: {first[key]}", soft_wrap=True)

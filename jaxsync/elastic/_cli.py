@@ -1,0 +1,207 @@
+"""``python -m jaxsync elastic``: run a job under mpirun, restart it on what is left.
+
+The loop: find the capacity (``--hosts`` or ``--host-discovery-script``), launch
+``min(capacity, --max-np)`` processes (never fewer than ``--min-np``), pass the
+launcher's output through while keeping it, and when the job fails take away the
+lost processes' slots (or ask the discovery script again) and launch again, at most
+``--max-restarts`` times. The training script resumes from its own last checkpoint
+(:func:`jaxsync.elastic.world` tells it which restart this is and the world size).
+
+Imports: the standard library and ``_supervise``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import _supervise as sv
+
+_PREFIX = "[jaxsync elastic]"
+
+
+def _say(msg: str) -> None:
+    print(f"{_PREFIX} {msg}", file=sys.stderr, flush=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxsync elastic",
+        description="Run `mpirun -n N COMMAND` and, when the job fails (a process or host "
+        "lost), restart it on the capacity left, from the training script's last "
+        "checkpoint. The script reads jaxsync.elastic.world() (restart count, world size).",
+        epilog="Example: python -m jaxsync elastic --min-np 2 --max-np 8 --hosts a:4,b:4 "
+        "-- python train.py",
+    )
+    p.add_argument("--min-np", type=int, required=True, help="fewest processes to run on")
+    p.add_argument("--max-np", type=int, required=True, help="most processes to run on")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
+        "--hosts",
+        default=None,
+        help="host:slots items, comma separated (default: localhost:MAX_NP); a lost "
+        "process costs its slot",
+    )
+    where.add_argument(
+        "--host-discovery-script",
+        default=None,
+        help="a command printing host:slots lines, asked before every launch",
+    )
+    p.add_argument("--max-restarts", type=int, default=3, help="restarts before giving up")
+    p.add_argument(
+        "--mpirun",
+        default=None,
+        help="the launcher (default: mpirun next to this Python, else on PATH)",
+    )
+    p.add_argument(
+        "--mpirun-args",
+        default="",
+        help="more launcher options, one string (e.g. '--oversubscribe')",
+    )
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
+    return p
+
+
+def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> list[str]:
+    cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not cmd:
+        p.error("no command: give it after --, e.g. -- python train.py")
+    if args.min_np < 1 or args.max_np < args.min_np:
+        p.error(
+            f"--min-np and --max-np: expected 1 <= min <= max, got {args.min_np} and "
+            f"{args.max_np}; fix the bounds"
+        )
+    if args.max_restarts < 0:
+        p.error(f"--max-restarts: expected >= 0, got {args.max_restarts}")
+    return cmd
+
+
+def _mpirun(given: str | None) -> list[str]:
+    if given:
+        return shlex.split(given)
+    here = Path(sys.executable).parent / "mpirun"
+    found = str(here) if here.exists() else shutil.which("mpirun")
+    if found is None:
+        raise SystemExit(f"{_PREFIX} no mpirun next to {sys.executable} or on PATH; --mpirun")
+    return [found]
+
+
+def _launch(line: list[str], env: dict) -> tuple[int, str]:
+    """Run the job; its output goes through to ours and is kept for the report."""
+    kept: list[str] = []
+    with subprocess.Popen(
+        line,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            for text in proc.stdout:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+                kept.append(text)
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
+            raise
+    return (128 - rc if rc < 0 else rc), "".join(kept)  # killed by a signal: 128 + it
+
+
+def _lost_slots(
+    output: str, folder: Path, placed: list[tuple[str, int]]
+) -> tuple[list[str], list[str]]:
+    """The hosts whose processes were lost (one entry per process), and what was seen."""
+    pids = {}
+    for f in folder.glob("pid-*"):
+        try:
+            pids[int(f.name[4:])] = int(f.read_text())
+        except ValueError:
+            continue
+    hosts, seen = [], []
+    names = {h for h, _ in placed}
+    for rank, pid, node in sv.lost_processes(output):
+        rank = pids.get(pid, rank)
+        host = sv.host_of_rank(placed, rank) if rank is not None else None
+        if host is None:
+            host = node if node in names else (next(iter(names)) if len(names) == 1 else None)
+        if host is not None:
+            hosts.append(host)
+            seen.append(f"rank {rank if rank is not None else '?'} (pid {pid}) on {host}")
+    return hosts, seen
+
+
+def run(args: argparse.Namespace, cmd: list[str]) -> int:
+    """The supervisor's loop; returns the exit status (0: the job finished)."""
+    mpirun = _mpirun(args.mpirun)
+    kind = sv.launcher_kind(mpirun)
+    extra = shlex.split(args.mpirun_args)
+    static = sv.parse_hosts(args.hosts) if args.hosts else [("localhost", args.max_np)]
+    restart, rc = 0, 0
+    while True:
+        hosts = sv.discover(args.host_discovery_script) if args.host_discovery_script else static
+        capacity = sum(s for _, s in hosts)
+        np = min(capacity, args.max_np)
+        if np < args.min_np:
+            _say(
+                f"giving up: {capacity} slot(s) left ({_fmt(hosts)}), fewer than --min-np "
+                f"{args.min_np}" + (f"; the last run's exit status was {rc}" if restart else "")
+            )
+            return rc or 1
+        placed = sv.placement(hosts, np)
+        with tempfile.TemporaryDirectory(prefix="jaxsync-elastic-") as tmp:
+            env = dict(os.environ)
+            env.update(
+                {
+                    sv.ENV_RESTART: str(restart),
+                    sv.ENV_NP: str(np),
+                    sv.ENV_MIN_NP: str(args.min_np),
+                    sv.ENV_MAX_NP: str(args.max_np),
+                    sv.ENV_HOSTS: _fmt(placed),
+                    sv.ENV_DIR: tmp,
+                }
+            )
+            line = sv.mpirun_command(mpirun, kind, placed, extra, cmd)
+            _say(f"run {restart} on {np} process(es) ({_fmt(placed)}): {shlex.join(line)}")
+            t0 = time.monotonic()
+            rc, output = _launch(line, env)
+            lost, seen = _lost_slots(output, Path(tmp), placed)
+        if rc == 0:
+            _say(f"run {restart} finished ({time.monotonic() - t0:.1f} s)")
+            return 0
+        what = ", ".join(seen) if seen else "no lost process named in the launcher's output"
+        took = time.monotonic() - t0
+        _say(f"run {restart} failed with exit status {rc} after {took:.1f} s: {what}")
+        if restart >= args.max_restarts:
+            _say(f"giving up: --max-restarts {args.max_restarts} reached; exit status {rc}")
+            return rc
+        if not args.host_discovery_script:
+            for host in lost:  # a lost process costs its slot (one machine: slots = processes)
+                i = next((i for i, (h, s) in enumerate(static) if h == host and s > 0), None)
+                if i is not None:
+                    static[i] = (host, static[i][1] - 1)
+            static = [(h, s) for h, s in static if s > 0]
+        restart += 1
+
+
+def _fmt(hosts: list[tuple[str, int]]) -> str:
+    return ",".join(f"{h}:{s}" for h, s in hosts) or "none"
+
+
+def main(argv: list[str]) -> int:
+    p = _parser()
+    args = p.parse_args(argv)
+    cmd = _check(args, p)
+    return run(args, cmd)

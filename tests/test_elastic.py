@@ -1,0 +1,154 @@
+"""The elastic supervisor's loop against a fake launcher (no MPI, each run ~0.1 s).
+
+The fake ``mpirun`` records each launch (``-n``, hosts, the supervisor's environment)
+and, while a counter file says so, fails as MPICH's hydra does (a BAD TERMINATION box
+naming a PID and a host), with the pid -> rank record that ``world()`` leaves.
+"""
+
+import json
+import sys
+
+import pytest
+
+from jaxsync.elastic import _cli, _supervise
+
+FAKE = r"""
+import json, os, sys
+args = sys.argv[1:]
+if args == ["--version"]:
+    print("HYDRA build details: fake"); sys.exit(0)
+here = os.path.dirname(os.path.abspath(__file__))
+n = int(args[args.index("-n") + 1])
+hosts = args[args.index("-hosts") + 1] if "-hosts" in args else None
+with open(os.path.join(here, "launches.jsonl"), "a") as f:
+    f.write(json.dumps({"n": n, "hosts": hosts,
+                        "restart": os.environ["JAXSYNC_ELASTIC_RESTART"],
+                        "np": os.environ["JAXSYNC_ELASTIC_NP"]}) + "\n")
+fails = int(open(os.path.join(here, "fails")).read())
+if fails > 0:
+    open(os.path.join(here, "fails"), "w").write(str(fails - 1))
+    lost = n - 1  # the last rank is lost; it had recorded its pid, as world() does
+    with open(os.path.join(os.environ["JAXSYNC_ELASTIC_DIR"], "pid-4242"), "w") as f:
+        f.write(str(lost))
+    cap = os.path.join(here, "capacity")
+    if os.path.exists(cap):  # discovery: the lost host is gone from the answer
+        os.replace(os.path.join(here, "capacity.after"), cap)
+    print("=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES")
+    print("=   PID 4242 RUNNING AT somewhere")
+    print("=   EXIT CODE: 9")
+    sys.exit(9)
+print("fake job done")
+"""
+
+
+def _setup(tmp_path, fails):
+    (tmp_path / "mpirun.py").write_text(FAKE)
+    (tmp_path / "fails").write_text(str(fails))
+    return f"{sys.executable} {tmp_path / 'mpirun.py'}"
+
+
+def _launches(tmp_path):
+    f = tmp_path / "launches.jsonl"
+    return [json.loads(x) for x in f.read_text().splitlines()] if f.exists() else []
+
+
+def _main(argv, mpirun):
+    return _cli.main(["--mpirun", mpirun, *argv, "--", "python", "train.py"])
+
+
+def test_each_lost_process_costs_its_slot_until_the_job_finishes(tmp_path, capsys):
+    mpirun = _setup(tmp_path, fails=2)
+    rc = _main(["--min-np", "1", "--max-np", "4", "--hosts", "a:2,b:2"], mpirun)
+    assert rc == 0, capsys.readouterr().err
+    got = [(x["n"], x["hosts"], x["restart"], x["np"]) for x in _launches(tmp_path)]
+    # rank 3 (on b) lost, then rank 2 (on b): b has no slot left
+    assert got == [(4, "a:2,b:2", "0", "4"), (3, "a:2,b:1", "1", "3"), (2, None, "2", "2")]
+    err = capsys.readouterr().err
+    assert "rank 3 (pid 4242) on b" in err and "rank 2 (pid 4242) on b" in err, err
+
+
+def test_gives_up_after_max_restarts_with_the_jobs_exit_status(tmp_path, capsys):
+    mpirun = _setup(tmp_path, fails=5)
+    rc = _main(["--min-np", "1", "--max-np", "3", "--max-restarts", "1"], mpirun)
+    assert rc == 9
+    assert [x["n"] for x in _launches(tmp_path)] == [3, 2]
+    assert "giving up: --max-restarts 1 reached; exit status 9" in capsys.readouterr().err
+
+
+def test_never_goes_below_min_np(tmp_path, capsys):
+    mpirun = _setup(tmp_path, fails=1)
+    rc = _main(["--min-np", "2", "--max-np", "2", "--max-restarts", "5"], mpirun)
+    assert rc == 9
+    assert [x["n"] for x in _launches(tmp_path)] == [2]
+    err = capsys.readouterr().err
+    assert "giving up: 1 slot(s) left (localhost:1), fewer than --min-np 2" in err, err
+
+
+def test_discovery_script_decides_the_capacity_and_grows_back_to_max_np(tmp_path, capsys):
+    mpirun = _setup(tmp_path, fails=1)
+    (tmp_path / "capacity").write_text("h1:2\nh2:2\n")
+    (tmp_path / "capacity.after").write_text("h1:2\nh3:1\n")  # h2 lost, h3 came
+    script = f"cat {tmp_path / 'capacity'}"
+    rc = _main(["--min-np", "1", "--max-np", "3", "--host-discovery-script", script], mpirun)
+    assert rc == 0, capsys.readouterr().err
+    got = [(x["n"], x["hosts"]) for x in _launches(tmp_path)]
+    assert got == [(3, "h1:2,h2:1"), (3, "h1:2,h3:1")]
+
+
+def test_bad_arguments_name_the_option():
+    with pytest.raises(SystemExit):
+        _cli.main(["--min-np", "3", "--max-np", "2", "--", "python", "x.py"])
+    with pytest.raises(ValueError, match="--hosts: expected host:slots"):
+        _supervise.parse_hosts("a:x")
+
+
+def test_world_outside_and_inside_the_supervisor(tmp_path, monkeypatch):
+    import jaxsync.elastic as el
+
+    assert el.world() == el.ElasticWorld()
+    for k, v in {
+        "JAXSYNC_ELASTIC_RESTART": "2",
+        "JAXSYNC_ELASTIC_NP": "3",
+        "JAXSYNC_ELASTIC_MIN_NP": "1",
+        "JAXSYNC_ELASTIC_MAX_NP": "4",
+        "JAXSYNC_ELASTIC_HOSTS": "a:3",
+        "JAXSYNC_ELASTIC_DIR": str(tmp_path),
+        "PMI_RANK": "2",
+    }.items():
+        monkeypatch.setenv(k, v)
+    w = el.world()
+    assert (w.restart, w.np, w.min_np, w.max_np, w.hosts, w.supervised) == (2, 3, 1, 4, "a:3", True)
+    [rec] = list(tmp_path.glob("pid-*"))
+    assert rec.read_text() == "2"
+
+
+def test_state_commits_copies_keeps_two_and_restores_the_agreed_one():
+    import numpy as np
+
+    from jaxsync.elastic import State
+    from jaxsync.elastic._run import is_process_failure
+
+    s = State(comm=object(), w=np.zeros(2), step=0)
+    for k in range(3):
+        s.w = s.w + 1.0
+        s.step = k + 1
+        s.commit()
+        s.w[0] = 99.0  # a later in-place change: the commit holds a copy
+    assert s.commits == 3 and [n for n, _ in s._commits] == [2, 3]
+    s._restore(2)  # a survivor one commit ahead goes back to the agreed one
+    assert s.step == 2 and s.w.tolist() == [100.0, 2.0] and s.commits == 2  # not 99
+    with pytest.raises(KeyError):
+        s._restore(1)  # only the last two are kept
+    assert is_process_failure(ValueError("MPI_Allgather failed: MPI_ERR_REVOKED: ..."))
+    assert not is_process_failure(ValueError("MPI_ERR_TRUNCATE"))
+
+
+def test_run_reraises_what_is_not_a_process_failure():
+    from jaxsync.elastic import State, run
+
+    def train(state):
+        raise ValueError("a bug in the training step")
+
+    with pytest.raises(ValueError, match="a bug"):
+        run(train, State(comm=object()))
+    assert run(lambda st: st.x * 2, State(comm=object(), x=21)) == 42
