@@ -5,6 +5,9 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${JAXSYNC_VENV:-$root/.venv}"
 bash "$root/scripts/setup.sh"
+# The fault-tolerant MPI environment (.venv-ft: Open MPI 5 with ULFM) for the elastic
+# tests: a second venv, so the default mpich one stays as it is.
+bash "$root/scripts/setup_ft.sh"
 cd "$root"
 export PATH="$venv/bin:$PATH"
 echo "[test] ruff check, ruff format --check, mypy (config in pyproject.toml)"

@@ -19,6 +19,7 @@ OPTIONAL = (
     "jaxsync.cluster",
     "jaxsync.zero",
     "jaxsync.local",
+    "jaxsync.elastic",
 )
 
 

@@ -1,9 +1,10 @@
 """ULFM in the ft environment (scripts/setup_ft.sh): a killed rank, survivors recover.
 
 Needs the second virtual environment with Open MPI 5's wheel ($JAXSYNC_FT_VENV, default
-.venv-ft in the checkout); without it the tests are skipped, naming it (scripts/test.sh
-does not build it: ``bash scripts/setup_ft.sh`` took 37-66 s here with a warm pip cache,
-half of it compiling the native target).
+.venv-ft in the checkout); without it the tests are skipped, naming it, except in CI
+(``CI=true``), where they fail: scripts/test.sh builds it first (``bash
+scripts/setup_ft.sh``: 37-66 s here with a warm pip cache, half of it compiling the
+native target).
 """
 
 import json
@@ -18,10 +19,26 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 FT_VENV = Path(os.environ.get("JAXSYNC_FT_VENV") or ROOT / ".venv-ft")
 FT_READY = (FT_VENV / ".jaxsync-ft-setup").exists()
-requires_ft = pytest.mark.skipif(
-    not FT_READY,
-    reason=f"needs the ULFM environment {FT_VENV} (build it: bash scripts/setup_ft.sh)",
+_MISSING_FT = f"needs the ULFM environment {FT_VENV} (build it: bash scripts/setup_ft.sh)"
+
+
+def _ft_required_in_ci():
+    pytest.fail(f"CI is set (scripts/test.sh builds it) but the test {_MISSING_FT}", pytrace=False)
+
+
+# Skipped where the environment is missing, except in CI (CI=true), where
+# scripts/test.sh builds it first: there a missing one fails.
+requires_ft = (
+    pytest.mark.usefixtures("_ft_present")
+    if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+    else pytest.mark.skipif(not FT_READY, reason=_MISSING_FT)
 )
+
+
+@pytest.fixture
+def _ft_present():
+    if not FT_READY:
+        _ft_required_in_ci()
 
 
 def _env():
