@@ -31,7 +31,7 @@ esac
 extra="${JAXSYNC_SETUP_EXTRA_PACKAGES:-}"
 
 stamp="$venv/.jaxsync-setup"
-inputs=(pyproject.toml setup.py scripts/setup.sh scripts/verify_install.py jaxsync/_cli/_toolkit.py
+inputs=(pyproject.toml setup.py scripts/setup.sh scripts/_setup_steps.sh scripts/verify_install.py jaxsync/_cli/_toolkit.py
         jaxsync/_comm/_native/*.cc jaxsync/_comm/_native/*.h)
 want="$(for f in "${inputs[@]}"; do if [ -f "$f" ]; then cat "$f"; fi; done | sha256sum | cut -c1-16)"
 want="$want cuda=$cuda extra=$extra"
@@ -39,37 +39,9 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python"
   exit 0
 fi
 
-mkdir -p "$venv"
-rm -f "$stamp"                      # written again only after the final check
-log="$venv/setup.log"
-: > "$log"
-started=$SECONDS
-
-# step NAME COMMAND...: run COMMAND with its output in the log; on failure print the
-# step's name, exit status and last lines, and stop set-up.
-step() {
-  local name="$1"; shift
-  local out rc t0=$SECONDS
-  out="$(mktemp)"
-  echo "[setup] $name"
-  printf '\n===== %s: %s\n' "$name" "$*" >> "$log"
-  if "$@" > "$out" 2>&1; then rc=0; else rc=$?; fi
-  cat "$out" >> "$log"
-  if [ "$rc" -ne 0 ]; then
-    {
-      echo "[setup] FAILED: $name (exit status $rc). Last lines of its output:"
-      tail -n 25 "$out" | sed 's/^/    /'
-      echo "[setup] full log: $log"
-      echo "[setup] nothing was marked done; fix the cause and run this again."
-    } >&2
-    rm -f "$out"
-    exit "$rc"
-  fi
-  rm -f "$out"
-  echo "        done in $((SECONDS - t0)) s" >> "$log"
-}
-
-pip() { "$venv/bin/python" -m pip --disable-pip-version-check "$@"; }
+tag=setup
+# shellcheck source=scripts/_setup_steps.sh
+source "$root/scripts/_setup_steps.sh"
 
 if [ ! -x "$venv/bin/python" ]; then
   step "create the virtual environment $venv" "$py" -m venv "$venv"

@@ -26,7 +26,7 @@ venv="${JAXSYNC_FT_VENV:-$root/.venv-ft}"
 py="${PYTHON:-python3}"
 
 stamp="$venv/.jaxsync-ft-setup"
-inputs=(pyproject.toml setup.py scripts/setup_ft.sh jaxsync/_comm/_native/*.cc
+inputs=(pyproject.toml setup.py scripts/setup_ft.sh scripts/_setup_steps.sh jaxsync/_comm/_native/*.cc
         jaxsync/_comm/_native/*.h)
 want="$(for f in "${inputs[@]}"; do if [ -f "$f" ]; then cat "$f"; fi; done | sha256sum | cut -c1-16)"
 want="$want root=$root"
@@ -34,37 +34,9 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python"
   exit 0
 fi
 
-mkdir -p "$venv"
-rm -f "$stamp"                      # written again only after the final check
-log="$venv/setup.log"
-: > "$log"
-started=$SECONDS
-
-# step NAME COMMAND...: run COMMAND with its output in the log; on failure print the
-# step's name, exit status and last lines, and stop set-up.
-step() {
-  local name="$1"; shift
-  local out rc t0=$SECONDS
-  out="$(mktemp)"
-  echo "[setup-ft] $name"
-  printf '\n===== %s: %s\n' "$name" "$*" >> "$log"
-  if "$@" > "$out" 2>&1; then rc=0; else rc=$?; fi
-  cat "$out" >> "$log"
-  if [ "$rc" -ne 0 ]; then
-    {
-      echo "[setup-ft] FAILED: $name (exit status $rc). Last lines of its output:"
-      tail -n 25 "$out" | sed 's/^/    /'
-      echo "[setup-ft] full log: $log"
-      echo "[setup-ft] nothing was marked done; fix the cause and run this again."
-    } >&2
-    rm -f "$out"
-    exit "$rc"
-  fi
-  rm -f "$out"
-  echo "        done in $((SECONDS - t0)) s" >> "$log"
-}
-
-pip() { "$venv/bin/python" -m pip --disable-pip-version-check "$@"; }
+tag=setup-ft
+# shellcheck source=scripts/_setup_steps.sh
+source "$root/scripts/_setup_steps.sh"
 
 if [ ! -x "$venv/bin/python" ]; then
   step "create the virtual environment $venv" "$py" -m venv "$venv"
