@@ -9,12 +9,10 @@ ranks, steps 5-7 over one.
 
 import json
 import os
-import signal
-import subprocess
 import sys
 
 import numpy as np
-from mpi_harness import MPIRUN, ROOT, requires_mpi
+from mpi_harness import MPIRUN, ROOT, requires_mpi, run_command
 
 STEPS, KILL_AT, LR = 8, 5, 0.5
 
@@ -49,21 +47,9 @@ def test_a_killed_rank_restarts_on_the_slot_left_from_the_checkpoint(tmp_path):
         str(tmp_path),
     ]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        out, _ = p.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        raise AssertionError(f"the supervised job hung:\n{out}") from None
-    assert p.returncode == 0, out
+    rc, out, timed_out = run_command(cmd, 120, env=env)
+    assert not timed_out, f"the supervised job hung:\n{out}"
+    assert rc == 0, out
     runs = [json.loads(x) for x in (tmp_path / "runs.jsonl").read_text().splitlines()]
     assert runs == [
         {"restart": 0, "np": 2, "start": 0},

@@ -9,12 +9,12 @@ native target).
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from mpi_harness import run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 FT_VENV = Path(os.environ.get("JAXSYNC_FT_VENV") or ROOT / ".venv-ft")
@@ -60,19 +60,9 @@ def _launch(worker, tmp_path, timeout=60):
         str(Path(__file__).parent / worker),
         str(tmp_path),
     ]
-    p = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=_env(),
-        start_new_session=True,
-    )
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:  # a hang fails the test, and leaves nothing behind
-        os.killpg(p.pid, signal.SIGKILL)
-        out = p.communicate()[0] + f"\n(TIMED OUT after {timeout} s)"
+    _, out, timed_out = run_command(cmd, timeout, env=_env())  # a hang: group killed
+    if timed_out:
+        out += f"\n(TIMED OUT after {timeout} s)"
     recs = {int(f.stem.split("-")[1]): json.loads(f.read_text()) for f in tmp_path.glob("rank-*")}
     assert "TIMED OUT" not in out, out
     return recs, out
