@@ -225,8 +225,10 @@ class SyncConfig:
     # is told that weights differs, not reduce
     weights: Any = None
 
-    def describe(self) -> str:
+    def describe(self, accumulate: int = 1) -> str:
+        """The agreed text (``accumulate``: sharded's k; else ACCUMULATE's)."""
         forced = _host_tier.override()
+        accumulate = max(accumulate, ACCUMULATE.get())
         weights, reduce, predivide = self.weights or (None, self.reduce, self.predivide)
         # one word per value (_agree names the option that differs)
         wire = self.comm_dtype if self.quant is None else repr(self.quant).replace(" ", "")
@@ -247,7 +249,7 @@ class SyncConfig:
             # the path every synchronisation takes across hosts (its option)
             + f" host_tier {self.host_tier}"
             + (f" weights {weights}" if weights is not None else "")
-            + (f" accumulate {ACCUMULATE.get()}" if ACCUMULATE.get() > 1 else "")
+            + (f" accumulate {accumulate}" if accumulate > 1 else "")
             + ("" if forced is None else f" {_host_tier.HOST_TIER_ENV}={int(forced)}")
         )
 

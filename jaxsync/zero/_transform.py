@@ -202,8 +202,7 @@ def _fns(fn, inner, cfg, sums, every=1):
         bufs = layout.leaf_rows(leaves) if place.alone else layout.pack_rows(leaves)
         # accumulate=k: when the all-gather runs (ranks with another k would pair
         # it with their next reduce-scatter: a hang)
-        acc = f" accumulate {every}" if every > 1 else ""
-        agreed = f"{layout.describe()}\n{cfg.describe()}{acc}\nsharded"
+        agreed = f"{layout.describe()}\n{cfg.describe(accumulate=every)}\nsharded"
         bufs = cfg.backend.agree(agreed, "gradient tree", bufs)
         if place.alone:
             bufs = _sharded.scatter_leaves(place.intra, cfg.backend, bufs)
