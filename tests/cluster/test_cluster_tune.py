@@ -37,9 +37,11 @@ def test_tune_quick_measures_the_network_link(cluster, tmp_path):
     n, _, seconds = max((s[1], s[2], s[3]) for s in raw)
     assert seconds >= (n - BURST) * 8 / RATE, (n, seconds)
     # The fitted bandwidth is the network's, not shared memory's (28 Gb/s here, a
-    # 21 MB allreduce in 6 ms). Not bounded by physics: one beta is fitted to
-    # every kind of collective by relative least squares, and with quick's two
-    # sizes one noisy sample moves it (1.0-1.25x the rate in quiet runs, 1.62x
-    # once in a loaded CI run); the samples themselves are bounded above.
-    assert 8 / prof.link("network").beta <= 3 * RATE
+    # 21 MB allreduce in 6 ms). It is not bounded by the rate: quick's 16 KiB
+    # samples fit in tbf's bucket (BURST) and cross at veth speed, 3-8x faster per
+    # byte than the 1 MiB ones, and one alpha + beta line fitted to both by relative
+    # least squares lands between them (2.5-3.0x the rate in three runs here; the 3x
+    # bound this test had failed a CI run at 3.07x). 8x keeps it well below shared
+    # memory's; the 1 MiB samples themselves are bounded by physics above.
+    assert 8 / prof.link("network").beta <= 8 * RATE
     assert "emulated cluster: links shaped to 1gbit" in r.output
