@@ -186,3 +186,54 @@ def test_weights_add_no_collective(name):
         f = jax.vmap(lambda g: tx.update(g, tx.init(g), **extra)[0], axis_name="i")
         counts.append(_collectives(jax.make_jaxpr(f)(g).jaxpr))
     assert counts[0] == counts[1] >= 1, counts
+
+
+def test_auto_mean_takes_weights_like_the_strategy_it_picks():
+    """``auto_mean(weights=...)``: the closed form, the same in a chain (optax
+    passes ``weight=``/``done=`` to an ExtraArgs transform), and ``describe``."""
+    g, done = _grads(), W == 0
+    for weights in (True, "world"):
+        tx = jaxsync.auto_mean("i", comm=None, weights=weights)
+        assert isinstance(tx, optax.GradientTransformationExtraArgs)
+        out, active, total = _mapped("vmap", tx, g, W, done)
+        want = _want(g, W, world=weights == "world")
+        for k in ("a", "b"):
+            np.testing.assert_array_equal(bits(out[k][0]), bits(want[k]), err_msg=k)
+        assert active.tolist() == [6] * N and total.tolist() == [16.0] * N
+    assert "predicted" in tx.describe()
+    chain = optax.chain(jaxsync.auto_mean("i", comm=None, weights=True), optax.sgd(1.0))
+    f = lambda g, w: chain.update(g, chain.init(g), weight=w)[0]
+    u = jax.vmap(f, axis_name="i")({"a": g["a"]}, jnp.asarray(W))
+    np.testing.assert_array_equal(bits(u["a"][0]), bits(-_want(g, W)["a"]))
+
+
+def test_compressors_take_weights_prescaled():
+    """``powersgd_mean`` / ``sign_mean`` with ``weights=``: the weights are summed
+    first and each replica's gradients scaled by ``w N / W`` (here ``w / 2``,
+    exact). Sign compression is exact for gradients of one magnitude per replica
+    (their scale is that magnitude): the closed form, bitwise. PowerSGD at full
+    rank reproduces the mean to float32 rounding. A replica of weight 0 adds
+    nothing (its NaN included); a step of all-zero weights gives zeros and keeps
+    the residuals."""
+    rng = np.random.default_rng(0)
+    signs = np.where(rng.random((N, 16, 32)) < 0.5, -1.0, 1.0).astype(np.float32)
+    g = {"w": signs * (1 + np.arange(N, dtype=np.float32))[:, None, None] / 4}
+    g["w"][2, 0, 0] = np.nan  # weight 0
+    want = _want({"a": g["w"], "b": g["w"][:, :1]}, W)["a"]
+    sign = jaxsync.sign_mean("i", comm=None, weights=True)
+    psgd = jaxsync.powersgd_mean("i", comm=None, weights=True, rank=16, min_compression_rate=0.0)
+    for tx in (sign, psgd):
+        assert isinstance(tx, optax.GradientTransformationExtraArgs)
+        state = jax.vmap(tx.init)(g)
+        run = jax.vmap(lambda g, s, w, d: tx.update(g, s, weight=w, done=d), axis_name="i")
+        out, state = run(g, state, jnp.asarray(W), jnp.asarray(W == 0))
+        assert state.active.tolist() == [6] * N and state.weight.tolist() == [16.0] * N
+        if tx is sign:
+            np.testing.assert_array_equal(bits(out["w"][0]), bits(want))
+        else:
+            np.testing.assert_allclose(out["w"][0], want, rtol=2e-5, atol=2e-5)
+        before = jax.tree.leaves(state.inner)
+        out0, state0 = run(g, state, 0 * jnp.asarray(W), jnp.asarray(W == W))
+        assert not np.any(np.asarray(out0["w"])) and state0.active.tolist() == [0] * N
+        for a, b in zip(before, jax.tree.leaves(state0.inner)):
+            np.testing.assert_array_equal(bits(a), bits(b))

@@ -13,7 +13,10 @@ replica of weight 0 adds zeros). ``A`` is kept in :class:`WeightedState`, the
 same on every replica, so every replica leaves its loop at the same step
 (:func:`all_done`). Double buffering keeps the extra leaf with the delayed
 gradients; ``sharded`` sums the three values in one small allreduce of its own
-(its reduce-scatter gives each replica a slice, not the whole buffer).
+(its reduce-scatter gives each replica a slice, not the whole buffer). The
+compressing means (``powersgd_mean``, ``sign_mean``) sum them first, in one
+small sync of their own, and scale each replica's gradients by ``w N / W``
+before their unweighted mean (:func:`prescaled`).
 
 Imports: ``_plan`` (the reduced dtypes), ``_sync`` (the mean's predivide), ``_intra``.
 """
@@ -250,5 +253,48 @@ def transform(fn: str, cfg, weights, make_fns, allsum=None):
             out = finish(out, weights, cfg.reduce, summed, pre, n)
         active = jnp.round(summed[1]).astype(jnp.int32)
         return out, WeightedState(inner, active, summed[0])
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def prescaled(fn: str, cfg, weights, init_inner, update_inner):
+    """``weights=`` for a mean that cannot carry the extra leaf (a compressor).
+
+    The replicas' ``[w, 1 - done, 1]`` are summed first (one small lossless sync
+    over ``cfg``'s axes and processes), then each replica's gradients are scaled
+    by ``w N / W`` (``"world"``: by ``w``) and given to the unweighted
+    ``update_inner``, whose mean over the ``N`` replicas is then ``sum(w g) / W``
+    up to the compressor's own error (and the rounding of ``w N / W``). In a step
+    where every weight is 0 the result is zeros and the inner state (residuals,
+    step count) is kept as it was.
+    """
+    check_weights(fn, weights, cfg.reduce)
+    axes = tuple(cfg.axes) + tuple(getattr(cfg.backend, "mesh_axes", ()))
+    counts = dataclasses.replace(cfg, reduce="sum", predivide=None, comm_dtype=None)
+
+    def init_fn(params):
+        n = jnp.full((), -1, jnp.int32)  # no step yet: not done
+        return WeightedState(init_inner(params), n, jnp.zeros((), jnp.float32))
+
+    def update_fn(updates, state, params=None, weight=None, done=None, **extra_args):
+        del extra_args
+        if not isinstance(state, WeightedState):
+            raise TypeError(
+                f"{fn}: update got a state of type {type(state).__name__}, expected "
+                "WeightedState from this transform's init (weights=). Make sure you "
+                "have called init first and pass the state returned by this transform."
+            )
+        w, x = extras(weight, done, axes)
+        summed, _ = _sync.sync(x, counts)
+        total = summed[0]
+        some = total > 0
+        f = w if weights == "world" else w * summed[2] / jnp.where(some, total, 1.0)
+        out, inner = update_inner(scale(updates, f), state.inner, params)
+        keep = lambda a, b: jnp.where(some, a, b)
+        zero = lambda u: keep(u, jnp.zeros_like(u)) if str(u.dtype) in REDUCED_DTYPES else u
+        out = jax.tree.map(zero, out)
+        inner = jax.tree.map(keep, inner, state.inner)
+        active = jnp.round(summed[1]).astype(jnp.int32)
+        return out, WeightedState(inner, active, total)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -258,17 +258,32 @@ class AutoTransformation(optax.GradientTransformation):
     __slots__ = ()
 
     def describe(self) -> str:
-        cfg = getattr(self.update, "config", None)
-        if cfg is None:
-            return "jaxsync auto: not an auto transformation"
-        with _lock:
-            got = list(_recent.get(cfg.auto.key, []))
-        if not got:
-            return (
-                f"jaxsync auto: nothing chosen yet (the choice is made when the "
-                f"step is first traced, from the tree); {cfg.auto.note}"
-            )
-        return "\n".join(c.describe() for c in got)
+        return _describe(self)
+
+
+class WeightedAutoTransformation(optax.GradientTransformationExtraArgs):
+    """:class:`AutoTransformation` made with ``weights=``: ``update`` takes
+    ``weight=`` and ``done=`` (an ``optax.chain`` passes them through)."""
+
+    __slots__ = ()
+
+    def describe(self) -> str:
+        return _describe(self)
+
+
+def _describe(tx) -> str:
+    """What an auto transformation chose (both classes' ``describe``)."""
+    cfg = getattr(tx.update, "config", None)
+    if cfg is None:
+        return "jaxsync auto: not an auto transformation"
+    with _lock:
+        got = list(_recent.get(cfg.auto.key, []))
+    if not got:
+        return (
+            f"jaxsync auto: nothing chosen yet (the choice is made when the "
+            f"step is first traced, from the tree); {cfg.auto.note}"
+        )
+    return "\n".join(c.describe() for c in got)
 
 
 @document_overlap
@@ -292,7 +307,8 @@ def auto_mean(
     overlap_bucket_bytes: Bytes = AUTO,
     double_buffering: bool = False,
     host_tier: bool | str = AUTO,
-) -> AutoTransformation:
+    weights: bool | Literal["world"] = False,
+) -> AutoTransformation | WeightedAutoTransformation:
     """Average gradients with the strategy the cost model predicts fastest.
 
     When the step is first traced, the transform predicts the time of every
@@ -327,7 +343,8 @@ def auto_mean(
         before the choice at trace time): naming them is an error. Not with ``comm_dtype``.
 
     Returns:
-      an optax ``GradientTransformation`` with a ``describe()`` method.
+      an optax ``GradientTransformation`` with a ``describe()`` method (with
+      ``weights=``, a ``GradientTransformationExtraArgs``).
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxsync
@@ -362,6 +379,12 @@ def auto_mean(
         double_buffering=double_buffering,
         host_tier=host_tier,
     )
+    if weights is not False:  # per-replica weights and the join, as the named strategies
+        from jaxsync._core import _join
+
+        tx = _join.transform(fn, cfg, weights, lambda c: transform_fns(fn, c))
+        tx.update.config = cfg
+        return WeightedAutoTransformation(tx.init, tx.update)
     init_fn, update_fn = transform_fns(fn, cfg)
     update_fn.config = cfg
     return AutoTransformation(init_fn, update_fn)

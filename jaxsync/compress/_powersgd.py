@@ -1,9 +1,9 @@
 """PowerSGD low-rank compression with error feedback: :func:`powersgd_mean`.
 
 May import: ``_common`` (state, checks, layout), ``_phase``,
-``_invariance`` (``share_invariant``), ``_config`` (``make_config``) and
+``_invariance`` (``share_invariant``), ``_config`` (``make_config``),
 ``_sync`` (``sync``: the exact hierarchical path the ``P`` and ``Q`` matrices
-travel by).
+travel by) and ``_join`` (``weights=``).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ import optax
 from jax import lax
 
 from jaxsync._comm import _invariance
-from jaxsync._core import _config, _sync
+from jaxsync._core import _config, _join, _sync
 from jaxsync._core._config import AxisName, Comm, OnTimeout, Staging
 
 from ._common import (
@@ -83,6 +84,7 @@ def powersgd_mean(
     staging: Staging = "device",
     timeout: float | None = None,
     on_timeout: OnTimeout = "report",
+    weights: bool | Literal["world"] = False,
 ) -> PowerSGDTransformation:
     """Average gradients with PowerSGD low-rank compression and error feedback.
 
@@ -145,6 +147,13 @@ def powersgd_mean(
         the same on every replica.
       staging: ``"device"`` or ``"host"``, as for ``hierarchical_mean``.
       timeout, on_timeout: the stall watchdog, as for ``hierarchical_mean``.
+      weights: ``True`` or ``"world"``: ``update`` takes ``weight=`` and ``done=``
+        and returns the compressed mean of ``sum(w g) / sum(w)`` (``"world"``:
+        ``/ n``), as for ``hierarchical_mean`` (the state is a
+        :class:`jaxsync.WeightedState` around this one). The weights are summed
+        first, in one more small synchronisation, and each replica's gradients
+        scaled by ``w n / sum(w)`` before compression; a step where every weight is
+        0 returns zeros and leaves the residuals as they were.
 
     Returns:
       a :class:`PowerSGDTransformation` (an ``optax.GradientTransformation``
@@ -285,8 +294,8 @@ def powersgd_mean(
             ),
         )
 
-    def update_fn(updates, state, params=None):
-        del params
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args  # other transforms' (optax.chain passes every one to all)
         if not isinstance(state, PowerSGDState):
             raise _state_error(fn, state, PowerSGDState)
         _reject_row_sparse(fn, updates)
@@ -304,10 +313,13 @@ def powersgd_mean(
         leaves, paths, layout = layout_of(params)
         return _describe(header, leaves, paths, layout)
 
+    if weights is not False:  # each replica's gradients scaled by w N / W first
+        tx = _join.prescaled(fn, cfg, weights, init_fn, update_fn)
+        return PowerSGDTransformation(tx.init, tx.update, describe)
     return PowerSGDTransformation(init_fn, update_fn, describe)
 
 
-class PowerSGDTransformation(optax.GradientTransformation):
+class PowerSGDTransformation(optax.GradientTransformationExtraArgs):
     """The ``optax.GradientTransformation`` of :func:`powersgd_mean`, with
     ``describe(params)``: which leaves of a tree are compressed, as which
     matrix, and the bytes per step against dense. (Inside ``optax.chain``

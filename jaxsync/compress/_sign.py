@@ -2,11 +2,13 @@
 
 May import: ``_common`` (state, checks, layout), ``_intra`` (collectives),
 ``_invariance``, ``_config`` (``make_config``), ``_mpi_backend`` (which MPI
-path pads for ``lax.cond``) and ``_sync`` (``sync`` for the leaves that are
-not compressed).
+path pads for ``lax.cond``), ``_sync`` (``sync`` for the leaves that are
+not compressed) and ``_join`` (``weights=``).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +17,7 @@ import optax
 from jax import lax
 
 from jaxsync._comm import _intra, _invariance, _mpi_backend
-from jaxsync._core import _config, _sync
+from jaxsync._core import _config, _join, _sync
 from jaxsync._core._config import AxisName, Comm, OnTimeout, Staging
 
 from ._common import (
@@ -94,6 +96,7 @@ def sign_mean(
     staging: Staging = "device",
     timeout: float | None = None,
     on_timeout: OnTimeout = "report",
+    weights: bool | Literal["world"] = False,
 ) -> optax.GradientTransformation:
     """Average gradients as scaled signs, 1 bit per value, with error feedback.
 
@@ -129,6 +132,13 @@ def sign_mean(
       min_size: compress floating leaves of at least this many values (>= 1).
       staging: ``"device"`` or ``"host"``, as for ``hierarchical_mean``.
       timeout, on_timeout: the stall watchdog, as for ``hierarchical_mean``.
+      weights: ``True`` or ``"world"``: ``update`` takes ``weight=`` and ``done=``
+        and returns the compressed mean of ``sum(w g) / sum(w)`` (``"world"``:
+        ``/ n``), as for ``hierarchical_mean`` (the state is a
+        :class:`jaxsync.WeightedState` around this one). The weights are summed
+        first, in one more small synchronisation, and each replica's gradients
+        scaled by ``w n / sum(w)`` before compression; a step where every weight is
+        0 returns zeros and leaves the residuals as they were.
 
     Returns:
       an ``optax.GradientTransformation``; with a named ``axis_name`` its
@@ -241,4 +251,6 @@ def sign_mean(
             SignState(state.count + 1, tuple(new_res), new_owner),
         )
 
+    if weights is not False:  # each replica's gradients scaled by w N / W first
+        return _join.prescaled(fn, cfg, weights, init_fn, update_fn)
     return optax.GradientTransformation(init_fn, update_fn)
