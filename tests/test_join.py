@@ -237,3 +237,27 @@ def test_compressors_take_weights_prescaled():
         assert not np.any(np.asarray(out0["w"])) and state0.active.tolist() == [0] * N
         for a, b in zip(before, jax.tree.leaves(state0.inner)):
             np.testing.assert_array_equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize(
+    "comm_dtype", [jnp.bfloat16, jaxsync.Quantized(bits=8), jaxsync.Quantized(bits=4)]
+)
+def test_a_lossy_wire_keeps_the_weights_and_counts_exact(comm_dtype):
+    """With a lossy wire the weights and counts travel in float32 beside it: 4
+    bits rounded a count of 1 beside a weight of 300 to 0 (``all_done`` while a
+    replica still trains) and bfloat16 the weights' sum 1221 to 1216."""
+    w = jnp.asarray([[300.0, 301.0], [0.0, 620.0]])
+    done = jnp.asarray([[True, True], [True, False]])
+    g = {"a": jnp.ones((2, 2, 64), jnp.float32) * jnp.arange(1.0, 5.0).reshape(2, 2, 1) / 4}
+    tx = jaxsync.flat_mean(
+        "local", comm=jaxsync.AxisComm("host"), weights=True, comm_dtype=comm_dtype
+    )
+
+    def f(g, w, d):
+        out, s = tx.update(g, tx.init(g), weight=w, done=d)
+        return out, s.active, s.weight
+
+    out, active, total = jax.vmap(jax.vmap(f, axis_name="local"), axis_name="host")(g, w, done)
+    assert active.tolist() == [[1, 1], [1, 1]] and total.tolist() == [[1221.0] * 2] * 2
+    want = (300 * 0.25 + 301 * 0.5 + 620 * 1.0) / 1221
+    np.testing.assert_allclose(out["a"], want, rtol=2**-6)

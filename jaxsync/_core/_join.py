@@ -13,7 +13,9 @@ replica of weight 0 adds zeros). ``A`` is kept in :class:`WeightedState`, the
 same on every replica, so every replica leaves its loop at the same step
 (:func:`all_done`). Double buffering keeps the extra leaf with the delayed
 gradients; ``sharded`` sums the three values in one small allreduce of its own
-(its reduce-scatter gives each replica a slice, not the whole buffer). The
+(its reduce-scatter gives each replica a slice, not the whole buffer), and so
+does every mean with a lossy wire (``comm_dtype``: 16-bit or ``Quantized``,
+which would round them) but double buffering. The
 compressing means (``powersgd_mean``, ``sign_mean``) sum them first, in one
 small sync of their own, and scale each replica's gradients by ``w N / W``
 before their unweighted mean (:func:`prescaled`).
@@ -220,6 +222,19 @@ def transform(fn: str, cfg, weights, make_fns, allsum=None):
     init_inner, update_inner = make_fns(inner_cfg)
     axes = tuple(cfg.axes) + tuple(getattr(cfg.backend, "mesh_axes", ()))
 
+    # A lossy wire (16-bit, Quantized) would round the weights and counts (a count
+    # wrongly 0 ends every replica's loop early): they travel in a small float32
+    # sync of their own instead, except with double buffering, whose delayed
+    # gradients keep their extra leaf (16-bit: counts exact up to 256 replicas,
+    # weights to bfloat16's 8 significant bits).
+    lossy = (cfg.comm_dtype is not None or cfg.quant is not None) and not cfg.double_buffering
+    if lossy and not allsum:
+        counts = dataclasses.replace(inner_cfg, comm_dtype=None, quant=None, weights=None)
+        allsum = lambda x: _sync.sync(x, counts)[0]
+        alone = True
+    else:
+        alone = False
+
     def init_fn(params):
         # double buffering's pending extra leaf: weight 0, not done, one replica.
         x = jnp.array([0.0, 1.0, 1.0], jnp.float32)
@@ -238,7 +253,13 @@ def transform(fn: str, cfg, weights, make_fns, allsum=None):
                 "have called init first and pass the state returned by this transform."
             )
         w, x = extras(weight, done, axes)
-        if allsum:
+        if alone:  # the counts exact, beside a lossy wire
+            summed = allsum(x)
+            n = replicas(cfg)
+            pre = lambda dt: _sync._predivide(cfg, jnp.dtype(cfg.comm_dtype or dt), n)
+            out, inner = update_inner(scale(updates, w, pre), state.inner, params)
+            out = finish(out, weights, cfg.reduce, summed, pre, n)
+        elif allsum:
             summed = allsum(x)
             reset = DIVISOR.set(divisor(weights, cfg.reduce, summed))
             try:
