@@ -36,6 +36,7 @@ SUITES = {
     "overlap": "jaxsync.bench.overlap",
     "sharded": "jaxsync.bench.sharded",
     "accumulate": "jaxsync.bench.accumulate",
+    "weights": "jaxsync.bench.weights",
 }
 """``--suite NAME``: the module whose ``main(argv)`` runs it."""
 
@@ -52,6 +53,8 @@ SUITE_HELP = {
     "state bytes per device, the step's memory and time, the update's own compute",
     "accumulate": "jaxsync.accumulate (one sync per k micro-steps) against optax.MultiSteps: "
     "bytes and time per k micro-steps",
+    "weights": "weights=True with even inputs against the plain mean (float32 and bfloat16 "
+    "wires): its cost",
 }
 
 
