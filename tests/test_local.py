@@ -418,3 +418,32 @@ def test_the_exit_drain_waits_for_the_lanes_job_in_flight():
     gate.set()
     np.testing.assert_array_equal(ln.finish(h), np.ones(2, np.float32))
     assert wait_until_quiet(quiet_s=0.05, limit_s=5.0)
+
+
+@pytest.mark.parametrize("make", ["diloco", "bmuf_nesterov", "streaming"])
+def test_a_step_that_donates_params_and_state_runs(make):
+    """``jax.jit(step, donate_argnums=(0, 1))`` on ``tx.init(params)``'s state (the
+    step the docs write): the state's float32 anchor (and Nesterov BMUF's copy of
+    it) aliased the parameters, and XLA refused to donate a buffer twice."""
+    isl = jaxsync.islands("process", comm=None)
+    inner = optax.sgd(0.5)
+    tx = {
+        "diloco": lambda: jaxsync.diloco(inner, every=2, islands=isl),
+        "bmuf_nesterov": lambda: jaxsync.bmuf(inner, every=2, nesterov=True, islands=isl),
+        "streaming": lambda: jaxsync.diloco(inner, every=2, islands=isl, fragments=2, delay=0),
+    }[make]()
+    params = {"a": jnp.arange(4.0), "b": jnp.ones(3)}
+
+    def body(p, s):
+        u, s = tx.update(jax.tree.map(lambda x: x - 1, p), s, p)
+        return optax.apply_updates(p, u), s
+
+    want, ws = params, tx.init(params)  # the same steps, nothing donated
+    for _ in range(3):
+        want, ws = jax.jit(body)(want, ws)
+    step = jax.jit(body, donate_argnums=(0, 1))
+    p, s = params, tx.init(params)
+    for _ in range(3):
+        p, s = step(p, s)
+    for a, b in zip(jax.tree.leaves((p, s)), jax.tree.leaves((want, ws))):
+        np.testing.assert_array_equal(a, b)

@@ -104,7 +104,8 @@ def bmuf_outer(
 
     def init(anchor):
         v = jax.tree.map(jnp.zeros_like, anchor)
-        return BMUFState(v, anchor if nesterov else ())
+        # a copy: the state's anchor is another leaf of the same state (donated once)
+        return BMUFState(v, jax.tree.map(jnp.copy, anchor) if nesterov else ())
 
     def update(pg, state, anchor=None):
         assert anchor is not None

@@ -55,7 +55,9 @@ def init_fn(cfg: LocalConfig):
                 f"kept in float32), got dtypes {sorted(set(bad))}. Fix: keep integer "
                 "state out of the parameters (e.g. in a flax collection)."
             )
-        anchor = [jnp.asarray(x).astype(jnp.float32) for x in leaves]
+        # a copy, never the parameters' own buffer (or a step donating both
+        # parameters and state would donate it twice)
+        anchor = [jnp.array(x, jnp.float32, copy=True) for x in leaves]
         frags = _fragments(cfg, params)
         outer = tuple(cfg.outer.init([anchor[k] for k in ks]) for ks in frags)
         held = ()
