@@ -37,6 +37,7 @@ SUITES = {
     "sharded": "jaxsync.bench.sharded",
     "accumulate": "jaxsync.bench.accumulate",
     "weights": "jaxsync.bench.weights",
+    "local-updates": "jaxsync.bench.local",
 }
 """``--suite NAME``: the module whose ``main(argv)`` runs it."""
 
@@ -55,6 +56,8 @@ SUITE_HELP = {
     "bytes and time per k micro-steps",
     "weights": "weights=True with even inputs against the plain mean (float32 and bfloat16 "
     "wires): its cost",
+    "local-updates": "a byte-level transformer LM: data parallel against DiLoCo, local SGD and "
+    "streaming DiLoCo, eval loss against wall-clock and steps",
 }
 
 
