@@ -17,7 +17,8 @@ Not imported by ``import jaxsync``; imports only the standard library at import 
 from __future__ import annotations
 
 from ._run import State, run
+from ._shards import SlicesLost
 from ._supervise import ElasticWorld, world
 from ._ulfm import ulfm_status
 
-__all__ = ["ElasticWorld", "State", "run", "ulfm_status", "world"]
+__all__ = ["ElasticWorld", "SlicesLost", "State", "run", "ulfm_status", "world"]

@@ -1,13 +1,22 @@
-"""In-process recovery (prototype, jaxsync.elastic.run) under ``mpirun --with-ft ulfm``.
+"""In-process recovery (jaxsync.elastic.run) under ``mpirun --with-ft ulfm -n 3``.
 
-    mpirun --with-ft ulfm -n 3 python worker_elastic_inprocess.py OUT_DIR
+    mpirun --with-ft ulfm -n 3 python worker_elastic_inprocess.py OUT_DIR [MODE]
 
-Each process has one CPU device; the gradient of rank r at step t is
-``(r + 1) * c(t)`` (dyadic) and ``jaxsync.naive_mean(comm=state.comm)`` averages it;
-``w -= 0.5 * mean``; a commit after every step. Rank ``size - 1`` kills itself
-(SIGKILL) when it reaches step ``KILL_AT`` (progress, not the clock). The survivors
-recover (revoke, shrink, restore the agreed commit, new transform) and finish; each
-writes OUT_DIR/rank-R.json: final w, its rank and size after, the recoveries.
+Each process has one CPU device. Two models train in one step: ``w`` with
+``jaxsync.naive_mean(comm="auto")`` (a stall watchdog on, ``on_timeout="abort"``:
+it must not end the job during the recovery), and ``p`` with
+``jaxsync.sharded(optax.sgd(0.5, momentum=0.5), comm="auto")`` (each rank holds a
+third of the momentum; ``State(sharded=...)`` keeps a ring copy). The gradient of
+rank r at step t is ``(r + 1) * c(t)`` (dyadic); a commit after every step. The
+transforms are made in the reset callback with ``comm="auto"``: after a recovery
+they must run on the survivors (jaxsync's current world).
+
+MODE ``one`` (default): rank 2 kills itself (SIGKILL) when it reaches step
+``KILL_AT`` (progress, not the clock); ranks 0 and 1 recover and finish. MODE
+``two``: also rank 1 kills itself inside its first reset callback (a process lost
+during the recovery): rank 0 recovers a second time and finishes alone. Each
+survivor writes OUT_DIR/rank-R.json: final w, p, what ``topology()`` and
+``broadcast_params`` (both ``comm="auto"``) saw after the recovery, the recoveries.
 """
 
 import json
@@ -22,6 +31,7 @@ from mpi4py import MPI
 jax.config.update("jax_num_cpu_devices", 1)
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -30,31 +40,61 @@ import jaxsync.elastic as el
 
 STEPS, KILL_AT, LR = 6, 3, 0.5
 out = sys.argv[1]
+mode = sys.argv[2] if len(sys.argv) > 2 else "one"
 mesh = Mesh(np.array(jax.devices()), ("d",))
 first = MPI.COMM_WORLD.Get_rank()
 victim = MPI.COMM_WORLD.Get_size() - 1
+inner = optax.sgd(0.5, momentum=0.5)
 
 
 def c(t):
     return jnp.array([[t + 1, 0.5, -(t % 3), 0.25]], dtype=jnp.float32)
 
 
-state = el.State(MPI.COMM_WORLD, w=np.zeros((1, 4), np.float32), t=0)
+def cp(t):  # the sharded model's gradient: 6 entries, 2 per rank's slice on 3 ranks
+    return jnp.array([t + 1, 0.5, -(t % 3), 0.25, 2.0 - t, 0.75], dtype=jnp.float32)
+
+
+p0 = np.zeros((6,), np.float32)
 step_fn = {}
-state.on_reset(lambda s: step_fn.update(f=_make(s)))
+seen = {}
 
 
-def _make(s):
-    tx = jaxsync.naive_mean(axis_name="d", comm=s.comm)
-    mean = jax.shard_map(
-        lambda g: tx.update(g, tx.init(g))[0], mesh=mesh, in_specs=P("d"), out_specs=P("d")
+def _make(s=None):
+    if s is not None and mode == "two" and first == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # lost during the recovery
+    if s is not None:  # comm="auto" follows the survivors
+        top = jaxsync.topology()
+        seen["topology"] = [top.rank, top.size]
+        seen["broadcast"] = float(jaxsync.broadcast_params({"x": jnp.float32(first)})["x"])
+    tx = jaxsync.naive_mean(axis_name="d", timeout=20.0, on_timeout="abort")
+    zx = jaxsync.sharded(inner, axis_name="d")
+    specs = jaxsync.state_specs(jax.eval_shape(zx.init, p0), "d")
+
+    def both(w, g, p, gp, st):
+        u, st = zx.update(gp, st, p)
+        return w - LR * tx.update(g, tx.init(g))[0], optax.apply_updates(p, u), st
+
+    f = jax.shard_map(
+        both,
+        mesh=mesh,
+        in_specs=(P("d"), P("d"), P(), P(), specs),
+        out_specs=(P("d"), P(), specs),
     )
-    return jax.jit(lambda w, g: w - LR * mean(g))
+    init = jax.jit(jax.shard_map(zx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+    step_fn.update(f=jax.jit(f), init=init)
 
 
-step_fn["f"] = _make(state)
+_make()
+state = el.State(
+    w=np.zeros((1, 4), np.float32),
+    t=0,
+    p=p0,
+    opt=step_fn["init"](jnp.asarray(p0)),
+    sharded={"opt": (inner, "p")},
+)
+state.on_reset(_make)
 state.commit()
-
 
 times = {}
 
@@ -66,27 +106,29 @@ def train(s):
         t = int(s.t)
         if first == victim and t == KILL_AT:
             os.kill(os.getpid(), signal.SIGKILL)
-        g = (s.comm.Get_rank() + 1) * c(t)
+        k = s.comm.Get_rank() + 1
         times["t0"] = time.perf_counter()
         try:
-            s.w = step_fn["f"](jnp.asarray(s.w), g)
-            s.t = t + 1
+            w, p, opt = step_fn["f"](jnp.asarray(s.w), k * c(t), s.p, k * cp(t), s.opt)
+            s.w, s.p, s.opt, s.t = w, p, opt, t + 1
             s.commit()  # blocks: a failure in the step surfaces here at the latest
         except Exception:
             times["failed"] = time.perf_counter()
             raise
         if s.recoveries and "first_step_after" not in times:
             times["first_step_after"] = time.perf_counter() - times["failed"]
-    return np.asarray(s.w)
+    return np.asarray(s.w), np.asarray(s.p)
 
 
-w = el.run(train, state)
+w, p = el.run(train, state)
 rec = {
     "w": w.tolist(),
+    "p": p.tolist(),
     "rank": state.comm.Get_rank(),
     "size": state.comm.Get_size(),
     "recoveries": state.recoveries,
     "commits": state.commits,
+    "seen": seen,
     "recovery_s": state.last_recovery,
     "times_s": times,
 }
