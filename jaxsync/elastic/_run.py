@@ -235,16 +235,24 @@ def _stop_watchdogs(comm: Any) -> None:
             wd._stop.set()  # the thread sees it within one poll; not joined here
 
 
+_DEAD: list = []  # the revoked worlds' jaxsync communicators: kept, never freed
+
+
 def _forget(comm: Any) -> None:
-    """Drop jaxsync's cached communicators of a revoked world (no drain: it is dead)."""
+    """Drop jaxsync's cached communicators of a revoked world; no drain: it is dead.
+
+    Their watchdogs are stopped; the handles are revoked, not freed: a nonblocking
+    call still queued on a communicator's worker thread names its handle, and fails
+    on a revoked one (``MPI_ERR_REVOKED``) where a freed one would be undefined.
+    """
     from jaxsync._comm._topology import Comms
 
     c = Comms._cache.pop(id(comm), None)
     if c is not None:
-        try:
-            c.free()
-        except Exception:  # noqa: BLE001 - a revoked handle may refuse; it is dropped
-            pass
+        for wd in c._watchdogs.values():
+            wd.stop()
+        c.freed = True  # the exit hook does not free them either
+        _DEAD.append(c)
 
 
 def recover(state: State) -> None:
