@@ -107,21 +107,24 @@ def _reference(ranks_after):
 
     Rank r's gradients are (r + 1) * c(t): their mean is 2 c(t) over 3 ranks, 1.5 c(t)
     over 2, c(t) over 1. w -= 0.5 * mean; p follows sgd(0.5, momentum=0.5): the
-    momentum (one third on each rank before the loss) must come back whole.
+    momentum (one third on each rank before the loss) must come back whole; q (4
+    leaves, overlap on) follows w, leaf j times j + 1.
     """
     import numpy as np
 
     f = np.float32
     k = {1: f(1.0), 2: f(1.5), 3: f(2.0)}
     w, p, m = np.zeros((1, 4), f), np.zeros(6, f), np.zeros(6, f)
+    q = [np.zeros((1, 64), f)] * 4
     for t in range(6):
         mean = k[3 if t < 3 else ranks_after]
         ct = np.array([[t + 1, 0.5, -(t % 3), 0.25]], f)
         cp = np.array([t + 1, 0.5, -(t % 3), 0.25, 2.0 - t, 0.75], f)
         w = w - f(0.5) * (mean * ct)
+        q = [x - f(0.5) * (mean * (j + 1) * np.tile(ct, (1, 16))) for j, x in enumerate(q)]
         m = mean * cp + f(0.5) * m
         p = p - f(0.5) * m
-    return w, p
+    return w, p, q
 
 
 def _check_bitwise(recs, ranks_after, out):
@@ -129,11 +132,15 @@ def _check_bitwise(recs, ranks_after, out):
 
     # The stall watchdog stands aside (no thread dies on the revoked communicator).
     assert "Traceback" not in out, out
-    w, p = _reference(ranks_after)
+    w, p, q = _reference(ranks_after)
     for r, rec in recs.items():
         got_w, got_p = np.array(rec["w"], np.float32), np.array(rec["p"], np.float32)
         assert got_w.tobytes() == w.tobytes(), (r, got_w, w, out)
         assert got_p.tobytes() == p.tobytes(), (r, got_p, p, out)
+        got_q = np.array(rec["q"], np.float32)
+        assert got_q.tobytes() == np.stack(q).tobytes(), (r, got_q, q, out)
+        # the exit drain went quiet (nothing of the revoked world left running)
+        assert rec["quiet"] is True, rec
 
 
 @requires_ft

@@ -2,12 +2,15 @@
 
     mpirun --with-ft ulfm -n 3 python worker_elastic_inprocess.py OUT_DIR [MODE]
 
-Each process has one CPU device. Two models train in one step: ``w`` with
+Each process has one CPU device. Three models train in one step: ``w`` with
 ``jaxsync.naive_mean(comm="auto")`` (a stall watchdog on, ``on_timeout="abort"``:
 it must not end the job during the recovery), and ``p`` with
 ``jaxsync.sharded(optax.sgd(0.5, momentum=0.5), comm="auto")`` (each rank holds a
-third of the momentum; ``State(sharded=...)`` keeps a ring copy). The gradient of
-rank r at step t is ``(r + 1) * c(t)`` (dyadic); a commit after every step. The
+third of the momentum; ``State(sharded=...)`` keeps a ring copy), and ``q`` (4
+leaves) with ``naive_mean(overlap=True)``, a bucket per leaf. The gradient of rank r
+at step t is ``(r + 1) * c(t)`` (dyadic; leaf j of ``q``: times j + 1, tiled); a
+commit after every step. At the end, the exit drain and ``free_communicators`` are
+timed (no MPI_Finalize: after a failure it can hang). The
 transforms are made in the reset callback with ``comm="auto"``: after a recovery
 they must run on the survivors (jaxsync's current world).
 
@@ -37,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxsync
 import jaxsync.elastic as el
+from jaxsync._comm import _quiet
 
 STEPS, KILL_AT, LR = 6, 3, 0.5
 out = sys.argv[1]
@@ -68,18 +72,21 @@ def _make(s=None):
         seen["topology"] = [top.rank, top.size]
         seen["broadcast"] = float(jaxsync.broadcast_params({"x": jnp.float32(first)})["x"])
     tx = jaxsync.naive_mean(axis_name="d", timeout=20.0, on_timeout="abort")
+    ox = jaxsync.naive_mean(axis_name="d", overlap=True, overlap_bucket_bytes=256)
     zx = jaxsync.sharded(inner, axis_name="d")
     specs = jaxsync.state_specs(jax.eval_shape(zx.init, p0), "d")
 
-    def both(w, g, p, gp, st):
+    def both(w, g, p, gp, st, q, gq):
         u, st = zx.update(gp, st, p)
-        return w - LR * tx.update(g, tx.init(g))[0], optax.apply_updates(p, u), st
+        mq = ox.update(gq, ox.init(gq))[0]
+        q = [a - LR * b for a, b in zip(q, mq)]
+        return w - LR * tx.update(g, tx.init(g))[0], optax.apply_updates(p, u), st, q
 
     f = jax.shard_map(
         both,
         mesh=mesh,
-        in_specs=(P("d"), P("d"), P(), P(), specs),
-        out_specs=(P("d"), P(), specs),
+        in_specs=(P("d"), P("d"), P(), P(), specs, P("d"), P("d")),
+        out_specs=(P("d"), P(), specs, P("d")),
     )
     init = jax.jit(jax.shard_map(zx.init, mesh=mesh, in_specs=P(), out_specs=specs))
     step_fn.update(f=jax.jit(f), init=init)
@@ -90,6 +97,7 @@ state = el.State(
     w=np.zeros((1, 4), np.float32),
     t=0,
     p=p0,
+    q=[np.zeros((1, 64), np.float32) for _ in range(4)],
     opt=step_fn["init"](jnp.asarray(p0)),
     sharded={"opt": (inner, "p")},
 )
@@ -109,21 +117,30 @@ def train(s):
         k = s.comm.Get_rank() + 1
         times["t0"] = time.perf_counter()
         try:
-            w, p, opt = step_fn["f"](jnp.asarray(s.w), k * c(t), s.p, k * cp(t), s.opt)
-            s.w, s.p, s.opt, s.t = w, p, opt, t + 1
+            gq = [k * (j + 1) * jnp.tile(c(t), (1, 16)) for j in range(4)]
+            w, p, opt, q = step_fn["f"](s.w, k * c(t), s.p, k * cp(t), s.opt, s.q, gq)
+            s.w, s.p, s.opt, s.q, s.t = w, p, opt, q, t + 1
             s.commit()  # blocks: a failure in the step surfaces here at the latest
         except Exception:
             times["failed"] = time.perf_counter()
             raise
         if s.recoveries and "first_step_after" not in times:
             times["first_step_after"] = time.perf_counter() - times["failed"]
-    return np.asarray(s.w), np.asarray(s.p)
+    return np.asarray(s.w), np.asarray(s.p), [np.asarray(x) for x in s.q]
 
 
-w, p = el.run(train, state)
+w, p, q = el.run(train, state)
+# The exit drain and free (what the interpreter's exit runs before MPI_Finalize)
+# must not wait on the revoked world's work: timed, and whether it went quiet.
+t0 = time.perf_counter()
+quiet = _quiet.wait_until_quiet(limit_s=10.0)
+jaxsync.free_communicators()
+times["exit_drain"] = time.perf_counter() - t0
 rec = {
     "w": w.tolist(),
     "p": p.tolist(),
+    "q": [x.tolist() for x in q],
+    "quiet": quiet,
     "rank": state.comm.Get_rank(),
     "size": state.comm.Get_size(),
     "recoveries": state.recoveries,
