@@ -157,15 +157,20 @@ def test_in_process_recovery_comm_auto_and_sharded_bitwise(tmp_path):
         assert (rec["rank"], rec["size"], rec["recoveries"], rec["commits"]) == (r, 2, 1, 7), rec
         assert rec["seen"] == {"topology": [r, 2], "broadcast": 0.0}, rec
         assert rec["recovery_s"]["restored_commit"] == 4, rec
+        assert rec["times_s"]["held_at_failure"] == [3, 4], rec
 
 
 @requires_ft
 def test_a_process_lost_during_the_recovery_starts_a_second_one(tmp_path):
-    """Rank 2 killed at step 3, then rank 1 inside its reset callback (during the
-    recovery): rank 0 recovers again (Agree on the shrunk world, the sharded state
-    from the ring copy made in the first recovery) and finishes alone, bitwise."""
+    """Rank 2 killed inside the commit after step 3 (rank 0's commit of step 3 fails:
+    it is one behind, Agree picks the commit before, step 3 is redone), then rank 1
+    inside its reset callback (during the recovery): rank 0 recovers again (Agree on
+    the shrunk world, the sharded state from the ring copy made in the first recovery)
+    and finishes alone, bitwise."""
     recs, out = _launch("worker_elastic_inprocess.py", tmp_path, timeout=120, args=["two"])
     assert sorted(recs) == [0], f"survivors' records: {sorted(recs)}\n{out}"
     _check_bitwise(recs, 1, out)
     rec = recs[0]
     assert (rec["rank"], rec["size"], rec["recoveries"], rec["commits"]) == (0, 1, 2, 7), rec
+    assert rec["times_s"]["held_at_failure"] == [3, 4], rec  # not 5: its copy never came
+    assert rec["recovery_s"]["restored_commit"] == 4, rec

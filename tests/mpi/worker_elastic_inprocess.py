@@ -15,9 +15,11 @@ transforms are made in the reset callback with ``comm="auto"``: after a recovery
 they must run on the survivors (jaxsync's current world).
 
 MODE ``one`` (default): rank 2 kills itself (SIGKILL) when it reaches step
-``KILL_AT`` (progress, not the clock); ranks 0 and 1 recover and finish. MODE
-``two``: also rank 1 kills itself inside its first reset callback (a process lost
-during the recovery): rank 0 recovers a second time and finishes alone. Each
+``KILL_AT`` (progress, not the clock), in flight with the others' step; ranks 0 and
+1 recover and finish. MODE ``two``: rank 2 kills itself inside the commit after step
+``KILL_AT`` (before its ring copy: rank 0, whose copy it owed, stays a commit behind,
+so step ``KILL_AT`` is redone), and rank 1 inside its first reset callback (a
+process lost during the recovery): rank 0 recovers a second time and finishes alone. Each
 survivor writes OUT_DIR/rank-R.json: final w, p, what ``topology()`` and
 ``broadcast_params`` (both ``comm="auto"``) saw after the recovery, the recoveries.
 """
@@ -104,6 +106,16 @@ state = el.State(
 state.on_reset(_make)
 state.commit()
 
+if mode == "two" and first == victim:  # lost inside the commit after step KILL_AT
+    _ring_copy = el._shards.ring_copy
+
+    def _dies_in_commit(comm, parts):
+        if int(state.t) == KILL_AT + 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _ring_copy(comm, parts)
+
+    el._shards.ring_copy = _dies_in_commit
+
 times = {}
 
 
@@ -112,7 +124,7 @@ def train(s):
         times["failed_after"] = times["failed"] - times["t0"]
     while int(s.t) < STEPS:
         t = int(s.t)
-        if first == victim and t == KILL_AT:
+        if first == victim and t == KILL_AT and mode == "one":
             os.kill(os.getpid(), signal.SIGKILL)
         k = s.comm.Get_rank() + 1
         times["t0"] = time.perf_counter()
@@ -123,6 +135,7 @@ def train(s):
             s.commit()  # blocks: a failure in the step surfaces here at the latest
         except Exception:
             times["failed"] = time.perf_counter()
+            times.setdefault("held_at_failure", [n for n, _, _ in s._commits])
             raise
         if s.recoveries and "first_step_after" not in times:
             times["first_step_after"] = time.perf_counter() - times["failed"]
