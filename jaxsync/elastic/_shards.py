@@ -70,7 +70,7 @@ def holders(size: int, held: dict) -> dict:
         raise SlicesLost(
             f"jaxsync.elastic: the sharded state's slices of rank(s) {lost} (of the "
             f"{size}-rank world of the agreed commit) are lost: each was held by its "
-            f"rank and its ring neighbour rank + 1, and ranks {dead} were all lost. "
+            f"rank and its ring neighbour rank + 1, and ranks {dead} are lost. "
             "Restore from a checkpoint (gather_state / shard_state) instead, or use "
             "the supervisor (python -m jaxsync elastic)."
         )

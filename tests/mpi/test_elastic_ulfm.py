@@ -174,3 +174,14 @@ def test_a_process_lost_during_the_recovery_starts_a_second_one(tmp_path):
     assert (rec["rank"], rec["size"], rec["recoveries"], rec["commits"]) == (0, 1, 2, 7), rec
     assert rec["times_s"]["held_at_failure"] == [3, 4], rec  # not 5: its copy never came
     assert rec["recovery_s"]["restored_commit"] == 4, rec
+
+
+@requires_ft
+def test_two_ring_neighbours_lost_together_end_with_a_clear_error(tmp_path):
+    """Ranks 1 and 2 killed at step 3: rank 1's sharded slices were held by rank 1 and
+    its ring neighbour rank 2 only. Rank 0 ends run() with SlicesLost naming them (no
+    hang, no silently re-initialised state)."""
+    recs, out = _launch("worker_elastic_inprocess.py", tmp_path, timeout=120, args=["pair"])
+    assert sorted(recs) == [0], f"survivors' records: {sorted(recs)}\n{out}"
+    err = recs[0]["error"]
+    assert "slices of rank(s) [1] (of the 3-rank world" in err and "[1, 2]" in err, err

@@ -19,7 +19,9 @@ MODE ``one`` (default): rank 2 kills itself (SIGKILL) when it reaches step
 1 recover and finish. MODE ``two``: rank 2 kills itself inside the commit after step
 ``KILL_AT`` (before its ring copy: rank 0, whose copy it owed, stays a commit behind,
 so step ``KILL_AT`` is redone), and rank 1 inside its first reset callback (a
-process lost during the recovery): rank 0 recovers a second time and finishes alone. Each
+process lost during the recovery): rank 0 recovers a second time and finishes alone.
+MODE ``pair``: ranks 1 and 2 (ring neighbours) kill themselves at step ``KILL_AT``:
+rank 1's slices are lost, and rank 0 must end with ``SlicesLost``, naming them. Each
 survivor writes OUT_DIR/rank-R.json: final w, p, what ``topology()`` and
 ``broadcast_params`` (both ``comm="auto"``) saw after the recovery, the recoveries.
 """
@@ -124,7 +126,7 @@ def train(s):
         times["failed_after"] = times["failed"] - times["t0"]
     while int(s.t) < STEPS:
         t = int(s.t)
-        if first == victim and t == KILL_AT and mode == "one":
+        if t == KILL_AT and (first == victim and mode == "one" or first and mode == "pair"):
             os.kill(os.getpid(), signal.SIGKILL)
         k = s.comm.Get_rank() + 1
         times["t0"] = time.perf_counter()
@@ -142,7 +144,13 @@ def train(s):
     return np.asarray(s.w), np.asarray(s.p), [np.asarray(x) for x in s.q]
 
 
-w, p, q = el.run(train, state)
+try:
+    w, p, q = el.run(train, state)
+except el.SlicesLost as e:  # mode "pair": two ring neighbours lost together
+    with open(os.path.join(out, f"rank-{first}.json"), "w") as f:
+        json.dump({"error": str(e), "recoveries": state.recoveries}, f)
+    sys.stdout.flush()
+    os._exit(0)
 # The exit drain and free (what the interpreter's exit runs before MPI_Finalize)
 # must not wait on the revoked world's work: timed, and whether it went quiet.
 t0 = time.perf_counter()
