@@ -68,11 +68,21 @@ class State:
         rank alone holds, 1/N of it), as ``{name: (inner, params_name)}``: the
         optimizer given to :func:`jaxsync.sharded` and the entry holding the
         parameters. Each commit also sends this rank's slices to its ring neighbour
-        (rank + 1), which keeps them: one extra slice set per rank. A recovery
+        (rank + 1, on ``comm`` with tag 7201), which keeps them: one extra slice set
+        per rank. A recovery
         rebuilds the whole state from the survivors' copies and cuts it for the new
         world (:func:`jaxsync.shard_state`, ``jax.local_device_count()`` replicas per
         process).
       **entries: the pytrees to keep (parameters, optimizer state, step, data position).
+
+    Example:
+      >>> import numpy as np
+      >>> from jaxsync.elastic import State
+      >>> s = State(comm=object(), w=np.zeros(2), t=0)  # comm: an mpi4py communicator
+      >>> s.w, s.t = s.w + 1.0, 1
+      >>> s.commit()  # a host copy of w and t (after blocking on them)
+      >>> s.commits
+      1
     """
 
     comm: Any
