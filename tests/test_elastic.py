@@ -134,13 +134,29 @@ def test_state_commits_copies_keeps_two_and_restores_the_agreed_one():
         s.step = k + 1
         s.commit()
         s.w[0] = 99.0  # a later in-place change: the commit holds a copy
-    assert s.commits == 3 and [n for n, _ in s._commits] == [2, 3]
+    assert s.commits == 3 and [n for n, _, _ in s._commits] == [2, 3]
     s._restore(2)  # a survivor one commit ahead goes back to the agreed one
     assert s.step == 2 and s.w.tolist() == [100.0, 2.0] and s.commits == 2  # not 99
     with pytest.raises(KeyError):
         s._restore(1)  # only the last two are kept
     assert is_process_failure(ValueError("MPI_Allgather failed: MPI_ERR_REVOKED: ..."))
     assert not is_process_failure(ValueError("MPI_ERR_TRUNCATE"))
+
+
+def test_commit_agreement_flags_and_ring_holders():
+    from jaxsync.elastic import SlicesLost
+    from jaxsync.elastic._run import flag, newest_common
+    from jaxsync.elastic._shards import holders
+
+    # Agree ANDs the flags: the newest commit that every survivor holds.
+    assert newest_common([30, 31], flag([30, 31]) & flag([30, 31])) == 31  # 31 % 31 == 0
+    assert newest_common([30, 31], flag([30, 31]) & flag([29, 30])) == 30
+    assert newest_common([29, 30], flag([30, 31]) & flag([29, 30])) == 30
+    assert newest_common([1], flag([1]) & flag([])) is None
+    # 4 ranks, rank r's slices kept by r and r + 1: survivors 0 and 2 hold them all.
+    assert holders(4, {0: (0, 3), 2: (2, 1)}) == {0: 0, 1: 2, 2: 2, 3: 0}
+    with pytest.raises(SlicesLost, match=r"slices of rank\(s\) \[1\] .* ranks \[1, 2\]"):
+        holders(4, {0: (0, 3), 3: (3, 2)})  # 1 and 2 (neighbours) lost together
 
 
 def test_run_reraises_what_is_not_a_process_failure():

@@ -58,7 +58,9 @@ class LaunchError(RuntimeError):
 def default_comm() -> Any:
     """``MPI.COMM_WORLD`` when MPI is in use with more than one process, else None.
 
-    This is the communicator ``comm="auto"`` resolves to. mpi4py is imported only
+    This is the communicator ``comm="auto"`` resolves to; after an in-process
+    recovery (``jaxsync.elastic.run``), the survivors' shrunk one instead
+    (``None`` when one survivor is left). mpi4py is imported only
     when this process was started by an MPI launcher (or mpi4py is already
     imported), so a notebook never initialises MPI by accident.
 
@@ -77,6 +79,8 @@ def default_comm() -> Any:
       >>> jaxsync.default_comm() is None  # one process, not under mpirun
       True
     """
+    if _WORLD:  # the survivors' communicator after an in-process recovery
+        return _WORLD[0] if _WORLD[0].Get_size() > 1 else None
     if not launched_by_mpi():
         return None
     sizes = _launcher_sizes()
@@ -104,6 +108,29 @@ def default_comm() -> Any:
             "comm=None to train each process on its own on purpose."
         )
     return MPI.COMM_WORLD if size > 1 else None
+
+
+_WORLD: list = []  # [comm]: the current world, once jaxsync.elastic recovered
+
+
+def set_current_world(comm: Any) -> None:
+    """Make ``comm`` what ``comm="auto"`` means from now on (``None``: COMM_WORLD again).
+
+    Set by ``jaxsync.elastic``'s recovery to the shrunk communicator of the survivors
+    (``MPI.COMM_WORLD`` itself cannot be replaced); :func:`default_comm`, and so
+    ``comm="auto"``, ``topology()`` and ``broadcast_params``, follow it.
+    """
+    _WORLD[:] = [] if comm is None else [comm]
+
+
+def current_world() -> Any:
+    """The communicator of the job's processes: the current world if one was set,
+    else ``MPI.COMM_WORLD`` (imports mpi4py)."""
+    if _WORLD:
+        return _WORLD[0]
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
 
 
 @dataclasses.dataclass(frozen=True)

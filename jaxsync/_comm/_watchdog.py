@@ -130,6 +130,17 @@ class Watchdog:
             self._post(state, src, _REPLY)
 
     def _loop(self):
+        try:
+            self._watch()
+        except Exception as e:
+            if not _lost_peer(e):
+                raise
+            # ULFM (mpirun --with-ft ulfm): a peer was lost, or a survivor revoked
+            # this communicator to recover (jaxsync.elastic). The step that waited
+            # raises into the program; the watchdog stands aside, quietly.
+            self._stop.set()
+
+    def _watch(self):
         poll = min(0.05, self.timeout / 4)
         # Wakes up as soon as stop() is called (never sleeps through it), so
         # stop() returns before the communicator is freed or MPI finalized.
@@ -263,6 +274,16 @@ class Watchdog:
     def enter_before(self, x, site, name, when=None):
         """``x`` (one element or more) computed after stage ``site`` is entered."""
         return _tie(lambda h: self.enter(h, site, name), x, when)
+
+
+def _lost_peer(e: BaseException) -> bool:
+    """Whether ``e`` is ULFM's process failure or revocation (mpi4py's error class)."""
+    from mpi4py import MPI
+
+    names = ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+    return isinstance(e, MPI.Exception) and e.Get_error_class() in [
+        getattr(MPI, n, -1) for n in names
+    ]
 
 
 def _tie(fn, x, when=None):

@@ -8,8 +8,9 @@ Two paths, docs/elastic.md ("When a host is lost"):
   the script reads :func:`world` (restart count, world size) from the environment;
 * in-process recovery with ULFM (Open MPI 5's ``mpirun --with-ft ulfm``):
   :func:`ulfm_status` says whether the MPI that jaxsync links can recover in process;
-  :func:`run` and :class:`State` are a prototype of that recovery (docs/elastic.md
-  says what it covers and what not).
+  :func:`run` and :class:`State` recover on the survivors (``comm="auto"`` follows
+  them; ``sharded`` state is kept by a ring copy, :class:`SlicesLost` when two
+  neighbours are lost together); docs/elastic.md says what is not covered yet.
 
 Not imported by ``import jaxsync``; imports only the standard library at import time.
 """
@@ -17,7 +18,8 @@ Not imported by ``import jaxsync``; imports only the standard library at import 
 from __future__ import annotations
 
 from ._run import State, run
+from ._shards import SlicesLost
 from ._supervise import ElasticWorld, world
 from ._ulfm import ulfm_status
 
-__all__ = ["ElasticWorld", "State", "run", "ulfm_status", "world"]
+__all__ = ["ElasticWorld", "SlicesLost", "State", "run", "ulfm_status", "world"]

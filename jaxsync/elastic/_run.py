@@ -1,22 +1,24 @@
-"""A prototype of in-process recovery with ULFM: ``run(train_fn, state)``, ``State``.
+"""In-process recovery with ULFM: ``run(train_fn, state)``, ``State``.
 
 Under Open MPI 5's ``mpirun --with-ft ulfm`` a lost process makes the survivors'
 MPI calls fail (``MPI_ERR_PROC_FAILED``, or ``MPI_ERR_REVOKED`` once a peer revoked)
-instead of killing them. :func:`run` catches that failure from ``train_fn``, revokes
-the state's communicator and every private communicator jaxsync derived from it
-(a process waiting in a host-local or per-device duplicate would otherwise never
-hear of the loss), shrinks to the survivors, frees jaxsync's cached communicators for
-the old world, restores the newest commit that every survivor holds, calls the reset
-callbacks (where the user makes new transforms with ``comm=state.comm`` and re-jits)
-and calls ``train_fn`` again.
+instead of killing them. :func:`run` catches that failure from ``train_fn`` and
+:func:`recover` stops the old world's stall watchdogs, revokes the state's
+communicator and every private communicator jaxsync derived from it (a process
+waiting in a host-local or per-device duplicate would otherwise never hear of the
+loss), shrinks to the survivors, makes the shrunk communicator jaxsync's current
+world (``comm="auto"``, ``topology()``, ``broadcast_params`` follow it), frees
+jaxsync's cached communicators for the old world, agrees with ``Comm.Agree`` (fault
+tolerant) on the newest commit every survivor holds, restores it (``sharded`` state
+rebuilt from the ring copies, ``_shards``), calls the reset callbacks (where the user
+makes new transforms and re-jits) and calls ``train_fn`` again. A process lost during
+a recovery makes the recovery itself fail with a process failure: :func:`run`
+recovers again, on the shrunk communicator.
 
-A prototype (docs/elastic.md says what it does not do): transforms must be given
-``comm=state.comm`` (``comm="auto"`` and ``topology()`` still mean ``COMM_WORLD``);
-state that one rank alone holds (``sharded`` slices, a local island's inner state) is
-not kept by a commit; overlap's and double buffering's in-flight work, the host tier's
-pipelined requests and the exit drain are not failed explicitly.
+docs/elastic.md says what is not covered (overlap's and double buffering's in-flight
+work, the host tier's pipelined requests, a local island's inner state).
 
-Imports: jax, numpy, mpi4py (when called) and ``jaxsync._comm._topology``.
+Imports: jax, numpy, mpi4py (when called), ``jaxsync._comm._topology``, ``_shards``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from . import _shards
+
 _FAILURE_TEXTS = ("MPI_ERR_PROC_FAILED", "MPI_ERR_REVOKED", "MPIX_ERR_PROC_FAILED")
+_FAILURE_CLASSES = ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+_WINDOW = 31  # Agree's flag: a bit per commit number modulo this (survivors differ by 1)
 
 
 def is_process_failure(e: BaseException) -> bool:
@@ -40,8 +46,7 @@ def is_process_failure(e: BaseException) -> bool:
     """
     MPI = sys.modules.get("mpi4py.MPI")  # not imported here: that would start MPI
     if MPI is not None and isinstance(e, MPI.Exception):
-        cls = e.Get_error_class()
-        return cls in (getattr(MPI, "ERR_PROC_FAILED", -1), getattr(MPI, "ERR_REVOKED", -1))
+        return e.Get_error_class() in [getattr(MPI, c, -1) for c in _FAILURE_CLASSES]
     return any(t in str(e) for t in _FAILURE_TEXTS)
 
 
@@ -52,30 +57,62 @@ class State:
     copies them to host memory (after blocking on them: JAX dispatches
     asynchronously and a failure surfaces late). The last two commits are kept; on
     recovery every survivor restores the newest one all survivors hold (a failure
-    during a commit leaves some ranks one commit ahead).
+    during a commit leaves some ranks one commit ahead), agreed with ``Comm.Agree``.
 
     Args:
       comm: the mpi4py communicator to train on (default ``MPI.COMM_WORLD``); after a
-        recovery, ``state.comm`` is the shrunk one: give it to every transform.
+        recovery, ``state.comm`` is the shrunk one. When it is the job's world,
+        ``comm="auto"`` follows it too (transforms made in a reset callback with
+        ``comm="auto"`` run on the survivors).
+      sharded: entries that hold a :class:`jaxsync.ShardedState` (state that this
+        rank alone holds, 1/N of it), as ``{name: (inner, params_name)}``: the
+        optimizer given to :func:`jaxsync.sharded` and the entry holding the
+        parameters. Each commit also sends this rank's slices to its ring neighbour
+        (rank + 1, on ``comm`` with tag 7201), which keeps them: one extra slice set
+        per rank. A recovery
+        rebuilds the whole state from the survivors' copies and cuts it for the new
+        world (:func:`jaxsync.shard_state`, ``jax.local_device_count()`` replicas per
+        process).
       **entries: the pytrees to keep (parameters, optimizer state, step, data position).
+
+    Example:
+      >>> import numpy as np
+      >>> from jaxsync.elastic import State
+      >>> s = State(comm=object(), w=np.zeros(2), t=0)  # comm: an mpi4py communicator
+      >>> s.w, s.t = s.w + 1.0, 1
+      >>> s.commit()  # a host copy of w and t (after blocking on them)
+      >>> s.commits
+      1
     """
 
     comm: Any
     recoveries: int
     last_recovery: dict  # seconds per part of the last recovery (revoke ... reset)
     _entries: dict[str, Any]
-    _commits: list[tuple[int, Any]]
+    _commits: list[tuple[int, Any, Any]]  # (number, entries, ring record), newest last
     _resets: list[Callable[[State], None]]
+    _sharded: dict[str, tuple[Any, str]]
 
-    def __init__(self, comm: Any = None, **entries: Any) -> None:
+    def __init__(self, comm: Any = None, *, sharded: dict | None = None, **entries: Any) -> None:
         if comm is None:
             from mpi4py import MPI
 
             comm = MPI.COMM_WORLD
+        spec = dict(sharded or {})
+        for name, v in spec.items():
+            ok = isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], str)
+            if not ok or name not in entries or v[1] not in entries:
+                raise ValueError(
+                    f"State: sharded[{name!r}] = {v!r}; expected (inner, params_name) with "
+                    f"{name!r} and params_name entries of the state (got entries "
+                    f"{sorted(entries)}). Fix: State(comm, params=p, opt=s, "
+                    "sharded={'opt': (inner, 'params')})."
+                )
         object.__setattr__(self, "comm", comm)
         object.__setattr__(self, "_entries", dict(entries))
-        object.__setattr__(self, "_commits", [])  # [(number, entries)], newest last
+        object.__setattr__(self, "_commits", [])
         object.__setattr__(self, "_resets", [])
+        object.__setattr__(self, "_sharded", spec)
         object.__setattr__(self, "recoveries", 0)
         object.__setattr__(self, "last_recovery", {})
 
@@ -97,13 +134,22 @@ class State:
         return self._commits[-1][0] if self._commits else 0
 
     def commit(self) -> None:
-        """Block on the entries and keep a host copy (never a donated buffer)."""
+        """Block on the entries and keep a host copy (never a donated buffer).
+
+        With ``sharded`` entries, also a collective over ``state.comm``: the ring
+        copy of this rank's slices (it counts only once the neighbour's arrived).
+        """
         import jax
-        import numpy as np
 
         tree = jax.block_until_ready(self._entries)
-        copy = jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(tree))
-        self._commits = [*self._commits[-1:], (self.commits + 1, copy)]
+        copy = jax.tree.map(_host, jax.device_get(tree))
+        ring = None
+        if self._sharded:
+            left = _shards.ring_copy(self.comm, {n: copy[n] for n in self._sharded})
+            c = self.comm
+            ring = {"gen": self.recoveries, "size": c.Get_size(), "rank": c.Get_rank()}
+            ring["left"] = left
+        self._commits = [*self._commits[-1:], (self.commits + 1, copy, ring)]
 
     def on_reset(self, fn: Callable[[State], None]) -> Callable[[State], None]:
         """Register ``fn(state)``, called after a recovery (new transforms, data shard)."""
@@ -111,14 +157,66 @@ class State:
         return fn
 
     def _restore(self, number: int) -> None:
+        """Restore commit ``number`` (agreed), rebuilding sharded entries for this world."""
         import jax
-        import numpy as np
 
-        held = {n: e for n, e in self._commits}
-        if number == 0:
-            raise RuntimeError("jaxsync.elastic: a process was lost before the first commit")
-        self._entries = jax.tree.map(lambda x: np.array(x, copy=True), held[number])
-        self._commits = [(n, e) for n, e in self._commits if n <= number]
+        entries, ring = {n: (e, r) for n, e, r in self._commits}[number]  # KeyError: gone
+        entries = jax.tree.map(_host, entries)
+        if self._sharded:
+            new, left = _shards.rebuild(self.comm, ring, entries, self._sharded)
+            entries.update(new)
+            c = self.comm
+            ring = {"gen": self.recoveries, "size": c.Get_size(), "rank": c.Get_rank()}
+            ring["left"] = left  # the new world's ring: a second loss is covered too
+        self._commits = [c for c in self._commits if c[0] < number]
+        self._commits.append((number, jax.tree.map(_host, entries), ring))
+        self._entries = entries
+
+
+def _host(x: Any) -> Any:
+    import numpy as np
+
+    return np.array(x, copy=True)
+
+
+def newest_common(held: list[int], agreed: int) -> int | None:
+    """The newest of this process's commit numbers whose bit is in ``agreed``.
+
+    Each survivor's flag has bit ``n % 31`` set for every commit ``n`` it holds (its
+    last two); ``Comm.Agree`` ANDs them, so the bits left are the commits all hold.
+    Survivors differ by at most one commit, so the bits name the same numbers on all.
+
+    Example:
+      >>> from jaxsync.elastic._run import flag, newest_common
+      >>> newest_common([6, 7], flag([6, 7]) & flag([5, 6]))  # one rank is a commit behind
+      6
+      >>> newest_common([6, 7], flag([6, 7]) & flag([]))  # one holds none: nothing common
+    """
+    common = [n for n in held if agreed >> (n % _WINDOW) & 1]
+    return max(common) if common else None
+
+
+def flag(held: list[int]) -> int:
+    """This process's flag for ``Comm.Agree``: a bit per commit number it holds."""
+    out = 0
+    for n in held:
+        out |= 1 << (n % _WINDOW)
+    return out
+
+
+def agree_commit(comm: Any, held: list[int]) -> int:
+    """The newest commit every process of ``comm`` holds (``Comm.Agree``: fault tolerant).
+
+    Raises:
+      RuntimeError: no commit is held by all (a process was lost before its first).
+    """
+    number = newest_common(held, comm.Agree(flag(held)))
+    if number is None:
+        raise RuntimeError(
+            "jaxsync.elastic: no commit is held by every survivor (a process was lost "
+            "before the first state.commit()). Fix: commit once before training."
+        )
+    return number
 
 
 def _derived(comm: Any) -> list:
@@ -136,26 +234,54 @@ def _derived(comm: Any) -> list:
     return got
 
 
+def _stop_watchdogs(comm: Any) -> None:
+    """Stop the old world's stall watchdogs first: a stage that the failure left open
+    must not be reported, nor end the job (``on_timeout="abort"``), while recovering."""
+    from jaxsync._comm._topology import Comms
+
+    c = Comms._cache.get(id(comm))
+    if c is not None and c.user is comm:
+        for wd in c._watchdogs.values():
+            wd._stop.set()  # the thread sees it within one poll; not joined here
+
+
+_DEAD: list = []  # the revoked worlds' jaxsync communicators: kept, never freed
+
+
 def _forget(comm: Any) -> None:
-    """Drop jaxsync's cached communicators of a revoked world (no drain: it is dead)."""
+    """Drop jaxsync's cached communicators of a revoked world; no drain: it is dead.
+
+    Their watchdogs are stopped; the handles are revoked, not freed: a nonblocking
+    call still queued on a communicator's worker thread names its handle, and fails
+    on a revoked one (``MPI_ERR_REVOKED``) where a freed one would be undefined.
+    """
     from jaxsync._comm._topology import Comms
 
     c = Comms._cache.pop(id(comm), None)
     if c is not None:
-        try:
-            c.free()
-        except Exception:  # noqa: BLE001 - a revoked handle may refuse; it is dropped
-            pass
+        for wd in c._watchdogs.values():
+            wd.stop()
+        c.freed = True  # the exit hook does not free them either
+        _DEAD.append(c)
 
 
 def recover(state: State) -> None:
-    """Revoke, shrink, agree on the commit, restore, reset (every survivor calls it)."""
+    """Revoke, shrink, agree on the commit, restore, reset (every survivor calls it).
+
+    A process failure during it is raised (:func:`run` recovers again, from the
+    shrunk communicator, which ``state.comm`` already is).
+    """
     import time
 
     from mpi4py import MPI
 
+    from jaxsync._comm import _topology
+
+    state.recoveries += 1
     t = [time.perf_counter()]
     old = state.comm
+    follows = old is _topology.current_world()
+    _stop_watchdogs(old)
     for c in _derived(old):
         try:
             c.Revoke()
@@ -163,13 +289,13 @@ def recover(state: State) -> None:
             pass  # already revoked by a peer
     t.append(time.perf_counter())
     new = old.Shrink()
+    state.comm = new
+    if follows:
+        _topology.set_current_world(new)
     _forget(old)
     t.append(time.perf_counter())
-    # Survivors differ by at most one commit: the newest that all hold is the minimum.
-    number = new.allreduce(state.commits, op=MPI.MIN)
+    number = agree_commit(new, [n for n, _, _ in state._commits])
     t.append(time.perf_counter())
-    state.comm = new
-    state.recoveries += 1
     state._restore(number)
     t.append(time.perf_counter())
     for fn in state._resets:
@@ -184,8 +310,10 @@ def run(train_fn: Callable[[State], Any], state: State, max_recoveries: int = 8)
     """Call ``train_fn(state)``; on a lost process recover and call it again.
 
     ``train_fn`` trains from ``state``'s entries (restored to the agreed commit after
-    a recovery) and commits as it goes; its return value is returned. A failure that
-    is not a process failure, or more than ``max_recoveries`` recoveries, is raised.
+    a recovery) and commits as it goes; its return value is returned. A process lost
+    during a recovery starts another one. A failure that is not a process failure
+    (e.g. :class:`SlicesLost`: two ring neighbours lost together), or a recovery
+    beyond ``max_recoveries``, is raised.
     """
     while True:
         try:
@@ -193,4 +321,10 @@ def run(train_fn: Callable[[State], Any], state: State, max_recoveries: int = 8)
         except Exception as e:
             if not is_process_failure(e) or state.recoveries >= max_recoveries:
                 raise
-            recover(state)
+        while True:
+            try:
+                recover(state)
+                break
+            except Exception as e:
+                if not is_process_failure(e) or state.recoveries >= max_recoveries:
+                    raise

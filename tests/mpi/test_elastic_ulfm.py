@@ -47,7 +47,7 @@ def _env():
     return env
 
 
-def _launch(worker, tmp_path, timeout=60):
+def _launch(worker, tmp_path, timeout=60, args=()):
     cmd = [
         str(FT_VENV / "bin" / "mpirun"),
         "--with-ft",
@@ -59,6 +59,7 @@ def _launch(worker, tmp_path, timeout=60):
         str(FT_VENV / "bin" / "python"),
         str(Path(__file__).parent / worker),
         str(tmp_path),
+        *args,
     ]
     _, out, timed_out = run_command(cmd, timeout, env=_env())  # a hang: group killed
     if timed_out:
@@ -101,20 +102,86 @@ def test_info_says_the_ft_environment_can_recover_in_process():
     assert default["ulfm"].startswith("no: not Open MPI"), default
 
 
-@requires_ft
-def test_in_process_recovery_prototype_finishes_on_the_survivors_bitwise(tmp_path):
-    """jaxsync.elastic.run: rank 2 killed at step 3; the survivors revoke jaxsync's
-    communicators, shrink, restore the commit of step 3, make a new transform and
-    finish: steps 0-2 averaged over 3 ranks, 3-5 over 2 (float32, dyadic: exact)."""
+def _reference(ranks_after):
+    """w and p after 6 steps: 0-2 on 3 ranks, 3-5 on ``ranks_after`` (float32, exact).
+
+    Rank r's gradients are (r + 1) * c(t): their mean is 2 c(t) over 3 ranks, 1.5 c(t)
+    over 2, c(t) over 1. w -= 0.5 * mean; p follows sgd(0.5, momentum=0.5): the
+    momentum (one third on each rank before the loss) must come back whole; q (4
+    leaves, overlap on) follows w, leaf j times j + 1.
+    """
     import numpy as np
 
+    f = np.float32
+    k = {1: f(1.0), 2: f(1.5), 3: f(2.0)}
+    w, p, m = np.zeros((1, 4), f), np.zeros(6, f), np.zeros(6, f)
+    q = [np.zeros((1, 64), f)] * 4
+    for t in range(6):
+        mean = k[3 if t < 3 else ranks_after]
+        ct = np.array([[t + 1, 0.5, -(t % 3), 0.25]], f)
+        cp = np.array([t + 1, 0.5, -(t % 3), 0.25, 2.0 - t, 0.75], f)
+        w = w - f(0.5) * (mean * ct)
+        q = [x - f(0.5) * (mean * (j + 1) * np.tile(ct, (1, 16))) for j, x in enumerate(q)]
+        m = mean * cp + f(0.5) * m
+        p = p - f(0.5) * m
+    return w, p, q
+
+
+def _check_bitwise(recs, ranks_after, out):
+    import numpy as np
+
+    # The stall watchdog stands aside (no thread dies on the revoked communicator).
+    assert "Traceback" not in out, out
+    w, p, q = _reference(ranks_after)
+    for r, rec in recs.items():
+        got_w, got_p = np.array(rec["w"], np.float32), np.array(rec["p"], np.float32)
+        assert got_w.tobytes() == w.tobytes(), (r, got_w, w, out)
+        assert got_p.tobytes() == p.tobytes(), (r, got_p, p, out)
+        got_q = np.array(rec["q"], np.float32)
+        assert got_q.tobytes() == np.stack(q).tobytes(), (r, got_q, q, out)
+        # the exit drain went quiet (nothing of the revoked world left running)
+        assert rec["quiet"] is True, rec
+
+
+@requires_ft
+def test_in_process_recovery_comm_auto_and_sharded_bitwise(tmp_path):
+    """jaxsync.elastic.run: rank 2 killed at step 3; the survivors revoke jaxsync's
+    communicators, shrink, agree on the commit of step 3, rebuild the sharded
+    momentum (rank 2's third from rank 0's ring copy), make new transforms with
+    comm="auto" (the current world) and finish: steps 0-2 averaged over 3 ranks, 3-5
+    over 2, bitwise. topology() and broadcast_params (comm="auto") see the 2 survivors."""
     recs, out = _launch("worker_elastic_inprocess.py", tmp_path, timeout=120)
     assert sorted(recs) == [0, 1], f"survivors' records: {sorted(recs)}\n{out}"
-    w = np.zeros((1, 4), np.float32)
-    for t in range(6):
-        ct = np.array([[t + 1, 0.5, -(t % 3), 0.25]], np.float32)
-        w = w - np.float32(0.5) * (np.float32(2.0 if t < 3 else 1.5) * ct)
+    _check_bitwise(recs, 2, out)
     for r, rec in recs.items():
-        got = np.array(rec["w"], np.float32)
-        assert got.tobytes() == w.tobytes(), (r, got, w, out)
         assert (rec["rank"], rec["size"], rec["recoveries"], rec["commits"]) == (r, 2, 1, 7), rec
+        assert rec["seen"] == {"topology": [r, 2], "broadcast": 0.0}, rec
+        assert rec["recovery_s"]["restored_commit"] == 4, rec
+        assert rec["times_s"]["held_at_failure"] == [3, 4], rec
+
+
+@requires_ft
+def test_a_process_lost_during_the_recovery_starts_a_second_one(tmp_path):
+    """Rank 2 killed inside the commit after step 3 (rank 0's commit of step 3 fails:
+    it is one behind, Agree picks the commit before, step 3 is redone), then rank 1
+    inside its reset callback (during the recovery): rank 0 recovers again (Agree on
+    the shrunk world, the sharded state from the ring copy made in the first recovery)
+    and finishes alone, bitwise."""
+    recs, out = _launch("worker_elastic_inprocess.py", tmp_path, timeout=120, args=["two"])
+    assert sorted(recs) == [0], f"survivors' records: {sorted(recs)}\n{out}"
+    _check_bitwise(recs, 1, out)
+    rec = recs[0]
+    assert (rec["rank"], rec["size"], rec["recoveries"], rec["commits"]) == (0, 1, 2, 7), rec
+    assert rec["times_s"]["held_at_failure"] == [3, 4], rec  # not 5: its copy never came
+    assert rec["recovery_s"]["restored_commit"] == 4, rec
+
+
+@requires_ft
+def test_two_ring_neighbours_lost_together_end_with_a_clear_error(tmp_path):
+    """Ranks 1 and 2 killed at step 3: rank 1's sharded slices were held by rank 1 and
+    its ring neighbour rank 2 only. Rank 0 ends run() with SlicesLost naming them (no
+    hang, no silently re-initialised state)."""
+    recs, out = _launch("worker_elastic_inprocess.py", tmp_path, timeout=120, args=["pair"])
+    assert sorted(recs) == [0], f"survivors' records: {sorted(recs)}\n{out}"
+    err = recs[0]["error"]
+    assert "slices of rank(s) [1] (of the 3-rank world" in err and "[1, 2]" in err, err
