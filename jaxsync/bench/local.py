@@ -59,6 +59,8 @@ def _parse(argv):
     p.add_argument("--fragments", type=int, default=4, help="streaming's P")
     p.add_argument("--delay", type=int, default=2, help="streaming's tau")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's (0.7)")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's (0.9)")
     p.add_argument("--batch", type=int, default=16, help="per island")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--width", type=int, default=192)
@@ -80,15 +82,17 @@ def make_tx(method: str, args, comm, islands):
     sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, warm, args.steps, args.lr / 10)
     inner = optax.adamw(sched, weight_decay=0.01)
     bf16 = jnp.bfloat16
+    outer = optax.sgd(args.outer_lr, momentum=args.outer_momentum or None, nesterov=True)
     if method == "data-parallel":
         return optax.chain(jaxsync.hierarchical_mean(None, comm, comm_dtype=bf16), inner)
     if method == "diloco":
-        return jaxsync.diloco(inner, every=args.every, islands=islands, comm_dtype=bf16)
+        return jaxsync.diloco(inner, outer, every=args.every, islands=islands, comm_dtype=bf16)
     if method == "local-sgd":
         return jaxsync.local_sgd(inner, args.every, islands=islands, comm_dtype=bf16)
     if method == "streaming":
         return jaxsync.diloco(
             inner,
+            outer,
             every=args.every,
             islands=islands,
             comm_dtype=bf16,
@@ -126,14 +130,15 @@ def train(method: str, args, comm, islands, data, evals, stop_at=None) -> dict:
     state = tx.init(params)
     x0 = lm.batch(data, args.batch, args.seq, 0, rank)
     step = jax.jit(body, donate_argnums=(0, 1)).lower(params, state, x0).compile()
-    wall, curve = 0.0, []
+    wall, curve, times = 0.0, [], []
     last = args.steps if stop_at is None else args.max_steps
     for t in range(last):
         x = lm.batch(data, args.batch, args.seq, t, rank)
         t0 = time.perf_counter()
         params, state = step(params, state, x)
         jax.block_until_ready(params)
-        wall += time.perf_counter() - t0
+        times.append(time.perf_counter() - t0)
+        wall += times[-1]
         if (t + 1) % args.every and t + 1 != last:
             continue
         loss = float(np.mean([float(evaluate(params, e)) for e in evals]))
@@ -145,7 +150,34 @@ def train(method: str, args, comm, islands, data, evals, stop_at=None) -> dict:
         if stop_at is not None and t + 1 >= args.steps and loss <= stop_at:
             break
     syncs = curve[-1][0] if method == "data-parallel" else curve[-1][0] // args.every
-    return {"curve": curve, "syncs": syncs}
+    if comm is not None:  # each step's slowest rank
+        times = comm.allreduce(np.asarray(times), op=_max()).tolist()
+    return {"curve": curve, "syncs": syncs, "step_seconds": times}
+
+
+def _max():
+    from mpi4py import MPI
+
+    return MPI.MAX
+
+
+def step_kinds(method: str, args, steps: list) -> dict:
+    """Median seconds of a local step and of each kind of sync step (1-based
+    step ``n``: DiLoCo's and local SGD's outer step at ``n % H == 0``;
+    streaming's send at ``n % (H / P) == 0`` and apply at ``== tau``)."""
+    if method == "data-parallel":
+        return {}
+    k = args.every // args.fragments if method == "streaming" else args.every
+    tau = args.delay if method == "streaming" else 0
+    kinds: dict = {"local": [], "send": [], "apply": []}
+    for n, t in enumerate(steps, start=1):
+        if n % k == 0:
+            kinds["send"].append(t)
+        elif tau and n % k == tau:
+            kinds["apply"].append(t)
+        else:
+            kinds["local"].append(t)
+    return {name: statistics.median(v) for name, v in kinds.items() if v}
 
 
 def step_costs(args, comm, data) -> dict:
@@ -203,6 +235,7 @@ def summarise(results: dict, args, nbytes: int, n: int) -> dict:
     per_sync = 2 * (n - 1) / n * nbytes
     for m, r in results.items():
         out[m] = {
+            "step_seconds": step_kinds(m, args, r["step_seconds"]),
             "loss_at_steps": _at(r["curve"], args.steps),
             "final": r["curve"][-1],
             "seconds_to_dp_loss": None if goal is None else _reach(r["curve"], goal),
@@ -222,6 +255,11 @@ def summarise(results: dict, args, nbytes: int, n: int) -> dict:
         a, b = out["diloco"]["loss_at_steps"], out["data-parallel"]["loss_at_steps"]
         checks.append({"what": "eval loss at equal steps: diloco / dp - 1", "value": a / b - 1})
         checks[-1]["limit"] = 0.02
+    kinds = out.get("streaming", {}).get("step_seconds", {})
+    for kind in ("send", "apply"):
+        if kind in kinds and "local" in kinds:
+            what = f"streaming: a {kind} step / a local step (the mean in flight)"
+            checks.append({"what": what, "value": kinds[kind] / kinds["local"], "limit": 1.05})
     if "diloco" in out and "streaming" in out:
         a, b = out["streaming"]["loss_at_steps"], out["diloco"]["loss_at_steps"]
         checks.append({"what": "eval loss at equal steps: streaming / diloco - 1"})
@@ -303,6 +341,9 @@ def _run(args) -> int:
             f"at step {s['final'][0]} ({s['final'][1]:.1f} s)  to dp's loss: "
             f"{'never' if t is None else f'{t:.1f} s'}  {s['bytes_per_process'] / 1e6:.1f} MB"
         )
+        if s["step_seconds"]:
+            shown = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in s["step_seconds"].items())
+            print(f"{'':<14} median step: {shown}")
     for c in summary["targets"]:
         v = c["value"]
         ok = v is not None and v <= c["limit"]
