@@ -151,7 +151,10 @@ def train(method: str, args, comm, islands, data, evals, stop_at=None) -> dict:
             break
     syncs = curve[-1][0] if method == "data-parallel" else curve[-1][0] // args.every
     if comm is not None:  # each step's slowest rank
-        times = comm.allreduce(np.asarray(times), op=_max()).tolist()
+        mine = np.asarray(times, np.float64)
+        slowest = np.empty_like(mine)
+        comm.Allreduce(mine, slowest, op=_max())
+        times = slowest.tolist()
     return {"curve": curve, "syncs": syncs, "step_seconds": times}
 
 
@@ -177,6 +180,8 @@ def step_kinds(method: str, args, steps: list) -> dict:
             kinds["apply"].append(t)
         else:
             kinds["local"].append(t)
+    if method != "streaming":
+        kinds["outer"] = kinds.pop("send")
     return {name: statistics.median(v) for name, v in kinds.items() if v}
 
 
