@@ -61,7 +61,7 @@ def _parse(argv):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's (0.7)")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo's (0.9)")
-    p.add_argument("--batch", type=int, default=8, help="per island")
+    p.add_argument("--batch", type=int, default=12, help="per island")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--width", type=int, default=192)
     p.add_argument("--layers", type=int, default=3)
