@@ -116,7 +116,7 @@ def teardown(spec: Spec) -> None:
 
 
 def write_ssh(spec: Spec, path: Path) -> None:
-    """hydra's ``-launcher-exec``: ``ssh [-x ...] HOST COMMAND`` into that host's namespace."""
+    """``ssh [-x ...] HOST COMMAND`` into that host's namespace: hydra's ``-launcher-exec``."""
     cases = "\n".join(f"  {spec.address(h)}|host{h}) ns=host{h} ;;" for h in range(spec.hosts))
     path.write_text(
         "#!/bin/sh\n"
@@ -128,7 +128,9 @@ def write_ssh(spec: Spec, path: Path) -> None:
         '  *) echo "jaxsync cluster: no host $host" >&2; exit 255 ;;\n'
         "esac\n"
         'export JAXSYNC_CLUSTER_HOST="${ns#host}"\n'
-        'exec ip netns exec "$ns" unshare --uts sh -c "hostname $ns && exec $*"\n'
+        "# a script (Open MPI's daemon: VAR=..;export VAR;..;prted) runs as one; a command execs\n"
+        'case "$*" in *\\;*) run="$*" ;; *) run="exec $*" ;; esac\n'
+        'exec ip netns exec "$ns" unshare --uts sh -c "hostname $ns && $run"\n'
     )
     path.chmod(0o755)
 
@@ -155,6 +157,7 @@ def rank_env(spec: Spec, t0: float, exits: Path, marks: Path) -> dict:
     env = dict(os.environ)
     env["JAXSYNC_CLUSTER_MPIRUN"] = str(exits.parent / "mpirun")
     env["JAXSYNC_CLUSTER_HOSTFILE"] = str(exits.parent / "hostfile")
+    env["JAXSYNC_CLUSTER_SSH"] = str(exits.parent / "ssh")  # e.g. Open MPI's plm_ssh_agent
     env["JAXSYNC_CLUSTER_EXITS"] = str(exits)
     env[MARKS_ENV] = str(marks)
     env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the output as they are printed

@@ -165,8 +165,10 @@ def run(
     faults that follow a marker), ``$JAXSYNC_CLUSTER_MPIRUN`` (a launcher: hydra's
     ``mpirun`` across the hosts, taking ``-hosts host0:2,...``) and
     ``$JAXSYNC_CLUSTER_HOSTFILE`` (``hostH:slots`` lines for the hosts alive: a
-    lost host leaves it), for a program that launches by itself (``launch=False``,
-    e.g. ``python -m jaxsync elastic --mpirun "$JAXSYNC_CLUSTER_MPIRUN"``).
+    lost host leaves it) and ``$JAXSYNC_CLUSTER_SSH`` (``SSH HOST COMMAND`` runs
+    COMMAND on that host: e.g. Open MPI's ``plm_ssh_agent``), for a program that
+    launches by itself (``launch=False``, e.g. ``python -m jaxsync elastic --mpirun
+    "$JAXSYNC_CLUSTER_MPIRUN"``).
     Everything it made is gone when it returns, on success, failure, time-out
     or Ctrl-C.
 
