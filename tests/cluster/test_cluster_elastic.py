@@ -71,3 +71,15 @@ def test_a_lost_host_restarts_on_the_hosts_left_from_their_checkpoints(cluster, 
     # the wrong anchors give other values: all steps on 6 ranks, or all on 4
     assert not np.array_equal(ref, -LR * 3.5 * sum(_c(t) for t in range(STEPS)))
     assert not np.array_equal(ref, -LR * 2.5 * sum(_c(t) for t in range(STEPS)))
+
+
+def test_a_lost_host_and_no_launch_are_options_checked_when_made():
+    import pytest
+
+    from jaxsync.cluster import cli
+
+    with pytest.raises(ValueError, match="LinkDown.lost must be a bool, got 'yes'"):
+        jaxsync.cluster.LinkDown(host=2, after="x", lost="yes")
+    a = cli.parse(["--hosts", "3", "--lose-host", "2@x+4", "--no-launch", "--", "sh", "s"])
+    assert (a.launch, a.link_down) == (False, [jaxsync.cluster.LinkDown(2, 0.0, 4.0, "x", True)])
+    assert cli.parse(["--", "true"]).launch is True

@@ -27,6 +27,7 @@ import shlex
 
 import test_elastic_ulfm as ulfm
 from cluster_harness import HERE, MPI_DIR, worker_env
+from test_elastic_ulfm import _ft_present  # noqa: F401 - the fixture of ulfm.requires_ft
 
 import jaxsync
 
