@@ -12,16 +12,19 @@ written by ``_run``), inside ``unshare --user --map-root-user --net --mount --pi
    proxy in that host's namespace with a hostname of its own; MPI between hosts
    over UCX's TCP transport only (its shared-memory ones would bypass the links),
    between the processes of one host over MPICH's shared memory;
+   or, with ``launch=False``, the program alone, which launches by itself with
+   ``DIR/mpirun`` (that same launch) on ``DIR/hostfile`` (the hosts alive);
 4. the faults on their timers (seconds after the launch, or after a marker that a
-   rank writes into ``$JAXSYNC_CLUSTER_MARKS`` with ``jaxsync.cluster.mark``), the
-   time limit, and at the end every process of the namespaces is killed (PID 1
-   may signal them all) and the network removed.
+   rank writes into ``$JAXSYNC_CLUSTER_MARKS`` with ``jaxsync.cluster.mark``; a
+   lost host's processes killed), the time limit, and at the end every process of
+   the namespaces is killed (PID 1 may signal them all) and the network removed.
 
 Nothing here is imported by jaxsync; it runs only inside those namespaces.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -113,8 +116,8 @@ def teardown(spec: Spec) -> None:
 
 
 def write_ssh(spec: Spec, path: Path) -> None:
-    """hydra's ``-launcher-exec``: ``ssh [-x ...] HOST COMMAND`` into that host's namespace."""
-    cases = "\n".join(f"  {spec.address(h)}) ns=host{h} ;;" for h in range(spec.hosts))
+    """``ssh [-x ...] HOST COMMAND`` into that host's namespace: hydra's ``-launcher-exec``."""
+    cases = "\n".join(f"  {spec.address(h)}|host{h}) ns=host{h} ;;" for h in range(spec.hosts))
     path.write_text(
         "#!/bin/sh\n"
         "# ssh stand-in: run hydra's proxy inside the host's network namespace.\n"
@@ -125,13 +128,36 @@ def write_ssh(spec: Spec, path: Path) -> None:
         '  *) echo "jaxsync cluster: no host $host" >&2; exit 255 ;;\n'
         "esac\n"
         'export JAXSYNC_CLUSTER_HOST="${ns#host}"\n'
-        'exec ip netns exec "$ns" unshare --uts sh -c "hostname $ns && exec $*"\n'
+        "# a script (Open MPI's daemon: VAR=..;export VAR;..;prted) runs as one; a command execs\n"
+        'case "$*" in *\\;*) run="$*" ;; *) run="exec $*" ;; esac\n'
+        'exec ip netns exec "$ns" unshare --uts sh -c "hostname $ns && $run"\n'
     )
     path.chmod(0o755)
 
 
+def write_launcher(spec: Spec, work: Path, mpirun: str, alive: set[int]) -> None:
+    """For a program that launches by itself (``launch=False``, e.g. ``python -m jaxsync
+    elastic``): ``DIR/mpirun``, hydra's ``mpirun`` across the hosts (``-hosts host0:2,...``
+    or the hostfile's names), and ``DIR/hostfile``, ``hostH:slots`` for each host alive."""
+    (work / "mpirun").write_text(
+        f"#!/bin/sh\nexec {mpirun} -launcher ssh -launcher-exec {work / 'ssh'} -iface {BRIDGE}"
+        ' "$@"\n'
+    )
+    (work / "mpirun").chmod(0o755)
+    write_hostfile(spec, work, alive)
+
+
+def write_hostfile(spec: Spec, work: Path, alive: set[int]) -> None:
+    lines = "".join(f"host{h}:{spec.procs_per_host}\n" for h in sorted(alive))
+    (work / "hostfile.tmp").write_text(lines)
+    os.replace(work / "hostfile.tmp", work / "hostfile")  # whole: read at any moment
+
+
 def rank_env(spec: Spec, t0: float, exits: Path, marks: Path) -> dict:
     env = dict(os.environ)
+    env["JAXSYNC_CLUSTER_MPIRUN"] = str(exits.parent / "mpirun")
+    env["JAXSYNC_CLUSTER_HOSTFILE"] = str(exits.parent / "hostfile")
+    env["JAXSYNC_CLUSTER_SSH"] = str(exits.parent / "ssh")  # e.g. Open MPI's plm_ssh_agent
     env["JAXSYNC_CLUSTER_EXITS"] = str(exits)
     env[MARKS_ENV] = str(marks)
     env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the output as they are printed
@@ -187,9 +213,21 @@ def fault_time(f: LinkDown, t0: float, marks: Path, stop: threading.Event) -> fl
     return None
 
 
+def kill_host(host: int) -> int:
+    """SIGKILL every process in ``host``'s network namespace; how many there were."""
+    pids = subprocess.run(["ip", "netns", "pids", f"host{host}"], capture_output=True, text=True)
+    for pid in pids.stdout.split():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+    return len(pids.stdout.split())
+
+
 def schedule_faults(
-    spec: Spec, t0: float, marks: Path, stop: threading.Event
+    spec: Spec, t0: float, marks: Path, stop: threading.Event, alive: set[int] | None = None
 ) -> list[threading.Thread]:
+    lock = threading.Lock()
+    work = marks.parent
+
     def one(f):
         port = f"sw{f.host}"
         due = fault_time(f, t0, marks, stop)
@@ -198,10 +236,20 @@ def schedule_faults(
         subprocess.run(["ip", "link", "set", port, "down"], capture_output=True)
         how = "for good" if f.duration is None else f"for {f.duration:g} s"
         since = "" if f.after is None else f" ({f.at:g} s after marker {f.after!r})"
-        log(f"t={time.time() - t0:.2f} s: host{f.host}'s link down {how}{since}")
+        lost = ""
+        if f.lost and alive is not None:  # the link first: the dead send nothing
+            with lock:
+                alive.discard(f.host)
+                write_hostfile(spec, work, alive)
+            lost = f"; host{f.host} lost: {kill_host(f.host)} process(es) killed"
+        log(f"t={time.time() - t0:.2f} s: host{f.host}'s link down {how}{since}{lost}")
         if f.duration is None or stop.wait(f.duration):
             return
         subprocess.run(["ip", "link", "set", port, "up"], capture_output=True)
+        if f.lost and alive is not None:
+            with lock:
+                alive.add(f.host)
+                write_hostfile(spec, work, alive)
         log(f"t={time.time() - t0:.2f} s: host{f.host}'s link up")
 
     threads = [threading.Thread(target=one, args=(f,), daemon=True) for f in spec.faults]
@@ -331,10 +379,13 @@ def main(argv: list[str]) -> int:
         exits.mkdir()
         marks = work / "marks"
         marks.mkdir()
+        alive = set(range(spec.hosts))
+        write_launcher(spec, work, job["mpirun"], alive)
         t0 = time.time()
-        schedule_faults(spec, t0, marks, stop)
+        schedule_faults(spec, t0, marks, stop, alive)
+        launch = job.get("launch", True)  # False: the program launches by itself
         proc = subprocess.Popen(
-            mpirun_cmd(spec, job["mpirun"], ssh, job["command"]),
+            mpirun_cmd(spec, job["mpirun"], ssh, job["command"]) if launch else job["command"],
             env=rank_env(spec, t0, exits, marks),
             cwd=job["cwd"],
             stdin=subprocess.DEVNULL,

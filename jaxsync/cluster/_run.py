@@ -150,6 +150,7 @@ def run(
     cwd: str | os.PathLike | None = None,
     env: Mapping[str, str] | None = None,
     echo: Callable[[str], object] | None = None,
+    launch: bool = True,
 ) -> ClusterResult:
     """Run ``command`` on an emulated cluster of ``hosts`` hosts on one Linux machine.
 
@@ -161,7 +162,13 @@ def run(
     ``hosts`` hosts. The ranks also get ``$JAXSYNC_CLUSTER`` (the cluster as
     JSON), ``$JAXSYNC_CLUSTER_T0`` (the launch time, the clock of faults at a
     time) and ``$JAXSYNC_CLUSTER_MARKS`` (the folder :func:`mark` writes to, for
-    faults that follow a marker).
+    faults that follow a marker), ``$JAXSYNC_CLUSTER_MPIRUN`` (a launcher: hydra's
+    ``mpirun`` across the hosts, taking ``-hosts host0:2,...``) and
+    ``$JAXSYNC_CLUSTER_HOSTFILE`` (``hostH:slots`` lines for the hosts alive: a
+    lost host leaves it) and ``$JAXSYNC_CLUSTER_SSH`` (``SSH HOST COMMAND`` runs
+    COMMAND on that host: e.g. Open MPI's ``plm_ssh_agent``), for a program that
+    launches by itself (``launch=False``, e.g. ``python -m jaxsync elastic --mpirun
+    "$JAXSYNC_CLUSTER_MPIRUN"``).
     Everything it made is gone when it returns, on success, failure, time-out
     or Ctrl-C.
 
@@ -182,6 +189,8 @@ def run(
         adds its own variables.
       echo: called with each line of output as it comes (e.g. ``print``); the
         whole output is also in the result.
+      launch: run ``command`` under ``mpirun`` across the hosts (one copy per
+        rank); ``False``: once, outside the hosts, with the launcher above.
 
     Returns:
       A :class:`ClusterResult`.
@@ -223,6 +232,7 @@ def run(
             mpirun=find_mpirun(),
             timeout=float(timeout),
             cwd=str(Path(cwd or os.getcwd()).resolve()),
+            launch=bool(launch),
         )
         (wd / "command.json").write_text(json.dumps(job))
         return _supervise(wd, timeout, dict(os.environ if env is None else env), echo)

@@ -147,6 +147,9 @@ class LinkDown:
       duration: seconds until the link comes back; ``None``: down for good.
       after: a marker name (see :func:`mark`), or ``None``: ``at`` counts from
         the launch.
+      lost: the host is lost with its link (``--lose-host``): every process in
+        it is killed (SIGKILL) as the link goes down, and it leaves the cluster's
+        hostfile (``$JAXSYNC_CLUSTER_HOSTFILE``) until the link comes back.
 
     Raises:
       ValueError: a bad field (named in the message).
@@ -157,12 +160,15 @@ class LinkDown:
       LinkDown(host=1, at=5.0, duration=2.0)
       >>> LinkDown(host=1, after="step-3", duration=2.0)  # when a rank marks "step-3"
       LinkDown(host=1, at=0.0, duration=2.0, after='step-3')
+      >>> LinkDown(host=2, after="step-5", lost=True)  # host 2 lost: its processes too
+      LinkDown(host=2, at=0.0, duration=None, after='step-5', lost=True)
     """
 
     host: int
     at: float = 0.0
     duration: float | None = None
     after: str | None = None
+    lost: bool = False
 
     def __post_init__(self):
         if not isinstance(self.host, int) or isinstance(self.host, bool) or self.host < 0:
@@ -182,12 +188,15 @@ class LinkDown:
             )
         if self.after is not None:
             _check_marker(self.after, "cluster: LinkDown.after")
+        if not isinstance(self.lost, bool):
+            raise ValueError(f"jaxsync.cluster: LinkDown.lost must be a bool, got {self.lost!r}.")
         object.__setattr__(self, "at", float(self.at))
         if self.duration is not None:
             object.__setattr__(self, "duration", float(self.duration))
 
     def __repr__(self) -> str:
         after = "" if self.after is None else f", after={self.after!r}"
+        after += ", lost=True" if self.lost else ""
         return f"LinkDown(host={self.host}, at={self.at!r}, duration={self.duration!r}{after})"
 
     @classmethod

@@ -8,11 +8,14 @@ Example:
   (2, 2, '1gbit', [LinkDown(host=1, at=5.0, duration=2.0)], ['python', 'train.py'])
   >>> cli.parse(["--link-down", "1@step-3+2", "--", "python", "train.py"]).link_down
   [LinkDown(host=1, at=0.0, duration=2.0, after='step-3')]
+  >>> cli.parse(["--lose-host", "2@step-5", "--no-launch", "--", "sh", "x.sh"]).link_down
+  [LinkDown(host=2, at=0.0, duration=None, after='step-5', lost=True)]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from ._run import ClusterUnavailable, run
@@ -31,6 +34,10 @@ def _link_down(text: str) -> LinkDown:
         return LinkDown.parse(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _lose_host(text: str) -> LinkDown:
+    return dataclasses.replace(_link_down(text), lost=True)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -79,6 +86,23 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "(T seconds after it), e.g. 1@20+2, 1@step-3+2; repeatable",
     )
     p.add_argument(
+        "--lose-host",
+        type=_lose_host,
+        action="append",
+        dest="link_down",
+        metavar="HOST@WHEN[+D]",
+        help="fault: as --link-down, and every process of HOST is killed then (a lost "
+        "host; it leaves $JAXSYNC_CLUSTER_HOSTFILE until its link comes back)",
+    )
+    p.add_argument(
+        "--no-launch",
+        dest="launch",
+        action="store_false",
+        help="run PROGRAM once, outside the hosts, instead of under mpirun: a program "
+        "that launches by itself with $JAXSYNC_CLUSTER_MPIRUN on $JAXSYNC_CLUSTER_HOSTFILE "
+        "(e.g. python -m jaxsync elastic)",
+    )
+    p.add_argument(
         "--timeout",
         type=float,
         default=3600.0,
@@ -114,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             link_down=args.link_down,
             timeout=args.timeout,
             echo=lambda line: print(line, flush=True),
+            launch=args.launch,
         )
     except (ClusterUnavailable, ValueError) as e:
         print(e, file=sys.stderr)

@@ -4,8 +4,11 @@ The loop: find the capacity (``--hosts`` or ``--host-discovery-script``), launch
 ``min(capacity, --max-np)`` processes (never fewer than ``--min-np``), pass the
 launcher's output through while keeping it, and when the job fails take away the
 lost processes' slots (or ask the discovery script again) and launch again, at most
-``--max-restarts`` times. The training script resumes from its own last checkpoint
-(:func:`jaxsync.elastic.world` tells it which restart this is and the world size).
+``--max-restarts`` times. With a discovery script it is also asked during a run,
+and a host of the run no longer listed ends the run (a host cut off from the
+network can leave mpirun waiting for ever). The training script resumes from its
+own last checkpoint (:func:`jaxsync.elastic.world` tells it which restart this is
+and the world size).
 
 Imports: the standard library and ``_supervise``.
 """
@@ -20,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -55,6 +59,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="a command printing host:slots lines, asked before every launch",
     )
+    p.add_argument(
+        "--discovery-interval",
+        type=float,
+        default=2.0,
+        help="seconds between asking the discovery script during a run; a host of the "
+        "run that is no longer listed ends the run (a host cut off may hang it)",
+    )
     p.add_argument("--max-restarts", type=int, default=3, help="restarts before giving up")
     p.add_argument(
         "--mpirun",
@@ -79,6 +90,8 @@ def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> list[str]:
             f"--min-np and --max-np: expected 1 <= min <= max, got {args.min_np} and "
             f"{args.max_np}; fix the bounds"
         )
+    if not args.discovery_interval > 0:
+        p.error(f"--discovery-interval: expected seconds > 0, got {args.discovery_interval}")
     if args.max_restarts < 0:
         p.error(f"--max-restarts: expected >= 0, got {args.max_restarts}")
     return cmd
@@ -94,9 +107,11 @@ def _mpirun(given: str | None) -> list[str]:
     return [found]
 
 
-def _launch(line: list[str], env: dict) -> tuple[int, str]:
-    """Run the job; its output goes through to ours and is kept for the report."""
+def _launch(line: list[str], env: dict, watch=None, every=2.0) -> tuple[int, str, list[str]]:
+    """Run the job; its output goes through to ours and is kept for the report.
+    ``watch()``, called every ``every`` s, returns why to end the job (or None)."""
     kept: list[str] = []
+    ended: list[str] = []
     with subprocess.Popen(
         line,
         env=env,
@@ -106,6 +121,10 @@ def _launch(line: list[str], env: dict) -> tuple[int, str]:
         errors="replace",
         start_new_session=True,
     ) as proc:
+        done = threading.Event()
+        if watch is not None:
+            how = (proc, watch, every, done, ended)
+            threading.Thread(target=_watch, args=how, daemon=True).start()
         try:
             assert proc.stdout is not None
             for text in proc.stdout:
@@ -117,7 +136,29 @@ def _launch(line: list[str], env: dict) -> tuple[int, str]:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait()
             raise
-    return (128 - rc if rc < 0 else rc), "".join(kept)  # killed by a signal: 128 + it
+        finally:
+            done.set()
+    return (128 - rc if rc < 0 else rc), "".join(kept), ended  # by a signal: 128 + it
+
+
+def _watch(proc: subprocess.Popen, watch, every: float, done: threading.Event, ended) -> None:
+    """End the job when ``watch()`` gives a reason: a host cut off from the network
+    may leave mpirun and the ranks waiting for ever (hydra does), so the supervisor
+    does not wait for them to notice. SIGTERM to the launcher's group, SIGKILL 5 s on."""
+    while not done.wait(every):
+        why = watch()
+        if why is None:
+            continue
+        _say(f"{why}: ending the run")
+        ended.append(why)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            if done.wait(5.0):
+                return
+        return
 
 
 def _lost_slots(
@@ -176,12 +217,15 @@ def run(args: argparse.Namespace, cmd: list[str]) -> int:
             line = sv.mpirun_command(mpirun, kind, placed, extra, cmd)
             _say(f"run {restart} on {np} process(es) ({_fmt(placed)}): {shlex.join(line)}")
             t0 = time.monotonic()
-            rc, output = _launch(line, env)
+            script = args.host_discovery_script
+            watch = _gone(script, placed) if script else None
+            rc, output, ended = _launch(line, env, watch, args.discovery_interval)
             lost, seen = _lost_slots(output, Path(tmp), placed)
         if rc == 0:
             _say(f"run {restart} finished ({time.monotonic() - t0:.1f} s)")
             return 0
         what = ", ".join(seen) if seen else "no lost process named in the launcher's output"
+        what = f"ended by the supervisor ({ended[0]})" if ended else what
         took = time.monotonic() - t0
         _say(f"run {restart} failed with exit status {rc} after {took:.1f} s: {what}")
         if restart >= args.max_restarts:
@@ -194,6 +238,20 @@ def run(args: argparse.Namespace, cmd: list[str]) -> int:
                     static[i] = (host, static[i][1] - 1)
             static = [(h, s) for h, s in static if s > 0]
         restart += 1
+
+
+def _gone(script: str, placed: list[tuple[str, int]]):
+    """A watch: which hosts of ``placed`` the discovery script no longer lists."""
+
+    def watch() -> str | None:
+        try:
+            listed = {h for h, _ in sv.discover(script)}
+        except (RuntimeError, ValueError):
+            return None  # a discovery that fails now and then ends nothing
+        gone = sorted({h for h, _ in placed} - listed)
+        return f"host(s) {', '.join(gone)} no longer discovered" if gone else None
+
+    return watch
 
 
 def _fmt(hosts: list[tuple[str, int]]) -> str:
