@@ -186,12 +186,10 @@ def test_unsupported_options_raise(kw, match):
         jaxsync.hierarchical_mean(axis_name="d", comm=None, comm_dtype=jaxsync.Quantized(), **kw)
 
 
-def test_auto_and_sharded_raise_and_sync_gradients_needs_a_state():
+def test_auto_raises_and_sync_gradients_needs_a_state():
     q = jaxsync.Quantized()
     with pytest.raises(ValueError, match="strategy='auto'"):
         jaxsync.auto_mean(axis_name="d", comm=None, comm_dtype=q)
-    with pytest.raises(ValueError, match="sharded"):
-        jaxsync.sharded(optax.sgd(0.1), axis_name="d", comm=None, comm_dtype=q)
     with pytest.raises(ValueError, match="needs a state"):
         jax.vmap(
             lambda x: jaxsync.sync_gradients(x, axis_name="d", comm=None, comm_dtype=q),
