@@ -59,6 +59,12 @@ class QuantState(NamedTuple):
     residual: tuple
     all_finite: jax.Array
 
+    def jaxsync_state_specs(self, per_replica, replicated):
+        """The ``PartitionSpec``s of this state (for :func:`jaxsync.state_specs`):
+        the residuals per replica (their devices' copies stacked), the rest
+        replicated."""
+        return QuantState(replicated, tuple(per_replica for _ in self.residual), replicated)
+
 
 def quantized_buckets(plan) -> list:
     """Indices of the buckets that travel quantized: the floating ones up to 32 bits."""
