@@ -219,7 +219,7 @@ def test_state_specs_and_a_wrong_state():
     specs = jaxsync.state_specs(shapes, "local")
     assert specs.residual == (P("local"),) and specs.step == P()
     off = jaxsync.sharded(
-        optax.sgd(1.0), axis_name=None, comm=None, comm_dtype=dataclass_off(spec)
+        optax.sgd(1.0), axis_name=None, comm=None, comm_dtype=_no_feedback(spec)
     ).init([jnp.ones(13)])
     assert off.residual is None and off.step.shape == ()
 
@@ -231,8 +231,16 @@ def test_state_specs_and_a_wrong_state():
     with pytest.raises(ValueError, match=r"residuals have shapes \[\(3,\)\].*Fix"):
         jax.vmap(jax.vmap(bad, axis_name="local"), axis_name="host")(jnp.ones((2, 2, 13)))
 
+    def restored(x):  # as shard_state makes it: no residuals, no step
+        st = tx.init([x])
+        st = st.__class__(st.inner, st.all_finite, st.per_replica)
+        return tx.update([x], st)[1]
 
-def dataclass_off(spec):
+    st = jax.vmap(jax.vmap(restored, axis_name="local"), axis_name="host")(jnp.ones((2, 2, 13)))
+    assert st.residual[0].shape == (2, 2, 8) and (np.asarray(st.step) == 1).all()
+
+
+def _no_feedback(spec):
     import dataclasses
 
     return dataclasses.replace(spec, error_feedback=False)
