@@ -66,5 +66,9 @@ def test_quick_compress_suite_writes_json(tmp_path):
         assert math.isfinite(r["marginal_ms"]) and r["payload_bytes"] > 0
         assert all(math.isfinite(v) for v in r["modelled_ms"].values())
     assert rows["hierarchical"]["bytes_ratio"] == 1.0
-    for name in ("powersgd r4", "powersgd r1", "sign"):
+    for name in ("powersgd r4", "powersgd r1", "sign", "int8", "int4"):
         assert rows[name]["payload_bytes"] < rows["hierarchical"]["payload_bytes"]
+    for name, bits in (("int8", 8), ("int4", 4)):  # n (b / 8 + 4 / B) of n float32 values
+        n = rows["hierarchical"]["payload_bytes"] // 4
+        want = -(-n * bits // 8) + 4 * -(-n // 2048)
+        assert rows[name]["payload_bytes"] == want

@@ -139,3 +139,53 @@ def test_encode_shapes_and_zero_scale():
     assert (_u32(back) == 0).all()
     with pytest.raises(ValueError, match="even length"):
         encode(jnp.zeros((1, 3)), q)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_float_neighbours_match_a_grid_search(bits):
+    # stochastic rounding's neighbours come from elementwise arithmetic, not a
+    # search of the grid: the same codes as numpy's searchsorted, for every grid
+    # value, midpoint, its neighbouring floats, values above qmax and NaN
+    from jaxsync._core._quant import _codes
+
+    q = Quantized(bits=bits, kind="float", rounding="stochastic")
+    g = _grid(bits, "float").astype(np.float32)
+    mids = ((g[1:] + g[:-1]) / 2).astype(np.float32)
+    a = np.concatenate(
+        [g, mids, np.nextafter(mids, 0), np.nextafter(mids, np.inf), np.nextafter(g, np.inf)]
+    )
+    a = np.concatenate([a, [q.qmax * 1.0000001, np.inf, np.nan]]).astype(np.float32)
+    rng = np.random.default_rng(bits)
+    a = np.concatenate([a, rng.uniform(0, q.qmax, 4000).astype(np.float32)])
+    u = rng.uniform(0, 1, a.shape).astype(np.float32)
+    got = np.asarray(jax.jit(lambda a, u: _codes(a, q, u))(jnp.asarray(a), jnp.asarray(u)))
+    top = len(g) - 1
+    lo = np.clip(np.searchsorted(g, a, side="right") - 1, 0, top)  # NaN sorts last
+    hi = np.minimum(lo + 1, top)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p = np.where(g[hi] > g[lo], (a - g[lo]) / (g[hi] - g[lo]), 0).astype(np.float32)
+    assert (got == lo + (u < p)).all()
+
+
+def test_stochastic_noise_is_uniform_and_unbiased():
+    from jaxsync._core._quant import uniform
+
+    u = np.asarray(uniform(jax.random.PRNGKey(0), (4, 2**14)), np.float64)
+    assert (u >= 0).all() and (u < 1).all()
+    # 2^16 draws: each of 16 bins within 6 standard deviations of 4096
+    counts = np.bincount((u * 16).astype(int).ravel(), minlength=16)
+    assert (np.abs(counts - 4096) < 6 * np.sqrt(4096)).all(), counts
+    assert np.array_equal(u, np.asarray(uniform(jax.random.PRNGKey(0), (4, 2**14))))
+    assert not np.array_equal(u, np.asarray(uniform(jax.random.PRNGKey(1), (4, 2**14))))
+    # unbiased rounding: the mean of 2^16 roundings of 0.3 (scale 1) is 0.3
+    # within 6 standard deviations
+    for bits, kind in FORMATS:
+        q = Quantized(bits=bits, kind=kind, block=2**16, rounding="stochastic")
+        x = jnp.full((2**16,), 0.3, jnp.float32).at[0].set(q.qmax)
+        y = np.asarray(roundtrip(x, q, jax.random.PRNGKey(2)), np.float64)[1:]
+        grid = _grid(bits, kind).astype(np.float32)
+        lo, hi = grid[grid <= 0.3].max(), grid[grid >= 0.3].min()  # 0.3's neighbours
+        p = (0.3 - lo) / (hi - lo)
+        sd = (hi - lo) * np.sqrt(p * (1 - p) / y.size)
+        assert set(np.unique(y)) <= {np.float32(lo), np.float32(hi)}, np.unique(y)
+        assert abs(y.mean() - 0.3) < 6 * sd, (q, y.mean())

@@ -186,12 +186,10 @@ def test_unsupported_options_raise(kw, match):
         jaxsync.hierarchical_mean(axis_name="d", comm=None, comm_dtype=jaxsync.Quantized(), **kw)
 
 
-def test_auto_and_sharded_raise_and_sync_gradients_needs_a_state():
+def test_auto_raises_and_sync_gradients_needs_a_state():
     q = jaxsync.Quantized()
     with pytest.raises(ValueError, match="strategy='auto'"):
         jaxsync.auto_mean(axis_name="d", comm=None, comm_dtype=q)
-    with pytest.raises(ValueError, match="sharded"):
-        jaxsync.sharded(optax.sgd(0.1), axis_name="d", comm=None, comm_dtype=q)
     with pytest.raises(ValueError, match="needs a state"):
         jax.vmap(
             lambda x: jaxsync.sync_gradients(x, axis_name="d", comm=None, comm_dtype=q),
@@ -236,3 +234,12 @@ def test_host_tier_reduces_the_sums_only_and_skips_the_pipelined_call():
         ("cross", "prog", [10, 20, 3, 4]),
         ("host", "bcast", [11, 21, 4, 5]),
     ]
+
+
+def test_state_specs_lay_the_residuals_out_per_replica():
+    # (state_specs gave the residuals P(): under shard_map with one device per
+    # process their replication cannot be inferred, and the step did not trace)
+    tx = _tx("hierarchical", jaxsync.Quantized(bits=8, block=4))
+    shapes = jax.eval_shape(tx.init, [jnp.ones(10), jnp.ones(3)])
+    specs = jaxsync.state_specs(shapes, "local")
+    assert specs == jaxsync.QuantState(P(), (P("local"),), P())

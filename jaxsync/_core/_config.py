@@ -178,8 +178,6 @@ def _check_quant(fn, comm_dtype, auto: bool, overlap, double_buffering):
     what = (
         "strategy='auto'"
         if auto or fn == "auto_mean"
-        else "sharded"
-        if fn == "sharded"
         else "overlap=True"
         if overlap is True
         else "double_buffering=True"

@@ -148,29 +148,80 @@ def _grid(spec: Quantized):
     return _E4M3 if spec.bits == 8 else _E2M1
 
 
+def _grid_value(code, spec: Quantized):
+    """The float format's magnitude of ``code`` (int32, 0..top), exactly."""
+    if spec.bits == 8:
+        return lax.bitcast_convert_type(code.astype(jnp.uint8), jnp.float8_e4m3fn).astype(
+            jnp.float32
+        )
+    v = jnp.zeros(code.shape, jnp.float32)  # e2m1: selects of its 8 values
+    for k, g in enumerate(_E2M1[1:], 1):
+        v = jnp.where(code == k, jnp.float32(g), v)
+    return v
+
+
 def _codes(a, spec: Quantized, u):
     """Magnitude codes of ``a`` (>= 0, <= qmax, scaled) as int32; ``u``: None
-    (nearest) or uniform [0, 1) noise (stochastic)."""
+    (nearest) or uniform [0, 1) noise (stochastic). Elementwise only (no
+    lookups): the float grids' neighbours come from the nearest code."""
     if spec.kind == "int":
         q = jnp.floor(a + u) if u is not None else jnp.round(a)
         return jnp.clip(q, 0, spec.qmax).astype(jnp.int32)
     grid = _grid(spec)
-    if u is None:
-        if spec.bits == 8:  # XLA's convert rounds to nearest, ties to even
-            f8 = jnp.minimum(a, spec.qmax).astype(jnp.float8_e4m3fn)
-            return lax.bitcast_convert_type(f8, jnp.uint8).astype(jnp.int32)
-        # e2m1: between codes k and k+1 the midpoint goes to the even code
+    top = len(grid) - 1
+    if spec.bits == 8:  # XLA's convert rounds to nearest, ties to even
+        f8 = jnp.minimum(a, spec.qmax).astype(jnp.float8_e4m3fn)
+        code = lax.bitcast_convert_type(f8, jnp.uint8).astype(jnp.int32)
+    elif u is None:  # e2m1: between codes k and k+1 the midpoint goes to the even code
         code = jnp.zeros(a.shape, jnp.int32)
-        for k in range(len(grid) - 1):
+        for k in range(top):
             mid = (grid[k] + grid[k + 1]) / 2
             code = code + (a > mid if k % 2 == 0 else a >= mid).astype(jnp.int32)
+    if u is None:
         return code
-    g = jnp.asarray(grid)
-    lo = jnp.clip(jnp.searchsorted(g, a, side="right") - 1, 0, len(grid) - 1)
-    hi = jnp.minimum(lo + 1, len(grid) - 1)
-    glo, ghi = g[lo], g[hi]
+    # the grid's neighbours around a: lo = the largest code whose value <= a
+    # (NaN: the top code, as a search of the grid gives)
+    if spec.bits == 8:  # from the nearest code: it or the one below
+        near = _grid_value(jnp.minimum(code, top), spec)
+        lo = jnp.where(near > a, code - 1, code)
+    else:
+        lo = jnp.zeros(a.shape, jnp.int32)
+        for g in grid[1:]:
+            lo = lo + (a >= g).astype(jnp.int32)
+    lo = jnp.where(jnp.isnan(a), top, lo)
+    hi = jnp.minimum(lo + 1, top)
+    glo, ghi = _grid_value(lo, spec), _grid_value(hi, spec)
     p = jnp.where(ghi > glo, (a - glo) / jnp.where(ghi > glo, ghi - glo, 1.0), 0.0)
     return (lo + (u < p).astype(jnp.int32)).astype(jnp.int32)
+
+
+def _mix(h):
+    """A 32-bit integer hash (``lowbias32``: two multiply-xorshift rounds)."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = h * jnp.uint32(0x846CA68B)
+    return h ^ (h >> 16)
+
+
+def uniform(key, shape):
+    """Uniform [0, 1) float32 noise of ``shape`` for stochastic rounding: a
+    counter-based hash of each value's flat index and the key's two words
+    (elementwise, so XLA fuses it into the quantization; a threefry draw of
+    every value cost about 10 ns each on CPU). 24 random bits a value.
+
+    Example:
+      >>> import jax
+      >>> from jaxsync._core._quant import uniform
+      >>> u = uniform(jax.random.PRNGKey(0), (2, 3))
+      >>> bool(((u >= 0) & (u < 1)).all()), u.dtype
+      (True, dtype('float32'))
+    """
+    k = jax.random.bits(key, (2,), jnp.uint32)
+    size = int(np.prod(shape))
+    i = lax.iota(jnp.uint32, size).reshape(shape)
+    h = _mix(_mix(i * jnp.uint32(0x9E3779B9) + k[0]) ^ k[1])
+    return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
 
 
 def _blocks(x, block: int):
@@ -209,7 +260,7 @@ def encode(x, spec: Quantized, key=None):
     if spec.rounding == "stochastic":
         if key is None:
             raise ValueError("encode: stochastic rounding needs a key")
-        u = jax.random.uniform(key, y.shape, jnp.float32)
+        u = uniform(key, y.shape)
     code = _codes(jnp.abs(y), spec, u)
     neg = jnp.signbit(y) & (code > 0)  # no negative zero codes
     if spec.bits == 8:

@@ -14,6 +14,9 @@ Bytes per replica for ``n`` values, ``N`` processes, ``b`` bits, block ``B``:
 ``2 (N - 1) / N * n * (b / 8 + 4 / B)`` (where ``n / N`` is a multiple of ``B``;
 each peer's slice otherwise rounds up to whole blocks).
 
+``sharded`` takes the first half only (:func:`scatter_program`): its replicas'
+rows all-to-all'd and summed by their owner, nothing requantized or gathered.
+
 Error feedback: the first quantization's error (of this process's sum) is kept
 in :class:`QuantState` and added to the next step's buffer before it is
 quantized; the requantization of the summed slices is not covered.
@@ -55,6 +58,12 @@ class QuantState(NamedTuple):
     step: jax.Array
     residual: tuple
     all_finite: jax.Array
+
+    def jaxsync_state_specs(self, per_replica, replicated):
+        """The ``PartitionSpec``s of this state (for :func:`jaxsync.state_specs`):
+        the residuals per replica (their devices' copies stacked), the rest
+        replicated."""
+        return QuantState(replicated, tuple(per_replica for _ in self.residual), replicated)
 
 
 def quantized_buckets(plan) -> list:
@@ -152,6 +161,52 @@ def program(spec: Quantized, count: int, step, rank):
         return outs + new
 
     prog.reduced = count  # type: ignore[attr-defined]  # the host tier sums these only
+    return prog
+
+
+def scatter_program(spec: Quantized, count: int, step, rank):
+    """``prog(ops, bufs)``: the schedule's first half, for ``sharded``'s
+    reduce-scatter. ``bufs``: ``count`` float32 buffers of ``ops.size * K``
+    values (row ``p``: peer ``p``'s slice), then their residuals (``count``
+    more, or none). Each row is quantized (the residual added first), one
+    all-to-all carries every buffer's codes and scales, and this peer decodes
+    the rows of its slice and sums them in float32, in row order: it returns the
+    ``(K,)`` sums, then the new residuals (the quantization's error). Nothing is
+    requantized or gathered. ``step``, ``rank``: traced int32 (the stochastic
+    keys: this replica's), or None (nearest)."""
+
+    def prog(ops, bufs):
+        xs, res = list(bufs[:count]), list(bufs[count:])
+        size = ops.size
+        if size == 1 or not xs:  # nothing crosses: the buffers are the slices
+            return xs + res
+        parts, sizes, firsts = [], [], []
+        for k, x in enumerate(xs):
+            p = x + res[k] if res else x
+            width = p.shape[0] // size
+            m = width + (width % 2 if spec.bits == 4 else 0)  # 4 bits: even rows
+            rows = jnp.pad(p.reshape(size, width), ((0, 0), (0, m - width)))
+            key = None
+            if spec.rounding == "stochastic":
+                key = jax.random.fold_in(jax.random.PRNGKey(_SEED), step)
+                key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, k), rank), 2)
+            codes, scales = encode(rows, spec, key)
+            sizes.append(m)
+            parts.append((codes, scales))
+            firsts.append((p, width, codes, scales))
+        got = ops.alltoall(_pack_rows(parts))  # (size, L): peer i's rows of my slice
+        sums = [
+            rows_sum_f32(v)[:width]
+            for v, (_, width, _, _) in zip(_unpack_rows(got, sizes, spec), firsts)
+        ]
+        if not res:
+            return sums
+        new = []
+        for (p, width, codes, scales), m in zip(firsts, sizes):
+            e = p - decode(codes, scales, m, spec)[:, :width].reshape(-1)
+            new.append(jnp.where(jnp.isfinite(e), e, jnp.zeros_like(e)))  # never poisoned
+        return sums + new
+
     return prog
 
 

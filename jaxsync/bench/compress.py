@@ -2,7 +2,8 @@
 
 For the ResNet-like and transformer-like trees of ``jaxsync.bench.trees`` it reports,
 per synchroniser (``hierarchical_mean``, ``powersgd_mean`` rank 4 and rank 1,
-``sign_mean``):
+``sign_mean``, and ``hierarchical_mean`` with ``comm_dtype=jaxsync.Quantized``
+int8 and int4 at block 2048; ``--syncs`` picks some):
 
 * **bytes**: what one replica puts into collectives per step (the payload), and
   the ratio against ``hierarchical_mean``. Counted from the transforms' own
@@ -87,6 +88,11 @@ def payloads(name: str, tree) -> list[tuple[str, int]]:
         p = sum(4 * n * r for lay in layout if lay for n, m, r in [lay])
         q = sum(4 * m * r for lay in layout if lay for n, m, r in [lay])
         return [("allreduce", p + exact), ("allreduce", q)]
+    if name in QUANT:  # quantized all-to-all + all-gather: a ring allreduce's bytes
+        q = QUANT[name]()
+        floating = [math.prod(x.shape) for x in leaves if np.dtype(x.dtype).kind == "f"]
+        exact = sum(b for b, x in zip(nbytes, leaves) if np.dtype(x.dtype).kind != "f")
+        return [("allreduce", q.wire_bytes(sum(floating)) + exact)]
     if name == "sign":
         layout = _compress._sign_layout(leaves, 256)
         exact = sum(b for b, c in zip(nbytes, layout) if not c)
@@ -95,7 +101,21 @@ def payloads(name: str, tree) -> list[tuple[str, int]]:
     raise ValueError(name)
 
 
-SYNCS = ("hierarchical", "powersgd r4", "powersgd r1", "sign")
+def _int8():
+    import jaxsync
+
+    return jaxsync.Quantized(bits=8)
+
+
+def _int4():
+    import jaxsync
+
+    return jaxsync.Quantized(bits=4)
+
+
+# hierarchical_mean with comm_dtype=jaxsync.Quantized(...) (block 2048)
+QUANT = {"int8": _int8, "int4": _int4}
+SYNCS = ("hierarchical", "powersgd r4", "powersgd r1", "sign", *QUANT)
 
 
 def make_sync(name: str, comm):
@@ -103,17 +123,20 @@ def make_sync(name: str, comm):
 
     if name == "hierarchical":
         return jaxsync.hierarchical_mean(axis_name="local", comm=comm)
+    if name in QUANT:
+        return jaxsync.hierarchical_mean(axis_name="local", comm=comm, comm_dtype=QUANT[name]())
     if name.startswith("powersgd"):
         return jaxsync.powersgd_mean(axis_name="local", comm=comm, rank=int(name.split("r")[-1]))
     return jaxsync.sign_mean(axis_name="local", comm=comm)
 
 
-def _trees(quick: bool):
+def _trees(quick: bool, only=None):
     from .trees import resnet18_like, transformer_like
 
     if quick:
         return {"transformer_tiny": lambda: transformer_like(2, 64, 256)}
-    return {"resnet18": resnet18_like, "transformer": transformer_like}
+    trees = {"resnet18": resnet18_like, "transformer": transformer_like}
+    return {k: v for k, v in trees.items() if only is None or k in only}
 
 
 class _Steps:
@@ -196,7 +219,7 @@ def _time(fn, iters, comm):
     return t
 
 
-def measure(tree_name, tree, comm, rounds, iters):
+def measure(tree_name, tree, comm, rounds, iters, syncs=SYNCS):
     """Marginal step cost of each sync (median over rounds), and bare collectives."""
     import jax
     import jax.numpy as jnp
@@ -204,7 +227,7 @@ def measure(tree_name, tree, comm, rounds, iters):
     steps = _Steps(comm)
     params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), tree)
     cases = {"base": steps.base(tree)}
-    for name in SYNCS:
+    for name in syncs:
         cases[name] = steps.synced(tree, name, params)
     carry = {k: (params, st) for k, (f, st) in cases.items()}
 
@@ -225,7 +248,7 @@ def measure(tree_name, tree, comm, rounds, iters):
     samples = {k: [] for k in cases}
     bare = {}
     if comm is not None:
-        for name in SYNCS:
+        for name in syncs:
             for i, (kind, nbytes) in enumerate(payloads(name, tree)):
                 bare[f"{name}:{kind}{i}"] = (_bare(comm, kind, nbytes), [])
     for _ in range(rounds):
@@ -240,7 +263,7 @@ def measure(tree_name, tree, comm, rounds, iters):
         if k != "base"
     }
     bares = {}
-    for name in SYNCS:
+    for name in syncs:
         bares[name] = sum(
             statistics.median(got) for key, (_, got) in bare.items() if key.startswith(name + ":")
         )
@@ -263,7 +286,18 @@ def _parse(argv):
         default=Path("bench-results"),
         help="directory for compress-<mode>.json (default bench-results/)",
     )
+    p.add_argument(
+        "--syncs",
+        default=",".join(SYNCS),
+        help=f"comma list of the synchronisers to run (default all: {','.join(SYNCS)}; "
+        "hierarchical is the reference and always runs)",
+    )
+    p.add_argument("--trees", default=None, help="comma list: resnet18, transformer (default both)")
     args = p.parse_args(argv)
+    args.syncs = tuple(dict.fromkeys(["hierarchical", *args.syncs.split(",")]))
+    if any(s not in SYNCS for s in args.syncs):
+        p.error(f"--syncs: each one of {', '.join(SYNCS)}, got {','.join(args.syncs)}")
+    args.trees = None if args.trees is None else args.trees.split(",")
     args.rounds = args.rounds or (2 if args.quick else 5)
     args.iters = args.iters or (2 if args.quick else 10)
     if args.rounds < 1 or args.iters < 1:
@@ -282,14 +316,14 @@ def main(argv: list[str] | None = None) -> int:
     rank = 0 if comm is None else comm.Get_rank()
     procs = 1 if comm is None else comm.Get_size()
     rows = []
-    for tree_name, make in _trees(args.quick).items():
+    for tree_name, make in _trees(args.quick, args.trees).items():
         tree = make()
         leaves, params, nbytes = tree_info(tree)
         if rank == 0:
             print(f"[{tree_name}] {leaves} leaves, {params / 1e6:.2f} M params", flush=True)
-        marg, bares, base = measure(tree_name, tree, comm, args.rounds, args.iters)
+        marg, bares, base = measure(tree_name, tree, comm, args.rounds, args.iters, args.syncs)
         full = sum(b for _, b in payloads("hierarchical", tree))
-        for name in SYNCS:
+        for name in args.syncs:
             pay = payloads(name, tree)
             total = sum(b for _, b in pay)
             row = {

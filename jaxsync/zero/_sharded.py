@@ -9,8 +9,8 @@ the wire are those of one allreduce, and the optimizer's state and compute per
 replica are ``1/N`` of the whole (plus padding).
 
 Imports: the core's config, strategies (the 16-bit scatter), sync (the mean's
-factors; the scalar sums of the norm and the finite check), the stage's
-backends; ``_layout``, ``_elementwise``.
+factors; the scalar sums of the norm and the finite check), ``_quantsum`` (the
+quantized reduce-scatter), the stage's backends; ``_layout``, ``_elementwise``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsync._comm import _axis_backend, _intra, _invariance, _mpi_backend
-from jaxsync._core import _strategies, _sync
+from jaxsync._core import _quantsum, _strategies, _sync
 from jaxsync._core._reduce16 import rows_sum_f32
 
 from ._layout import Layout
@@ -34,7 +34,7 @@ _LOW = ("float16", "bfloat16")
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["inner", "all_finite"],
+    data_fields=["inner", "all_finite", "residual", "step"],
     meta_fields=["per_replica"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -53,11 +53,20 @@ class ShardedState:
         were all finite (the same on every replica); else None.
       per_replica: per leaf of ``inner`` (flattened), whether it is a slice
         (static).
+      residual: with ``comm_dtype=jaxsync.Quantized(..., error_feedback=True)``,
+        per quantized buffer (float32, ``processes x K``: the rows this replica
+        quantizes) the last step's quantization error, added to the next
+        step's buffer; this replica's own (under ``shard_map`` stacked along
+        the first axis, as the slices). Else None.
+      step: with a quantized wire, the steps taken (the stochastic rounding's
+        keys fold it in); else None.
     """
 
     inner: Any
     all_finite: Any
     per_replica: tuple
+    residual: Any = None
+    step: Any = None
 
     def jaxsync_state_specs(self, per_replica, replicated):
         """The ``PartitionSpec``s of this state (for :func:`jaxsync.state_specs`)."""
@@ -67,6 +76,8 @@ class ShardedState:
             jax.tree_util.tree_unflatten(treedef, specs),
             None if self.all_finite is None else replicated,
             self.per_replica,
+            None if self.residual is None else tuple(per_replica for _ in self.residual),
+            None if self.step is None else replicated,
         )
 
 
@@ -100,7 +111,8 @@ class Place:
         # size-1 axis, each a copy), and each leaf goes to the native
         # reduce-scatter as it is (no packing): its results are typed
         # invariant over the size-1 axes, as sync's are.
-        self.alone = self.devices == 1 and getattr(backend, "native", False)
+        # (a quantized wire packs: a leaf per buffer would pay a partial block each)
+        self.alone = self.devices == 1 and getattr(backend, "native", False) and cfg.quant is None
         if self.alone and axes:
             self.intra = _intra.AxisOps((), unit_axes=axes)
         d = lax.axis_index(axes) if axes else 0
@@ -140,6 +152,28 @@ def scatter(intra, backend, bufs: list) -> list:
     for i, y in zip(live, got):
         out[i] = y
     return out
+
+
+def scatter_quant(intra, backend, bufs: list, spec, residual, step, rank):
+    """:func:`scatter` with the processes' stage quantized (``spec``, the first
+    half of ``_quantsum``'s schedule): the float32 buffers' rows are quantized
+    (``residual``: theirs, or None), all-to-all'd and summed in float32 by
+    their owner. Returns the ``(K,)`` buffers and the new residuals (as given
+    where nothing crossed)."""
+    live = [i for i, b in enumerate(bufs) if b.shape[0] and str(b.dtype) == "float32"]
+    rest = [i for i, b in enumerate(bufs) if b.shape[0] and i not in live]
+    out = list(bufs)
+    for i, y in zip(rest, scatter(intra, backend, [bufs[i] for i in rest])):
+        out[i] = y
+    res = list(residual) if residual is not None else []
+    if not live:
+        return out, residual
+    got = [_strategies._scatter_sum(intra, bufs[i]) for i in live]
+    prog = _quantsum.scatter_program(spec, len(got), step, rank)
+    got = backend.run(prog, got + res, intra, leader_only=False)
+    for i, y in zip(live, got):
+        out[i] = y
+    return out, (tuple(got[len(live) :]) if residual is not None else None)
 
 
 def scatter_leaves(intra, backend, bufs: list) -> list:

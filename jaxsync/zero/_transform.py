@@ -5,8 +5,8 @@ parameters and makes the inner state of this replica's slices; ``update``
 reduce-scatters the gradients, checks (once, when traced) that the inner
 optimizer is elementwise, runs it on the slices and all-gathers the updates.
 
-Imports: the core's config and sync (the mean's factors), ``_layout``,
-``_elementwise``, ``_sharded``.
+Imports: the core's config and sync (the mean's factors), ``_quantsum`` (a
+quantized wire's dtypes), ``_layout``, ``_elementwise``, ``_sharded``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxsync._core import _join, _sync
+from jaxsync._core import _join, _quantsum, _sync
 from jaxsync._core._config import (
     AUTO,
     AxisName,
@@ -79,7 +79,10 @@ def sharded(
         ``"auto"``, a :class:`jaxsync.AxisComm`, or None: one process).
       reduce: ``"mean"`` or ``"sum"`` of the gradients.
       comm_dtype: the dtype the gradients' reduce-scatter travels in (e.g.
-        ``jnp.bfloat16``; 16-bit data is summed in float32); the updates are
+        ``jnp.bfloat16``; 16-bit data is summed in float32), or a
+        :class:`jaxsync.Quantized` format (across processes each replica's rows
+        travel as block-quantized codes, all-to-all'd and summed in float32 by
+        their owner; error feedback's residuals in the state); the updates are
         gathered in their own dtype.
       predivide: as for :func:`jaxsync.hierarchical_mean`.
       check_finite: ``True`` keeps ``all_finite`` (over every replica's slice)
@@ -161,9 +164,14 @@ def sharded(
         overlap=False,  # one reduce-scatter and one all-gather, in the step's order
     )
     sums = dataclasses.replace(
-        cfg, strategy="hierarchical", reduce="sum", comm_dtype=None, predivide=None,
+        cfg,
+        strategy="hierarchical",
+        reduce="sum",
+        comm_dtype=None,
+        predivide=None,
         check_finite=False,
-    )  # fmt: skip
+        quant=None,
+    )  # fmt: skip (the small sums exact: the norm, the finite check, the weights)
     inner = optax.with_extra_args_support(inner)  # value=... reaches reduce_on_plateau
     if weights is not False:  # per-replica weights and the join (jaxsync._core._join)
         fns = lambda c: _fns(fn, inner, c, sums, accumulate)
@@ -185,14 +193,19 @@ def _fns(fn, inner, cfg, sums, every=1):
         state = holder.init(layout.tree(slices))
         flags = _sharded.per_replica_flags(holder, layout)
         finite = jnp.array(True) if cfg.check_finite else None
-        return ShardedState(state, finite, flags)
+        if cfg.quant is None:
+            return ShardedState(state, finite, flags)
+        res = None
+        if cfg.quant.error_feedback:
+            res = tuple(jnp.zeros((m,), jnp.float32) for m in _quantized(layout, cfg))
+        return ShardedState(state, finite, flags, res, jnp.zeros((), jnp.int32))
 
     def update_fn(updates, state, params=None, **extra_args):
         layout, place = layout_of(updates)
         _check_state(fn, holder, layout, state)
         n = layout.replicas
         # The gradients: cast, scaled (as the other strategies), packed by slice.
-        travel = {dt: jnp.dtype(cfg.comm_dtype or dt) for dt in layout.groups()}
+        travel = {dt: _travel(cfg, dt) for dt in layout.groups()}
         pres = {dt: _sync._predivide(cfg, t, n) for dt, t in travel.items()}
         grads = jax.tree.leaves(_sharded.share(updates, cfg))
         leaves = [
@@ -204,7 +217,15 @@ def _fns(fn, inner, cfg, sums, every=1):
         # it with their next reduce-scatter: a hang)
         agreed = f"{layout.describe()}\n{cfg.describe(accumulate=every)}\nsharded"
         bufs = cfg.backend.agree(agreed, "gradient tree", bufs)
-        if place.alone:
+        residual, step = state.residual, state.step
+        if cfg.quant is not None:  # restored by shard_state: no residuals, no step
+            step = jnp.zeros((), jnp.int32) if step is None else step
+            residual = _residual(fn, cfg, layout, residual)
+            bufs, residual = _sharded.scatter_quant(
+                place.intra, cfg.backend, bufs, cfg.quant, residual, step, place.index
+            )
+            step = step + 1
+        elif place.alone:
             bufs = _sharded.scatter_leaves(place.intra, cfg.backend, bufs)
         else:
             bufs = _sharded.scatter(place.intra, cfg.backend, bufs)
@@ -263,10 +284,47 @@ def _fns(fn, inner, cfg, sums, every=1):
             full, inner_state = apply(g_tree, inner_state)
         else:  # ZeRO-2: into the 1/N accumulator; the update every k-th call
             full, inner_state = _accumulate.step(every, state.inner, g_tree, apply)
-        new = ShardedState(inner_state, finite, state.per_replica)
+        new = ShardedState(inner_state, finite, state.per_replica, residual, step)
         return full, new
 
     return init_fn, update_fn
+
+
+def _travel(cfg, dt):
+    """The dtype a group of ``dt`` leaves is reduce-scattered in."""
+    if cfg.quant is not None:  # floating groups quantized from float32
+        return _quantsum.travel(dt)
+    return jnp.dtype(cfg.comm_dtype or dt)
+
+
+def _quantized(layout: Layout, cfg) -> list:
+    """Lengths of the quantized buffers' rows per replica (``processes x K``):
+    the packed groups that travel as float32, in group order (empty ones left out)."""
+    out = []
+    for dt, idx in layout.groups().items():
+        k = sum(layout.slots[i].k for i in idx)
+        if k and _travel(cfg, dt) == jnp.float32:
+            out.append(layout.processes * k)
+    return out
+
+
+def _residual(fn, cfg, layout: Layout, residual):
+    """The state's residuals, checked against this tree's quantized buffers
+    (None: zeros, e.g. a state restored by ``shard_state``)."""
+    if not cfg.quant.error_feedback:
+        return None
+    want = _quantized(layout, cfg)
+    if residual is None:
+        return tuple(jnp.zeros((m,), jnp.float32) for m in want)
+    got = [tuple(r.shape) for r in residual]
+    if got != [(m,) for m in want]:
+        raise ValueError(
+            f"{fn}: the state's residuals have shapes {got}, and this gradient tree's "
+            f"quantized buffers over {layout.replicas} replicas need "
+            f"{[(m,) for m in want]}. Fix: make the state with this transform's init "
+            "inside the map, on parameters of the same tree."
+        )
+    return tuple(residual)
 
 
 def _check_state(fn, inner, layout: Layout, state) -> None:

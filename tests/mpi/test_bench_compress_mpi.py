@@ -1,7 +1,7 @@
 """``python -m jaxsync bench --suite compress --quick`` under ``mpirun -n 2``: it
-runs the README's step with every compressor over MPI, times the bare mpi4py
-collectives of the same payloads, and writes compress-mpi.json. Figures are not
-checked (speed is never asserted)."""
+runs the README's step with every compressor (the 8- and 4-bit wires too) over
+MPI, times the bare mpi4py collectives of the same payloads, and writes
+compress-mpi.json. Figures are not checked (speed is never asserted)."""
 
 import json
 import math
@@ -37,7 +37,7 @@ def test_compress_suite_under_mpirun(tmp_path):
     result = json.loads((tmp_path / "compress-mpi.json").read_text())
     assert result["meta"]["processes"] == 2
     rows = {r["sync"]: r for r in result["rows"]}
-    assert set(rows) == {"hierarchical", "powersgd r4", "powersgd r1", "sign"}
+    assert set(rows) == {"hierarchical", "powersgd r4", "powersgd r1", "sign", "int8", "int4"}
     for r in rows.values():
         assert math.isfinite(r["marginal_ms"]) and math.isfinite(r["bare_ms"]), r
         assert r["bare_ms"] > 0, r

@@ -1,7 +1,8 @@
 """comm_dtype=jaxsync.Quantized(...) across processes: mpirun -n 2 x 2 devices,
 one worker run (tests/mpi/worker_quant.py): the timeline's byte counts against
 the formula, the property test's examples (the same on every rank), error
-feedback's state equal on every replica."""
+feedback's state equal on every replica; jaxsync.sharded's quantized
+reduce-scatter (its bytes, its bound)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,34 @@ def test_error_feedback_state_equal_everywhere(quant_run):
         assert (r.view(np.uint32) == r[:1].view(np.uint32)).all()
         assert np.abs(r).max() > 0
     assert not np.array_equal(ef[0]["outs"][0][0], ef[0]["outs"][1][0])
+
+
+@pytest.mark.parametrize("name", ["int8", "fp4"])
+def test_sharded_bytes_reduce_scatter_only(quant_run, name):
+    """sharded: each replica all-to-alls its processes' rows, N * K values, as
+    codes and scales ((N - 1) / N * N K (b / 8 + 4 / B) leave it), and gathers
+    its K float32 updates: no requantized all-gather of the gradient."""
+    N = 2
+    for rank in range(N):
+        w = quant_run.results[rank]["sharded"]["bytes"][name]
+        K, b, B = w["K"], w["bits"], w["block"]
+        calls = _calls(os.path.join(w["dir"], f"rank{rank}.json"))
+        # each device of the process: one all-to-all, one all-gather
+        assert sorted(k for k, _ in calls) == ["allgather"] * 2 + ["alltoall"] * 2, calls
+        n = N * K
+        for kind, nbytes in calls:
+            if kind == "alltoall":
+                assert nbytes == n * b // 8 + 4 * n // B
+                assert (N - 1) / N * nbytes == (N - 1) / N * n * (b / 8 + 4 / B)
+            else:  # the updates, float32, in their own dtype
+                assert nbytes == 4 * K
+
+
+def test_sharded_within_bound_on_every_rank(quant_run):
+    rows = [quant_run.results[r]["sharded"]["rows"] for r in range(2)]
+    assert len(rows[0]) == len(rows[1]) == 2
+    for a, b in zip(*rows):
+        for row in (a, b):
+            assert row["error"] is None, row["error"]
+        for ya, yb in zip(a["out"], b["out"]):  # the same updates on every rank
+            assert (np.asarray(ya).view(np.uint8) == np.asarray(yb).view(np.uint8)).all()

@@ -10,6 +10,10 @@ all-gather): mpirun -n 2 x 2 devices, jit(shard_map).
   whether each example held, with the failure's text.
 * ``ef``: three steps of int4 error feedback: the state's residuals equal on
   every replica, and the outputs the same bits everywhere.
+* ``sharded``: ``jaxsync.sharded`` with a quantized reduce-scatter: the
+  timeline's bytes of one float32 leaf (per format), and two trees of
+  tests/test_zero_quant.py against its float64 reference and bound (int8
+  nearest; fp4 stochastic with a NaN), every rank the same values.
 """
 
 import os
@@ -114,6 +118,60 @@ def main():
     x = jnp.asarray(np.cos(np.arange(D * 37, dtype=np.float32)).reshape(D, 37) * (rank + 1))
     outs, resid, _ = step_fn(tx, 3)(x)
     res.add("ef", dict(outs=to_numpy(outs), residual=to_numpy(resid)))
+
+    # -- sharded: the reduce-scatter quantized, nothing requantized --
+    import optax
+    from test_zero_quant import _reference, _tree
+
+    def sharded_fn(q, check_finite=True):
+        tx = jaxsync.sharded(
+            optax.sgd(1.0), axis_name="d", comm=comm, comm_dtype=q, check_finite=check_finite
+        )
+
+        def body(*leaves):
+            g = [x[0] for x in leaves]
+            u, st = tx.update(g, tx.init(g), g)
+            ok = st.all_finite if st.all_finite is not None else jnp.array(True)
+            return [y[None] for y in u], [r[None] for r in st.residual], ok[None]
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec_d, out_specs=spec_d))
+
+    sh_bytes = {}
+    K = 2 * B  # each replica's slice of one float32 leaf of N * D * K values
+    for name, q in [
+        ("int8", jaxsync.Quantized(bits=8, block=B)),
+        ("fp4", jaxsync.Quantized(bits=4, kind="float", block=B)),
+    ]:
+        f = sharded_fn(q, check_finite=False)  # (its count would be one more allreduce)
+        x = jnp.asarray(np.sin(np.arange(D * N * D * K, dtype=np.float32)).reshape(D, -1))
+        d = os.path.join(ns.dir, "sharded_" + name)
+        with jaxsync.timeline(d):
+            jax.block_until_ready(f(x))
+        sh_bytes[name] = dict(K=K, bits=q.bits, block=B, dir=d)
+    sh_rows = []
+    for q, special in [
+        (jaxsync.Quantized(bits=8, kind="int", block=8), "none"),
+        (jaxsync.Quantized(bits=4, kind="float", block=8, rounding="stochastic"), "nan"),
+    ]:
+        tree = _tree(N, D, seed=7, special=special)  # every rank the same values
+        u, _, ok = sharded_fn(q)(*[x[rank] for x in tree])
+        means, bounds, dirty = _reference(tree, N, D, q)
+        row = dict(spec=repr(q), out=to_numpy(u), ok=np.asarray(ok))
+        try:
+            for i, y in enumerate(u):
+                y = np.asarray(y, np.float32).reshape(D, -1)
+                assert (y.view(np.uint32) == y[:1].view(np.uint32)).all(), "replicas differ"
+                got = -y[0].astype(np.float64)
+                bound = bounds[i] + (np.abs(means[i]) * 2.0**-8 if i == 4 else 0)
+                assert (np.isnan(got) == dirty[i]).all(), f"NaN blocks of leaf {i}"
+                err = np.abs(got - means[i])[~dirty[i]]
+                assert (err <= bound[~dirty[i]]).all(), f"leaf {i} beyond its bound"
+            assert (np.asarray(ok) == (special == "none")).all(), "all_finite"
+            row["error"] = None
+        except AssertionError:
+            row["error"] = traceback.format_exc()
+        sh_rows.append(row)
+    res.add("sharded", dict(bytes=sh_bytes, rows=sh_rows))
     res.write()
 
 
