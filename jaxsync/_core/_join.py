@@ -207,6 +207,15 @@ def divide(piece, div):
 DIVISOR: contextvars.ContextVar = contextvars.ContextVar("jaxsync_divisor", default=None)
 
 
+def _check_state(fn: str, state) -> None:
+    if not isinstance(state, WeightedState):
+        raise TypeError(
+            f"{fn}: update got a state of type {type(state).__name__}, expected "
+            "WeightedState from this transform's init (weights=). Make sure you "
+            "have called init first and pass the state returned by this transform."
+        )
+
+
 def transform(fn: str, cfg, weights, make_fns, allsum=None):
     """The weighted ``GradientTransformationExtraArgs`` of a transform.
 
@@ -246,12 +255,7 @@ def transform(fn: str, cfg, weights, make_fns, allsum=None):
 
     def update_fn(updates, state, params=None, weight=None, done=None, **extra_args):
         del extra_args  # other transforms' (optax.chain passes every one to all)
-        if not isinstance(state, WeightedState):
-            raise TypeError(
-                f"{fn}: update got a state of type {type(state).__name__}, expected "
-                "WeightedState from this transform's init (weights=). Make sure you "
-                "have called init first and pass the state returned by this transform."
-            )
+        _check_state(fn, state)
         w, x = extras(weight, done, axes)
         if alone:  # the counts exact, beside a lossy wire
             summed = allsum(x)
@@ -299,12 +303,7 @@ def prescaled(fn: str, cfg, weights, init_inner, update_inner):
 
     def update_fn(updates, state, params=None, weight=None, done=None, **extra_args):
         del extra_args
-        if not isinstance(state, WeightedState):
-            raise TypeError(
-                f"{fn}: update got a state of type {type(state).__name__}, expected "
-                "WeightedState from this transform's init (weights=). Make sure you "
-                "have called init first and pass the state returned by this transform."
-            )
+        _check_state(fn, state)
         w, x = extras(weight, done, axes)
         summed, _ = _sync.sync(x, counts)
         total = summed[0]
