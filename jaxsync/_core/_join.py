@@ -238,7 +238,7 @@ def transform(fn: str, cfg, weights, make_fns, allsum=None):
     # weights to bfloat16's 8 significant bits).
     lossy = (cfg.comm_dtype is not None or cfg.quant is not None) and not cfg.double_buffering
     if lossy and not allsum:
-        counts = dataclasses.replace(inner_cfg, comm_dtype=None, quant=None, weights=None)
+        counts = dataclasses.replace(inner_cfg, comm_dtype=None, quant=None)
         allsum = lambda x: _sync.sync(x, counts)[0]
         alone = True
     else:
@@ -295,7 +295,13 @@ def prescaled(fn: str, cfg, weights, init_inner, update_inner):
     """
     check_weights(fn, weights, cfg.reduce)
     axes = tuple(cfg.axes) + tuple(getattr(cfg.backend, "mesh_axes", ()))
-    counts = dataclasses.replace(cfg, reduce="sum", predivide=None, comm_dtype=None)
+    counts = dataclasses.replace(  # the agreed text shows the user's weights
+        cfg,
+        reduce="sum",
+        predivide=None,
+        comm_dtype=None,
+        weights=(weights, cfg.reduce, cfg.predivide),
+    )
 
     def init_fn(params):
         n = jnp.full((), -1, jnp.int32)  # no step yet: not done

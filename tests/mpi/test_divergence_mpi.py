@@ -92,6 +92,8 @@ def test_divergent_paths_fail_on_every_rank():
     _same_error(run, "zero2-k-0", "options differ", "accumulate 2", "accumulate 3")
     # weights=True on rank 0 only: named as weights (not the sum it implies).
     _same_error(run, "weights-0", "options differ", "(weights)", "weights True", "weights <unset>")
+    # the same on sign_mean: it was named as reduce (its weights' sum), not weights.
+    _same_error(run, "weights-sign-0", "options differ", "(weights)", "weights True")
     # Quantized on one rank, float32 or another block on the other: comm_dtype.
     _same_error(run, "quant-f32-0", "(comm_dtype)", "block=2", "comm_dtype None")
     _same_error(run, "quant-block-0", "(comm_dtype)", "block=2", "block=4")

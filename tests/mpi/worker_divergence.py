@@ -207,6 +207,9 @@ def main():
     # (weights) weights=True on rank 0 only.
     wt = mean_then(optax.sgd(1.0), weights=mine(True, False))
     steps("weights", 1, jit_steps(wt, ones, weight=jnp.float32(1.0), done=jnp.bool_(False)))
+    # ... and on a compressor (its weights sum first, in a sync of their own).
+    ws = optax.chain(jaxsync.sign_mean(None, comm, weights=mine(True, False)), optax.sgd(1.0))
+    steps("weights-sign", 1, jit_steps(ws, ones, weight=jnp.float32(1.0), done=jnp.bool_(False)))
     # (comm_dtype) Quantized on rank 0, float32 on rank 1; two blocks.
     q8 = jaxsync.Quantized(bits=8, block=2)
     for key, cd in (
