@@ -124,12 +124,6 @@ def measure(comm, k, layers, width, batch, rounds, iters):
     return {n: statistics.median(v) for n, v in samples.items()}, syncs, nbytes
 
 
-def _max():
-    from mpi4py import MPI
-
-    return MPI.MAX
-
-
 def targets(med, syncs, k):
     """The issue's two targets, from the medians and the counted syncs."""
     c = med["compute"] / k

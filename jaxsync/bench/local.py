@@ -153,15 +153,11 @@ def train(method: str, args, comm, islands, data, evals, stop_at=None) -> dict:
     if comm is not None:  # each step's slowest rank
         mine = np.asarray(times, np.float64)
         slowest = np.empty_like(mine)
-        comm.Allreduce(mine, slowest, op=_max())
+        from mpi4py import MPI
+
+        comm.Allreduce(mine, slowest, op=MPI.MAX)
         times = slowest.tolist()
     return {"curve": curve, "syncs": syncs, "step_seconds": times}
-
-
-def _max():
-    from mpi4py import MPI
-
-    return MPI.MAX
 
 
 def step_kinds(method: str, args, steps: list) -> dict:
