@@ -43,7 +43,7 @@ SUITES = {
 
 SUITE_HELP = {
     "sparse": "row-sparse gradients (embedding tables): all-gathers against dense syncs",
-    "compress": "powersgd_mean and sign_mean: bytes, step cost, ring model",
+    "compress": "powersgd_mean, sign_mean and Quantized int8/int4: bytes, step cost, ring model",
     "model": "the cost model behind strategy='auto': predicted against measured (also "
     "inside `python -m jaxsync cluster`: scripts/model_accuracy_cluster.sh)",
     "cluster": "the MPI and compression suites inside the emulated cluster, beside the "
