@@ -108,7 +108,16 @@ setup(
             "jaxsync._comm._native._jaxsync_mpi",
             sources=[
                 f"jaxsync/_comm/_native/{name}.cc"
-                for name in ("mpi_ffi", "sums", "low16", "move", "agree", "tier", "tier_pipe")
+                for name in (
+                    "mpi_ffi",
+                    "sums",
+                    "low16",
+                    "move",
+                    "agree",
+                    "tier",
+                    "tier_pipe",
+                    "inflight",
+                )
             ],
             depends=["jaxsync/_comm/_native/mpi_ffi.h"],
             language="c++",

@@ -4,6 +4,8 @@ under shard_map. Each device d holds the quadratic 1/2 |x - c_d|^2 (gradient
 x - c_d); values are dyadic, so where the float64 reference is exact the float32
 result is compared bitwise, elsewhere within a stated bound."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -340,84 +342,90 @@ def test_a_checkpoint_between_send_and_apply_resumes_alike(tmp_path):
     assert not np.array_equal(np.asarray(p["a"]), np.ones(3))
 
 
-def test_inflight_lane_survives_a_finish_before_its_thread_takes_the_job():
-    """Streaming's in-flight lane: ``finish`` pops its slot, then waits. The
-    lane's thread looked the slot up by handle when it took the job, so a
-    finish that came first (a late thread, under load) made it raise KeyError,
-    die, and leave the step waiting for ever (tests/mpi/test_local_mpi.py hung
-    1 run in 4 beside the suite). The job now carries its slot."""
-    import threading
+def _streaming(overlap):
+    """Streaming DiLoCo over one process's own communicator (MPI_COMM_SELF: one
+    island, so the outer mean is the island's own pseudo-gradient), the mean
+    held in the state or, ``overlap=True``, in flight on the native lane."""
+    import dataclasses
 
-    import numpy as np
+    from mpi4py import MPI
 
-    from jaxsync.local._inflight import Lane
-
-    gate = threading.Event()
-
-    class Comm:  # a one-process "allreduce" whose first call waits for the gate
-        calls = 0
-
-        def Dup(self):
-            return self
-
-        def Get_size(self):
-            return 1
-
-        def Allreduce(self, src, dst, op=None):
-            Comm.calls += 1
-            if Comm.calls == 1:
-                gate.wait(30)
-            dst[...] = src
-
-    ln = Lane(Comm())
-    first = int(ln.start(np.arange(3.0)))  # the thread takes it and waits at the gate
-    second = int(ln.start(np.full(2, 7.0)))  # queued behind it
-    got = {}
-    waiter = threading.Thread(target=lambda: got.update(b=ln.finish(second)), daemon=True)
-    waiter.start()
-    for _ in range(1000):  # until finish(second) has popped its slot
-        if second not in ln.slots:
-            break
-        threading.Event().wait(0.001)
-    assert second not in ln.slots
-    gate.set()
-    np.testing.assert_array_equal(ln.finish(first), np.arange(3.0, dtype=np.float32))
-    waiter.join(30)
-    assert not waiter.is_alive(), "the lane's thread died: finish waits for ever"
-    np.testing.assert_array_equal(got["b"], np.full(2, 7.0, np.float32))
+    # one island whose outer communicator is this process alone (islands() gives a
+    # lone island none: there is no peer to exchange with)
+    isl = dataclasses.replace(jaxsync.islands("process", comm=None), outer_comm=MPI.COMM_SELF)
+    return jaxsync.diloco(
+        optax.sgd(0.125, momentum=0.5),
+        optax.sgd(0.5, momentum=0.5),
+        every=4,
+        fragments=2,
+        delay=1,
+        mix=0.5,
+        islands=isl,
+        overlap=overlap,
+    )
 
 
-def test_the_exit_drain_waits_for_the_lanes_job_in_flight():
-    """A streaming fragment still in flight at exit (its all-reduce on the
-    lane's thread) must end before MPI does: the exit drain watched only the
-    native calls and the agreement callbacks, and called a step in flight on
-    the lane quiet at once."""
-    import threading
+def _stream_step(tx):
+    def body(p, s):
+        u, s = tx.update(jax.tree.map(lambda x: x - 2.0, p), s, p)
+        return optax.apply_updates(p, u), s
 
-    import numpy as np
+    return jax.jit(body, donate_argnums=(0, 1))
 
-    from jaxsync._comm._quiet import wait_until_quiet
-    from jaxsync.local._inflight import Lane
 
-    gate = threading.Event()
+def test_the_native_inflight_sum_matches_the_held_form_and_resumes_mid_flight(tmp_path):
+    """overlap=True: the fragment's sum starts at its send step in one jitted call
+    and is taken ``delay`` steps later in another (jaxsync_inflight_start/_finish).
+    Bitwise the held form's (dyadic values). A state saved between a send and its
+    apply step resumes with its sum (in_flight / resume_in_flight), and a handle
+    this process does not hold (a checkpoint restored without its sums) fails
+    the apply step with an error that names the fix."""
+    params = {"a": jnp.ones(3), "b": jnp.arange(4.0), "c": jnp.full((2, 2), -1.0)}
+    held_tx, fly_tx = _streaming(False), _streaming(True)
+    held, fly = _stream_step(held_tx), _stream_step(fly_tx)
+    p, s = jax.tree.map(jnp.copy, params), held_tx.init(params)
+    q, t = jax.tree.map(jnp.copy, params), fly_tx.init(params)  # each step donates its own
+    with jaxsync.timeline(tmp_path) as tl:
+        for k in range(9):
+            p, s = held(p, s)
+            with tl.step(f"fly {k}"):
+                q, t = jax.block_until_ready(fly(q, t))
+            if k == 5:  # fragment 0 was sent at step 6 (1-based): in flight now
+                assert int(t.held[0]) >= 0 and int(t.held[1]) == -1, t.held
+                saved = jaxsync.local.in_flight(t)
+                assert [x.size for x in saved] == [7, 0], saved
+                snap = jax.tree.map(np.array, (q, t))  # a checkpoint's host copy
+    for x, y in zip(jax.tree.leaves(p), jax.tree.leaves(q)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    np.testing.assert_array_equal(np.asarray(s.anchor["b"]), np.asarray(t.anchor["b"]))
+    assert not np.array_equal(np.asarray(q["b"]), np.arange(4.0))
+    assert [int(h) for h in t.held] == [-1, -1]  # every sum taken
+    # The timeline shows each sum on the lane, queued in its send step (1-based 2, 4,
+    # 6, 8: fragments 0, 1, 0, 1, with 7 and 4 float32 each).
+    doc = json.loads(tl.path.read_text())
+    marks = {e["name"]: e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == "step"}
+    got = []
+    for e in doc["traceEvents"]:
+        if e["ph"] == "X" and e["args"].get("communicator") == "islands' outer mean (in flight)":
+            queued = e["ts"] - e["args"]["queued_us"]
+            (step,) = [n for n, m in marks.items() if m["ts"] <= queued <= m["ts"] + m["dur"]]
+            got.append((step, e["args"]["bytes"]))
+    want = [("step fly 1", 28), ("step fly 3", 16), ("step fly 5", 28), ("step fly 7", 16)]
+    assert got == want, got
 
-    class Comm:
-        def Dup(self):
-            return self
+    q2, t2 = jax.tree.map(jnp.asarray, snap)
+    t2 = jaxsync.local.resume_in_flight(t2, saved)
+    for _ in range(3):  # steps 7-9: fragment 0 applied from the saved sum
+        q2, t2 = fly(q2, t2)
+    for x, y in zip(jax.tree.leaves(q), jax.tree.leaves(q2)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
-        def Get_size(self):
-            return 1
-
-        def Allreduce(self, src, dst, op=None):
-            gate.wait(30)
-            dst[...] = src
-
-    ln = Lane(Comm())
-    h = int(ln.start(np.ones(2)))
-    assert not wait_until_quiet(quiet_s=0.05, limit_s=0.5)
-    gate.set()
-    np.testing.assert_array_equal(ln.finish(h), np.ones(2, np.float32))
-    assert wait_until_quiet(quiet_s=0.05, limit_s=5.0)
+    q3, t3 = jax.tree.map(jnp.asarray, snap)
+    t3 = t3._replace(held=(jnp.array(10**6, jnp.int32), t3.held[1]))
+    with pytest.raises(Exception, match=r"no transfer in flight with handle 1000000.*in_flight"):
+        jax.block_until_ready(fly(q3, t3))
+    with pytest.raises(ValueError, match="saved has 1 entries, the state 2 fragments"):
+        jaxsync.local.resume_in_flight(t, saved[:1])
 
 
 @pytest.mark.parametrize("make", ["diloco", "bmuf_nesterov", "streaming"])

@@ -21,15 +21,6 @@ def count_native_calls(lib) -> None:
     _LIB[:] = [lib]
 
 
-_OTHERS: list = []  # () -> (begun, ended): other threads' MPI work (local's lanes)
-
-
-def watch(counts) -> None:
-    """Watch ``counts() -> (begun, ended)`` too: MPI work on a thread of its own
-    (``jaxsync.local``'s in-flight lane) that must end before MPI does."""
-    _OTHERS.append(counts)
-
-
 def _drain():
     wait_until_quiet()
     try:
@@ -60,8 +51,7 @@ def wait_until_quiet(quiet_s: float = 0.25, limit_s: float = 10.0) -> bool:
             if lib is not None
             else (0, 0)
         )
-        others = [c for f in _OTHERS for c in f()]
-        return (*calls, *_agree.ACTIVITY, *others)
+        return (*calls, *_agree.ACTIVITY)
 
     def busy(cur) -> bool:
         return any(cur[i] != cur[i + 1] for i in range(0, len(cur), 2))

@@ -105,6 +105,12 @@ def _collect(lib) -> None:
 _seen: dict[int, str] = {}  # the names of communicators since freed (at exit)
 
 
+def label(handle: int, text: str) -> None:
+    """Name a communicator jaxsync made outside its cache (``jaxsync.local``'s
+    in-flight lane) in the timeline."""
+    _seen[int(handle)] = text
+
+
 def _remember() -> None:
     _seen.update(comm_labels())
 

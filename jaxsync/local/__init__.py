@@ -4,12 +4,24 @@ islands that synchronise every step, and exchange parameters every ``H`` steps.
 Modules: ``_islands`` (``islands``, ``Islands``, the inner-mean guard),
 ``_state`` (the state, the static checks), ``_update`` (one step), ``_diloco``
 (``diloco``, streaming), ``_inflight`` (streaming's mean in flight across
-steps), ``_presets`` (``local_sgd``, ``bmuf``).
+steps), ``_resume`` (a checkpoint with a mean in flight), ``_presets``
+(``local_sgd``, ``bmuf``).
 """
 
 from ._diloco import diloco
 from ._islands import Islands, islands
 from ._presets import BMUFState, bmuf, local_sgd
+from ._resume import in_flight, resume_in_flight
 from ._state import LocalUpdatesState
 
-__all__ = ["BMUFState", "Islands", "LocalUpdatesState", "bmuf", "diloco", "islands", "local_sgd"]
+__all__ = [
+    "BMUFState",
+    "Islands",
+    "LocalUpdatesState",
+    "bmuf",
+    "diloco",
+    "in_flight",
+    "islands",
+    "local_sgd",
+    "resume_in_flight",
+]

@@ -1,89 +1,89 @@
 """Streaming's outer mean in flight across separate jitted steps (``overlap=True``).
 
-At a fragment's send step a host callback copies its pseudo-gradient (already
-divided by the island count when that is a power of two) into a buffer this
-module owns (never an XLA buffer: nothing can be donated or reused under it)
-and queues one ``MPI_Allreduce`` on the outer communicator's own thread (a
-lane: jobs in the order they were queued, which is the step order on every
-process), and returns a handle that the optimizer state carries. ``delay``
-steps later a second callback waits for that job and returns the mean. The
-transfer runs while the steps between compute: the lane's thread holds no
-lock while MPI moves the bytes (mpi4py releases the GIL; MPI is initialised
-with ``MPI_THREAD_MULTIPLE``, which jaxsync requires).
+At a fragment's send step the native target ``jaxsync_inflight_start`` copies the
+pseudo-gradient (already divided by the island count when that is a power of
+two) into a buffer the native library owns (never an XLA buffer: nothing can be
+donated or reused under it), queues its ``MPI_Iallreduce`` on the outer
+communicator's lane (the communication thread that runs overlap's sums, jobs in
+the order they were queued: the step order on every process) and returns a
+handle that the optimizer state carries. ``delay`` steps later
+``jaxsync_inflight_finish`` returns a future that the lane completes with the
+sum: XLA:CPU runs FFI handlers that return futures asynchronously, so the step
+computes while the sum lands. The transfer runs while the steps between compute
+(the lane polls: it leaves the cores to them). The timeline shows it
+(``allreduce_async`` on the lane), and the exit drain waits for it (the native
+call counters).
 
-May import: JAX, numpy, mpi4py (lazily), ``jaxsync._comm._quiet`` (the exit
-drain waits for the lane's jobs).
+A checkpoint taken while a fragment is in flight saves its sum and resumes with
+it (``_resume``: a handle is a number of this process, meaningless in another).
+
+May import: JAX, numpy, mpi4py (lazily), ``jaxsync._comm`` (``_mpi_load``,
+``_mpi_ops``, ``_timeline``).
 """
 
 from __future__ import annotations
 
-import queue
-import threading
+import ctypes
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 
-from jaxsync._comm import _quiet
+_START, _FINISH = "jaxsync_inflight_start", "jaxsync_inflight_finish"
+
+
+@functools.cache
+def _lib():
+    """The native library, with the in-flight targets registered (once)."""
+    from jaxsync._comm import _mpi_load
+
+    _mpi_load.require_native()
+    lib = _mpi_load._native()
+    for name in (_START, _FINISH):
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
+    lib.jaxsync_inflight_size.restype = ctypes.c_int64
+    lib.jaxsync_inflight_size.argtypes = [ctypes.c_int32]
+    lib.jaxsync_inflight_wait.restype = ctypes.c_int
+    lib.jaxsync_inflight_wait.argtypes = [
+        ctypes.c_int32,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_char_p,
+        ctypes.c_int64,
+    ]
+    lib.jaxsync_inflight_put.restype = ctypes.c_int32
+    lib.jaxsync_inflight_put.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.jaxsync_inflight_fail_all.restype = ctypes.c_int64
+    lib.jaxsync_inflight_fail_all.argtypes = [ctypes.c_char_p]
+    lib.jaxsync_inflight_pending.restype = ctypes.c_int64
+    return lib
 
 
 class Lane:
-    """One thread per communicator running its allreduces in order."""
+    """The outer communicator's in-flight sums: jaxsync's own duplicate of it
+    (``comm``, never the user's handle), its size, and how its lane waits."""
 
     def __init__(self, comm):
-        self.comm = comm.Dup()  # jaxsync's own: never the user's handle
+        from jaxsync._comm import _mpi_ops, _timeline
+
+        _lib()
+        self.comm = comm.Dup()
         self.size = self.comm.Get_size()
-        self.jobs: queue.Queue = queue.Queue()
-        self.slots: dict = {}
-        self.count = 0
-        self.lock = threading.Lock()
-        self.done = 0  # jobs finished (the exit drain waits for count == done)
-        _quiet.watch(lambda: (self.count, self.done))
-        threading.Thread(target=self._loop, daemon=True, name="jaxsync-inflight").start()
+        self.handle = int(self.comm.py2f())
+        _timeline.label(self.handle, "islands' outer mean (in flight)")
+        # Its peers are other islands: across hosts in the intended use (poll, in
+        # pieces, as overlap's sums there); a world of one host spins (shared memory).
+        names = self.comm.allgather(_hostname())
+        spans = len(set(names)) > 1
+        self.poll = _mpi_ops.LANE_POLL_US if spans else 0
+        self.piece = _mpi_ops.PIECE_BYTES if spans else 0
 
-    def _loop(self):
-        from mpi4py import MPI
 
-        while True:
-            # The job carries its slot: ``finish`` may pop the slot from
-            # ``slots`` before this thread takes the job (a lookup here raised
-            # KeyError under load, killed the thread, and the step hung).
-            slot = self.jobs.get()
-            try:
-                out = np.empty_like(slot[0])
-                self.comm.Allreduce(slot[0], out, op=MPI.SUM)
-                slot[2] = out
-            except BaseException as e:  # noqa: BLE001 - raised where it is awaited
-                slot[2] = e
-            finally:
-                slot[1].set()
-                self.done += 1
+def _hostname() -> str:
+    import socket
 
-    def start(self, buf) -> np.ndarray:
-        slot = [np.array(buf, np.float32, copy=True), threading.Event(), None]
-        with self.lock:
-            handle = self.count
-            self.count += 1
-            self.slots[handle] = slot
-            # Queued under the lock: the lane's order is the handles' order.
-            self.jobs.put(slot)
-        return np.asarray(handle, np.int32)
-
-    def finish(self, handle) -> np.ndarray:
-        handle = int(handle)
-        slot = self.slots.pop(handle, None)
-        if slot is None:
-            raise RuntimeError(
-                f"jaxsync.diloco(overlap=True): no transfer in flight with handle {handle} "
-                "in this process (a state restored from a checkpoint taken while a fragment "
-                "was in flight?). Fix: checkpoint after a fragment's apply step, or use "
-                "overlap=False (the held mean is saved with the state)."
-            )
-        slot[1].wait()
-        if isinstance(slot[2], BaseException):
-            raise slot[2]
-        return slot[2]
+    return socket.gethostname()
 
 
 _LANES: dict = {}
@@ -98,19 +98,25 @@ def lane(comm) -> Lane:
 
 
 def start(ln: Lane, leaves) -> jax.Array:
-    """Queue the mean of ``leaves`` (float32) across the lane; its handle (int32)."""
+    """Start the mean of ``leaves`` (float32) across the lane; its handle (int32)."""
     n = ln.size
     pre = float(n) if n & (n - 1) == 0 else 1.0
     flat = jnp.concatenate([x.reshape(-1) for x in leaves]) * jnp.float32(1.0 / pre)
-    return io_callback(ln.start, jax.ShapeDtypeStruct((), jnp.int32), flat, ordered=False)
+    call = jax.ffi.ffi_call(_START, jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True)
+    return call(
+        flat, comm=np.int64(ln.handle), poll_us=np.int64(ln.poll), piece_bytes=np.int64(ln.piece)
+    )
 
 
 def finish(ln: Lane, handle, like) -> list:
-    """Wait for ``handle``'s sum; the mean, as leaves shaped like ``like``."""
+    """Take ``handle``'s sum (waiting for it); the mean, as leaves shaped like ``like``."""
     n = ln.size
     post = 1.0 if n & (n - 1) == 0 else float(n)
     size = sum(int(np.prod(x.shape)) for x in like)
-    flat = io_callback(ln.finish, jax.ShapeDtypeStruct((size,), jnp.float32), handle)
+    call = jax.ffi.ffi_call(
+        _FINISH, jax.ShapeDtypeStruct((size,), jnp.float32), has_side_effect=True
+    )
+    flat = call(handle)
     if post != 1.0:
         flat = flat / jnp.float32(post)
     out, at = [], 0
@@ -119,3 +125,9 @@ def finish(ln: Lane, handle, like) -> list:
         out.append(flat[at : at + k].reshape(x.shape))
         at += k
     return out
+
+
+def fail_all(text: str) -> int:
+    """Fail every sum in flight with ``text`` (a finish waiting on one raises it at
+    once); how many. For :func:`jaxsync.elastic.run`'s recovery."""
+    return int(_lib().jaxsync_inflight_fail_all(text.encode()))

@@ -150,7 +150,8 @@ def _in_flight(cfg: LocalConfig, send, apply, handle, a_f, loc):
         return [jnp.zeros(x.shape, x.dtype) for x in a_f], jnp.array(True)
 
     mean, finite = lax.cond(apply, take, idle, handle)
-    return mean, finite, handle
+    # taken: none in flight now (in_flight() of a later state must not name it)
+    return mean, finite, jnp.where(apply, jnp.int32(-1), handle)
 
 
 def update_fn(cfg: LocalConfig):

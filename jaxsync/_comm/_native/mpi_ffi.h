@@ -12,6 +12,8 @@
 //   tier.cc     the host tier: jaxsync_reduce, jaxsync_bcast, jaxsync_reduce_scatter
 //   tier_pipe.cc  jaxsync_tier: the host tier's three steps in one call,
 //               pipelined over chunks with nonblocking MPI
+//   inflight.cc jaxsync_inflight_start / _finish: a float32 sum that stays in
+//               flight across separate jitted calls (jaxsync.local's streaming)
 //
 // Every handler but jaxsync_tie (and jaxsync_tier, below) takes (token, comm, active, buffers...) and returns
 // (token, results...):
@@ -153,6 +155,10 @@ int Alltoall(const void* s, int sc, MPI_Datatype st, void* d, int dc, MPI_Dataty
              MPI_Comm c);
 int ReduceScatterBlock(const void* s, void* d, int count, MPI_Datatype t, MPI_Op op,
                        MPI_Comm c);
+
+// Runs `job` on the communication thread (lane) of the communicator with
+// Fortran handle `handle`, after the jobs queued there before it (sums.cc).
+void PushLane(MPI_Fint handle, std::function<void()> job);
 
 // A communicator that spans hosts keeps at most this many sums in flight (see
 // Sums in sums.cc; measured in _mpi_ops.py's PIECE_BYTES).

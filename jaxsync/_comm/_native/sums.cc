@@ -398,6 +398,9 @@ ffi::Future AllreduceAsyncImpl(ffi::Token, CommArg comm, ActiveArg active,
 
 
 }  // namespace
+
+void PushLane(MPI_Fint handle, std::function<void()> job) { LaneOf(handle).Push(std::move(job)); }
+
 }  // namespace jaxsync
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_allreduce, jaxsync::AllreduceImpl,
