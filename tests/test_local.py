@@ -455,3 +455,66 @@ def test_a_step_that_donates_params_and_state_runs(make):
         p, s = step(p, s)
     for a, b in zip(jax.tree.leaves((p, s)), jax.tree.leaves((want, ws))):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("new", [2, 8])
+def test_regroup_resumes_on_another_island_count(new):
+    """4 islands (a vmap axis) run 4 steps of DiLoCo (H = 2, inner sgd with
+    momentum, outer sgd with momentum), are saved after the outer step and
+    resumed as ``new`` islands with ``regroup``: the anchor and outer momentum
+    carry over, island i takes saved island i % 4's inner momentum, and each
+    island starts from the anchor. 4 more steps on the new islands' targets
+    follow the float64 recurrence (dyadic values: exact)."""
+    isl = jaxsync.islands(jaxsync.AxisComm("island"), comm=None)
+    tx = jaxsync.diloco(
+        optax.sgd(0.5, momentum=0.5), optax.sgd(0.5, momentum=0.5), every=2, islands=isl
+    )
+
+    def steps(p, s, c, k):
+        for _ in range(k):
+            u, s = tx.update({"x": p["x"] - c}, s, p)
+            p = optax.apply_updates(p, u)
+        return p, s
+
+    run = jax.jit(jax.vmap(lambda p, s, c: steps(p, s, c, 4), axis_name="island"))
+    x0 = jnp.broadcast_to(jnp.asarray(X0, jnp.float32), (4, 2))
+    s0 = jax.vmap(tx.init)({"x": x0})
+    c1 = jnp.asarray(C[:4], jnp.float32)
+    p1, s1 = run({"x": x0}, s0, c1)
+    saved = [jax.tree.map(lambda a, i=i: a[i], s1) for i in range(4)]
+    regrouped = jaxsync.local.regroup(saved, islands=new)
+    s2 = jax.tree.map(lambda *xs: jnp.stack(xs), *regrouped)
+    c2 = jnp.asarray(np.resize(C[::-1], (new, 2)), jnp.float32)
+    p2, s2 = run({"x": jnp.broadcast_to(s2.anchor["x"], (new, 2))}, s2, c2)
+
+    def reference(anchor, m_out, moms, cs, outer_steps):
+        for _ in range(outer_steps):
+            xs = []
+            for i, c in enumerate(cs):
+                x = anchor.copy()
+                for _ in range(2):
+                    moms[i] = 0.5 * moms[i] + (x - c)
+                    x = x - 0.5 * moms[i]
+                xs.append(x)
+            pg = np.mean([anchor - x for x in xs], axis=0)
+            m_out = pg if m_out is None else 0.5 * m_out + pg
+            anchor = anchor - 0.5 * m_out
+        return anchor, m_out, moms
+
+    anchor, m_out, moms = reference(X0.copy(), None, [np.zeros(2)] * 4, C[:4], 2)
+    np.testing.assert_array_equal(np.asarray(s1.anchor["x"][0]), anchor)
+    moms = [moms[i % 4].copy() for i in range(new)]
+    anchor, m_out, moms = reference(anchor, m_out, moms, np.resize(C[::-1], (new, 2)), 2)
+    np.testing.assert_array_equal(np.asarray(s2.anchor["x"]), np.broadcast_to(anchor, (new, 2)))
+    np.testing.assert_array_equal(np.asarray(p2["x"]), np.broadcast_to(anchor, (new, 2)))
+
+
+def test_regroup_refuses_states_of_different_steps_and_sums_in_flight():
+    tx = jaxsync.diloco(optax.sgd(0.5), every=2, islands=jaxsync.islands(comm=None))
+    s = tx.init({"x": jnp.ones(2)})
+    with pytest.raises(ValueError, match="island 1's step differs from island 0's"):
+        jaxsync.local.regroup([s, s._replace(step=jnp.array(1, jnp.int32))], islands=2)
+    with pytest.raises(ValueError, match=r"1 sum\(s\) in flight"):
+        jaxsync.local.regroup([s._replace(held=(jnp.array(3, jnp.int32),))], islands=2)
+    with pytest.raises(ValueError, match="islands must be a Python int >= 1"):
+        jaxsync.local.regroup([s], islands=0)

@@ -4,13 +4,15 @@ islands that synchronise every step, and exchange parameters every ``H`` steps.
 Modules: ``_islands`` (``islands``, ``Islands``, the inner-mean guard),
 ``_state`` (the state, the static checks), ``_update`` (one step), ``_diloco``
 (``diloco``, streaming), ``_inflight`` (streaming's mean in flight across
-steps), ``_resume`` (a checkpoint with a mean in flight), ``_presets``
+steps), ``_resume`` (a checkpoint with a mean in flight), ``_regroup``
+(another island count), ``_presets``
 (``local_sgd``, ``bmuf``).
 """
 
 from ._diloco import diloco
 from ._islands import Islands, islands
 from ._presets import BMUFState, bmuf, local_sgd
+from ._regroup import regroup
 from ._resume import in_flight, resume_in_flight
 from ._state import LocalUpdatesState
 
@@ -23,5 +25,6 @@ __all__ = [
     "in_flight",
     "islands",
     "local_sgd",
+    "regroup",
     "resume_in_flight",
 ]
