@@ -260,9 +260,15 @@ def test_streaming_follows_its_schedule(frags, delay, mix):
         ({"every": 4, "outer": lambda g: g}, "outer"),
         ({"every": 2.0}, "every"),
         ({"every": 4, "fragments": 2, "delay": 1, "overlap": True}, "overlap=True needs"),
+        (
+            {"every": 4, "fragments": 2, "delay": 1, "overlap": True, "comm_dtype": "int8"},
+            "a quantized wire",
+        ),
     ],
 )
 def test_bad_configuration_fails_in_the_factory(kw, match):
+    if kw.get("comm_dtype") == "int8":
+        kw = {**kw, "comm_dtype": jaxsync.Quantized(bits=8)}
     with pytest.raises((ValueError, TypeError), match=match):
         jaxsync.diloco(optax.sgd(0.1), islands=_isl(), **kw)
     with pytest.raises(ValueError, match="block_momentum"):
@@ -342,7 +348,7 @@ def test_a_checkpoint_between_send_and_apply_resumes_alike(tmp_path):
     assert not np.array_equal(np.asarray(p["a"]), np.ones(3))
 
 
-def _streaming(overlap):
+def _streaming(overlap, comm_dtype=None):
     """Streaming DiLoCo over one process's own communicator (MPI_COMM_SELF: one
     island, so the outer mean is the island's own pseudo-gradient), the mean
     held in the state or, ``overlap=True``, in flight on the native lane."""
@@ -362,6 +368,7 @@ def _streaming(overlap):
         mix=0.5,
         islands=isl,
         overlap=overlap,
+        comm_dtype=comm_dtype,
     )
 
 
@@ -373,15 +380,19 @@ def _stream_step(tx):
     return jax.jit(body, donate_argnums=(0, 1))
 
 
-def test_the_native_inflight_sum_matches_the_held_form_and_resumes_mid_flight(tmp_path):
+@pytest.mark.parametrize("wire", ["float32", "bfloat16"])
+def test_the_native_inflight_sum_matches_the_held_form_and_resumes_mid_flight(tmp_path, wire):
     """overlap=True: the fragment's sum starts at its send step in one jitted call
     and is taken ``delay`` steps later in another (jaxsync_inflight_start/_finish).
     Bitwise the held form's (dyadic values). A state saved between a send and its
     apply step resumes with its sum (in_flight / resume_in_flight), and a handle
     this process does not hold (a checkpoint restored without its sums) fails
     the apply step with an error that names the fix."""
-    params = {"a": jnp.ones(3), "b": jnp.arange(4.0), "c": jnp.full((2, 2), -1.0)}
-    held_tx, fly_tx = _streaming(False), _streaming(True)
+    # b's values need float32's bits: a bfloat16 wire rounds them (held and in flight alike)
+    params = {"a": jnp.ones(3), "b": jnp.arange(4.0) / 3, "c": jnp.full((2, 2), -1.0)}
+    dt = None if wire == "float32" else jnp.bfloat16
+    size = 4 if dt is None else 2  # bytes an element on the wire
+    held_tx, fly_tx = _streaming(False, dt), _streaming(True, dt)
     held, fly = _stream_step(held_tx), _stream_step(fly_tx)
     p, s = jax.tree.map(jnp.copy, params), held_tx.init(params)
     q, t = jax.tree.map(jnp.copy, params), fly_tx.init(params)  # each step donates its own
@@ -393,12 +404,12 @@ def test_the_native_inflight_sum_matches_the_held_form_and_resumes_mid_flight(tm
             if k == 5:  # fragment 0 was sent at step 6 (1-based): in flight now
                 assert int(t.held[0]) >= 0 and int(t.held[1]) == -1, t.held
                 saved = jaxsync.local.in_flight(t)
-                assert [x.size for x in saved] == [7, 0], saved
+                assert [x.size for x in saved] == [7 * size, 0], saved  # 7 elements
                 snap = jax.tree.map(np.array, (q, t))  # a checkpoint's host copy
     for x, y in zip(jax.tree.leaves(p), jax.tree.leaves(q)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     np.testing.assert_array_equal(np.asarray(s.anchor["b"]), np.asarray(t.anchor["b"]))
-    assert not np.array_equal(np.asarray(q["b"]), np.arange(4.0))
+    assert not np.array_equal(np.asarray(q["b"]), np.asarray(params["b"]))
     assert [int(h) for h in t.held] == [-1, -1]  # every sum taken
     # The timeline shows each sum on the lane, queued in its send step (1-based 2, 4,
     # 6, 8: fragments 0, 1, 0, 1, with 7 and 4 float32 each).
@@ -410,7 +421,7 @@ def test_the_native_inflight_sum_matches_the_held_form_and_resumes_mid_flight(tm
             queued = e["ts"] - e["args"]["queued_us"]
             (step,) = [n for n, m in marks.items() if m["ts"] <= queued <= m["ts"] + m["dur"]]
             got.append((step, e["args"]["bytes"]))
-    want = [("step fly 1", 28), ("step fly 3", 16), ("step fly 5", 28), ("step fly 7", 16)]
+    want = [(f"step fly {k}", n * size) for k, n in ((1, 7), (3, 4), (5, 7), (7, 4))]
     assert got == want, got
 
     q2, t2 = jax.tree.map(jnp.asarray, snap)

@@ -1,8 +1,8 @@
 """Streaming's outer mean in flight across separate jitted steps (``overlap=True``).
 
 At a fragment's send step the native target ``jaxsync_inflight_start`` copies the
-pseudo-gradient (already divided by the island count when that is a power of
-two) into a buffer the native library owns (never an XLA buffer: nothing can be
+pseudo-gradient (on the wire as the outer mean's ``comm_dtype`` says, divided as
+the held form divides) into a buffer the native library owns (never an XLA buffer: nothing can be
 donated or reused under it), queues its ``MPI_Iallreduce`` on the outer
 communicator's lane (the communication thread that runs overlap's sums, jobs in
 the order they were queued: the step order on every process) and returns a
@@ -97,28 +97,39 @@ def lane(comm) -> Lane:
     return got[1]
 
 
-def start(ln: Lane, leaves) -> jax.Array:
-    """Start the mean of ``leaves`` (float32) across the lane; its handle (int32)."""
-    n = ln.size
-    pre = float(n) if n & (n - 1) == 0 else 1.0
-    flat = jnp.concatenate([x.reshape(-1) for x in leaves]) * jnp.float32(1.0 / pre)
+def _travel(sync) -> tuple:
+    """The wire dtype (``comm_dtype``: bfloat16 / float16 or float32) and the
+    factor divided out before the sum, as the held form's ``sync`` has them."""
+    from jaxsync._core import _sync
+
+    travel = jnp.dtype(sync.comm_dtype) if sync.comm_dtype else jnp.dtype(jnp.float32)
+    return travel, _sync._predivide(sync, travel, sync.backend.size())
+
+
+def start(ln: Lane, sync, leaves) -> jax.Array:
+    """Start the mean of ``leaves`` (float32) across the lane, on the wire as
+    ``sync`` (the outer mean's config) says; its handle (int32)."""
+    from jaxsync._core import _sync
+
+    travel, pre = _travel(sync)
+    flat = jnp.concatenate([x.reshape(-1) for x in leaves]).astype(travel)
+    flat = _sync._scale_before(flat, pre)
     call = jax.ffi.ffi_call(_START, jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True)
-    return call(
-        flat, comm=np.int64(ln.handle), poll_us=np.int64(ln.poll), piece_bytes=np.int64(ln.piece)
-    )
+    attrs = dict(poll_us=np.int64(ln.poll), piece_bytes=np.int64(ln.piece))
+    return call(flat, comm=np.int64(ln.handle), **attrs)
 
 
-def finish(ln: Lane, handle, like) -> list:
-    """Take ``handle``'s sum (waiting for it); the mean, as leaves shaped like ``like``."""
-    n = ln.size
-    post = 1.0 if n & (n - 1) == 0 else float(n)
+def finish(ln: Lane, sync, handle, like) -> list:
+    """Take ``handle``'s sum (waiting for it); the mean, float32 leaves shaped like
+    ``like`` (divided after the sum as the held form's ``sync`` divides)."""
+    travel, pre = _travel(sync)
+    post = ln.size / pre if sync.reduce == "mean" else 1.0 / pre
     size = sum(int(np.prod(x.shape)) for x in like)
-    call = jax.ffi.ffi_call(
-        _FINISH, jax.ShapeDtypeStruct((size,), jnp.float32), has_side_effect=True
-    )
+    call = jax.ffi.ffi_call(_FINISH, jax.ShapeDtypeStruct((size,), travel), has_side_effect=True)
     flat = call(handle)
     if post != 1.0:
-        flat = flat / jnp.float32(post)
+        flat = flat.astype(jnp.float32) / jnp.float32(post)
+    flat = flat.astype(jnp.float32)
     out, at = [], 0
     for x in like:
         k = int(np.prod(x.shape))

@@ -28,10 +28,11 @@ def in_flight(state: Any) -> list[np.ndarray]:
     """The sums in flight in ``state`` (waited for), to save with a checkpoint.
 
     ``state`` is (or holds) the state of a local-update transform made with
-    ``overlap=True``. Returns one float32 array per fragment, in order (empty
-    where none is in flight): save it beside the state, and after restoring give
-    it to :func:`resume_in_flight`. The transfers are not taken: the running job
-    goes on as if nothing happened.
+    ``overlap=True``. Returns one uint8 array per fragment, in order: the bytes
+    of its sum as it travels (in ``comm_dtype``; empty where none is in
+    flight): save it beside the state, and after restoring give it to
+    :func:`resume_in_flight`. The transfers are not taken: the running job goes
+    on as if nothing happened.
 
     Example:
       >>> import numpy as np, jaxsync
@@ -44,11 +45,11 @@ def in_flight(state: Any) -> list[np.ndarray]:
         for h in s.held:
             h = int(np.asarray(h))
             if h < 0:
-                out.append(np.zeros(0, np.float32))
+                out.append(np.zeros(0, np.uint8))
                 continue
             lib = lib or _inflight._lib()
             n = lib.jaxsync_inflight_size(h)
-            got, err = np.empty(max(n, 0), np.float32), ctypes.create_string_buffer(1024)
+            got, err = np.empty(max(n, 0), np.uint8), ctypes.create_string_buffer(1024)
             rc = -1 if n < 0 else lib.jaxsync_inflight_wait(h, got.ctypes.data, n, err, 1024)
             if rc == -1:
                 raise ValueError(
@@ -70,7 +71,7 @@ def resume_in_flight(state: Any, saved: list) -> Any:
     Example:
       >>> import numpy as np, jaxsync
       >>> state = jaxsync.LocalUpdatesState(0, {}, (), (), 0, held=(np.int32(-1),))
-      >>> jaxsync.local.resume_in_flight(state, [np.zeros(0, np.float32)]).held
+      >>> jaxsync.local.resume_in_flight(state, [np.zeros(0, np.uint8)]).held
       (Array(-1, dtype=int32),)
     """
     it = iter(list(saved))
@@ -83,7 +84,7 @@ def resume_in_flight(state: Any, saved: list) -> Any:
         )
 
     def put(x):
-        x = np.ascontiguousarray(np.asarray(x, np.float32).reshape(-1))
+        x = np.ascontiguousarray(np.asarray(x).reshape(-1)).view(np.uint8)
         if not x.size:
             return jnp.array(-1, jnp.int32)
         return jnp.array(_inflight._lib().jaxsync_inflight_put(x.ctypes.data, x.size), jnp.int32)

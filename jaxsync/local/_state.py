@@ -154,6 +154,13 @@ def make_local_config(
     lane = None
     if not isinstance(overlap, bool):
         raise bad_type(fn, "overlap", "a bool", overlap, "overlap=False or overlap=True")
+    if overlap and sync.quant is not None:
+        raise ValueError(
+            f"{fn}: overlap=True sends the mean in flight in float32 or a 16-bit "
+            f"comm_dtype; a quantized wire (comm_dtype={comm_dtype!r}) is not supported "
+            "there yet. Fix: overlap=False (the held form takes the quantized mean) or "
+            "comm_dtype=jnp.bfloat16."
+        )
     if overlap:
         outer_comm = islands_.outer_comm
         if not delay or islands_.axis_name is not None or not hasattr(outer_comm, "Allreduce"):

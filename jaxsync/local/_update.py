@@ -137,13 +137,13 @@ def _in_flight(cfg: LocalConfig, send, apply, handle, a_f, loc):
 
     handle = lax.cond(
         send,
-        lambda args: _inflight.start(cfg.lane, [x - y for x, y in zip(*args)]),
+        lambda args: _inflight.start(cfg.lane, cfg.sync, [x - y for x, y in zip(*args)]),
         lambda _: handle,
         (a_f, loc),
     )
 
     def take(h):
-        mean = _inflight.finish(cfg.lane, h, a_f)
+        mean = _inflight.finish(cfg.lane, cfg.sync, h, a_f)
         return mean, jnp.all(jnp.stack([jnp.all(jnp.isfinite(m)) for m in mean]))
 
     def idle(h):

@@ -93,9 +93,10 @@ def test_post_local_sgd_warmup_is_data_parallel_first(local_run):
             np.testing.assert_array_equal(a, anchor, err_msg=f"rank {rank} step {t}")
 
 
-def test_the_mean_in_flight_across_steps_equals_the_held_mean(local_run):
+@pytest.mark.parametrize("wire", ["", ":bf16"])
+def test_the_mean_in_flight_across_steps_equals_the_held_mean(local_run, wire):
     for res in local_run.results:
-        held, flying = res["stream:False"], res["stream:True"]
+        held, flying = res["stream:False" + wire], res["stream:True" + wire]
         assert len(held) == 9
         for t, ((x, a, _), (y, b, _)) in enumerate(zip(held, flying)):
             np.testing.assert_array_equal(x, y, err_msg=f"step {t}")

@@ -97,11 +97,13 @@ def main():
             f"{mode}:bmuf",
             run(lambda isl: jaxsync.bmuf(inner(isl, 0.5), every=2, islands=isl), mode, 6),
         )
-    for ov in (False, True):  # streaming, its mean in flight across jitted calls or held
+    # streaming, its mean in flight across jitted calls or held; float32 and a
+    # bfloat16 wire (two processes: each element summed in float32, rounded once)
+    for ov, dt in ((False, None), (True, None), (False, jnp.bfloat16), (True, jnp.bfloat16)):
         res.add(
-            f"stream:{ov}",
+            f"stream:{ov}" + (":bf16" if dt else ""),
             run(
-                lambda isl, ov=ov: jaxsync.diloco(
+                lambda isl, ov=ov, dt=dt: jaxsync.diloco(
                     inner(isl, 0.5),
                     optax.sgd(0.5, momentum=0.5),
                     every=4,
@@ -110,6 +112,7 @@ def main():
                     mix=0.5,
                     islands=isl,
                     overlap=ov,
+                    comm_dtype=dt,
                 ),
                 "jit",
                 9,

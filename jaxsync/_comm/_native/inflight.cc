@@ -1,16 +1,17 @@
-// jaxsync_inflight_start / jaxsync_inflight_finish: a float32 sum over a
-// communicator that stays in flight across separate jitted calls (the outer
-// mean of jaxsync.local's streaming with overlap=True).
+// jaxsync_inflight_start / jaxsync_inflight_finish: a sum over a communicator
+// that stays in flight across separate jitted calls (the outer mean of
+// jaxsync.local's streaming with overlap=True).
 //
-// start(x: f32[n]) -> handle: s32[]   (attributes: comm, poll_us, piece_bytes)
+// start(x: T[n]) -> handle: s32[]   (attributes: comm, poll_us, piece_bytes)
 //   copies x into a buffer this library owns (the snapshot: never an XLA
 //   buffer, so nothing the caller donates or reuses lies under the transfer),
-//   queues its sum (MPI_Iallreduce in place, in pieces of piece_bytes, at most
-//   kPiecesInFlight at once) on the communicator's lane (the thread that runs
+//   queues its sum (as jaxsync_allreduce sums: float32 in pieces of piece_bytes,
+//   at most kPiecesInFlight at once; 16-bit floats in float32, rounded once) on
+//   the communicator's lane (the thread that runs
 //   overlap's sums, in the order they were queued: the step order, the same on
 //   every process), and returns at once with a handle (a number of this
 //   process) that the optimizer state carries to a later step.
-// finish(handle: s32[]) -> f32[n]
+// finish(handle: s32[]) -> T[n]
 //   returns a future that the lane completes with the sum (at once if it is
 //   already done) and forgets the handle; an unknown handle (a state restored
 //   from a checkpoint taken while a sum was in flight, in another process) is
@@ -19,9 +20,9 @@
 // Neither takes the token chain: a stream of such sums is ordered by the
 // lane, and a step has at most one start (the schedule checks it in Python).
 //
-// C entry points for checkpoints (jaxsync.local.in_flight / resume_in_flight):
-// jaxsync_inflight_size(h) (-1: unknown), jaxsync_inflight_wait(h, out, n, err,
-// cap) waits for h's sum and copies it out without forgetting h,
+// C entry points for checkpoints (jaxsync.local.in_flight / resume_in_flight),
+// in bytes: jaxsync_inflight_size(h) (-1: unknown), jaxsync_inflight_wait(h,
+// out, n, err, cap) waits for h's sum and copies it out without forgetting h,
 // jaxsync_inflight_put(data, n) registers a finished sum and returns its handle,
 // jaxsync_inflight_fail_all(text) fails every sum not yet taken (elastic
 // recovery: nothing waits on a dead world), jaxsync_inflight_pending() counts
@@ -33,7 +34,8 @@ namespace jaxsync {
 namespace {
 
 struct Slot {
-  std::vector<float> data;
+  std::vector<char> data;  // the sum's bytes
+  ffi::DataType type = ffi::DataType::F32;
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
@@ -76,42 +78,13 @@ void Complete(Slot& slot, std::string error) {
   for (auto& w : waiters) w();
 }
 
-// The sum of `data` over `c`, in place, in pieces (see Sums in sums.cc).
-std::string SumInPlace(MPI_Comm c, float* data, size_t n, size_t piece_bytes) {
-  const size_t most =
-      piece_bytes > 0 ? std::min(MaxCount(), std::max<size_t>(piece_bytes / 4, 1)) : MaxCount();
-  std::deque<MPI_Request> reqs;
-  std::string error;
-  for (size_t o = 0; o < n && error.empty(); o += most) {
-    while (reqs.size() >= kPiecesInFlight) {
-      if (int rc = WaitOne(&reqs.front()); rc != MPI_SUCCESS) {
-        error = MpiError(rc, "MPI_Iallreduce").message();
-      }
-      reqs.pop_front();
-      if (!error.empty()) break;
-    }
-    if (!error.empty()) break;
-    MPI_Request req;
-    const int count = static_cast<int>(std::min(most, n - o));
-    if (int rc = MPI_Iallreduce(MPI_IN_PLACE, data + o, count, MPI_FLOAT, MPI_SUM, c, &req);
-        rc != MPI_SUCCESS) {
-      error = MpiError(rc, "MPI_Iallreduce").message();
-      break;
-    }
-    reqs.push_back(req);
-  }
-  for (MPI_Request& r : reqs) {  // the buffer must outlive every request
-    int rc = WaitOne(&r);
-    if (rc != MPI_SUCCESS && error.empty()) error = MpiError(rc, "MPI_Iallreduce").message();
-  }
-  return error;
-}
-
-ffi::Error StartImpl(ffi::Buffer<ffi::F32> x, ffi::Result<ffi::BufferR0<ffi::S32>> handle,
+ffi::Error StartImpl(ffi::AnyBuffer x, ffi::Result<ffi::BufferR0<ffi::S32>> handle,
                      int64_t comm, int64_t poll_us, int64_t piece_bytes) {
   auto slot = std::make_shared<Slot>();
   const size_t n = x.element_count();
-  slot->data.assign(x.typed_data(), x.typed_data() + n);
+  const char* src = static_cast<const char*>(x.untyped_data());
+  slot->data.assign(src, src + x.size_bytes());
+  slot->type = x.element_type();
   const int32_t h = Register(slot);
   handle->typed_data()[0] = h;
   g_started.fetch_add(1, std::memory_order_relaxed);
@@ -128,11 +101,12 @@ ffi::Error StartImpl(ffi::Buffer<ffi::F32> x, ffi::Result<ffi::BufferR0<ffi::S32
       if (slot->done) error = "failed before it started";  // fail_all came first
     }
     if (error.empty()) {
-      error = SumInPlace(MPI_Comm_f2c(fh), slot->data.data(), n,
-                         static_cast<size_t>(std::max<int64_t>(piece_bytes, 0)));
+      ffi::Error e = SumBuffer(MPI_Comm_f2c(fh), slot->type, slot->data.data(), n, piece_bytes);
+      if (e.failure()) error = e.message();
     }
     if (timeline) {
-      Record(kAllreduceAsync, fh, static_cast<int64_t>(n * 4), queued, began, NowNs(), true);
+      Record(kAllreduceAsync, fh, static_cast<int64_t>(slot->data.size()), queued, began,
+             NowNs(), true);
     }
     Complete(*slot, std::move(error));
     g_finished.fetch_add(1, std::memory_order_release);
@@ -149,7 +123,7 @@ ffi::Error Unknown(int32_t h) {
       "apply step.");
 }
 
-ffi::Future FinishImpl(ffi::BufferR0<ffi::S32> handle, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+ffi::Future FinishImpl(ffi::BufferR0<ffi::S32> handle, ffi::Result<ffi::AnyBuffer> out) {
   ffi::Promise promise;
   ffi::Future future(promise);
   const int32_t h = handle.typed_data()[0];
@@ -158,17 +132,17 @@ ffi::Future FinishImpl(ffi::BufferR0<ffi::S32> handle, ffi::Result<ffi::Buffer<f
     promise.SetError(Unknown(h));
     return future;
   }
-  float* dst = out->typed_data();
-  const size_t n = out->element_count();
+  void* dst = out->untyped_data();
+  const size_t n = out->size_bytes();
   auto deliver = [slot, dst, n, promise]() mutable {
     if (!slot->error.empty()) {
       promise.SetError(ffi::Error::Internal(slot->error));
     } else if (slot->data.size() != n) {
       promise.SetError(ffi::Error::InvalidArgument(
           "jaxsync_inflight_finish: the sum has " + std::to_string(slot->data.size()) +
-          " elements, the result " + std::to_string(n)));
+          " bytes, the result " + std::to_string(n)));
     } else {
-      std::memcpy(dst, slot->data.data(), n * sizeof(float));
+      std::memcpy(dst, slot->data.data(), n);
       promise.SetAvailable();
     }
   };
@@ -190,7 +164,7 @@ using namespace jaxsync;  // NOLINT: the C entry points below
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_inflight_start, jaxsync::StartImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::BufferR0<ffi::S32>>()
                                   .Attr<int64_t>("comm")
                                   .Attr<int64_t>("poll_us")
@@ -199,16 +173,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_inflight_start, jaxsync::StartImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_inflight_finish, jaxsync::FinishImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::BufferR0<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::AnyBuffer>());
 
 extern "C" int64_t jaxsync_inflight_size(int32_t h) {
   auto slot = Find(h, false);
   return slot ? static_cast<int64_t>(slot->data.size()) : -1;
 }
 
-// Waits for h's sum and copies its n floats to out: 0, or -1 (unknown handle or
+// Waits for h's sum and copies its n bytes to out: 0, or -1 (unknown handle or
 // another size) / -2 (the sum failed; its error text in err, at most cap bytes).
-extern "C" int jaxsync_inflight_wait(int32_t h, float* out, int64_t n, char* err, int64_t cap) {
+extern "C" int jaxsync_inflight_wait(int32_t h, char* out, int64_t n, char* err, int64_t cap) {
   auto slot = Find(h, false);
   if (!slot || static_cast<int64_t>(slot->data.size()) != n) return -1;
   std::unique_lock<std::mutex> lock(slot->mu);
@@ -217,11 +191,11 @@ extern "C" int jaxsync_inflight_wait(int32_t h, float* out, int64_t n, char* err
     std::snprintf(err, static_cast<size_t>(cap), "%s", slot->error.c_str());
     return -2;
   }
-  std::memcpy(out, slot->data.data(), static_cast<size_t>(n) * sizeof(float));
+  std::memcpy(out, slot->data.data(), static_cast<size_t>(n));
   return 0;
 }
 
-extern "C" int32_t jaxsync_inflight_put(const float* data, int64_t n) {
+extern "C" int32_t jaxsync_inflight_put(const char* data, int64_t n) {
   auto slot = std::make_shared<Slot>();
   slot->data.assign(data, data + n);
   slot->done = true;

@@ -160,6 +160,11 @@ int ReduceScatterBlock(const void* s, void* d, int count, MPI_Datatype t, MPI_Op
 // Fortran handle `handle`, after the jobs queued there before it (sums.cc).
 void PushLane(MPI_Fint handle, std::function<void()> job);
 
+// The sum of one buffer of `count` elements of `t` over `c`, in place, as
+// jaxsync_allreduce sums it (16-bit floats in float32, rounded once; pieces of
+// at most piece_bytes where > 0).
+ffi::Error SumBuffer(MPI_Comm c, ffi::DataType t, void* data, size_t count, int64_t piece_bytes);
+
 // A communicator that spans hosts keeps at most this many sums in flight (see
 // Sums in sums.cc; measured in _mpi_ops.py's PIECE_BYTES).
 constexpr size_t kPiecesInFlight = 2;

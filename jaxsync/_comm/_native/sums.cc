@@ -401,6 +401,11 @@ ffi::Future AllreduceAsyncImpl(ffi::Token, CommArg comm, ActiveArg active,
 
 void PushLane(MPI_Fint handle, std::function<void()> job) { LaneOf(handle).Push(std::move(job)); }
 
+ffi::Error SumBuffer(MPI_Comm c, ffi::DataType t, void* data, size_t count, int64_t piece_bytes) {
+  const std::vector<BufRef> parts{{t, data, data, count * ffi::ByteWidth(t), count}};
+  return SumParts(c, parts, 0, piece_bytes);
+}
+
 }  // namespace jaxsync
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_allreduce, jaxsync::AllreduceImpl,
