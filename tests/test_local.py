@@ -4,6 +4,7 @@ under shard_map. Each device d holds the quadratic 1/2 |x - c_d|^2 (gradient
 x - c_d); values are dyadic, so where the float64 reference is exact the float32
 result is compared bitwise, elsewhere within a stated bound."""
 
+import dataclasses
 import json
 
 import jax
@@ -36,9 +37,10 @@ def _inner(lr, **kw):
     )
 
 
-def run(tx, islands, steps, c=C, x0=X0, bad=None):
+def run(tx, islands, steps, c=C, x0=X0, bad=None, first_only=False):
     """Params and anchor after every step, per device: (8, steps, 2) each.
-    ``bad=(step, device)`` feeds that device a NaN gradient at that step."""
+    ``bad=(step, device)`` feeds that device a NaN gradient at that step (in its
+    first element only with ``first_only``)."""
 
     def body(c):
         # varying from the start: the scan's carry keeps one type
@@ -49,7 +51,8 @@ def run(tx, islands, steps, c=C, x0=X0, bad=None):
             p, s = carry
             g = p["x"] - c[0]
             if bad is not None:
-                g = jnp.where((me == bad[1]) & (t == bad[0]), jnp.nan, g)
+                hit = (me == bad[1]) & (t == bad[0]) & ((jnp.arange(2) == 0) | (not first_only))
+                g = jnp.where(hit, jnp.nan, g)
             u, s = tx.update({"x": g}, s, p)
             p = optax.apply_updates(p, u)
             return (p, s), (p["x"], s.anchor["x"], s.skipped)
@@ -529,3 +532,63 @@ def test_regroup_refuses_states_of_different_steps_and_sums_in_flight():
         jaxsync.local.regroup([s._replace(held=(jnp.array(3, jnp.int32),))], islands=2)
     with pytest.raises(ValueError, match="islands must be a Python int >= 1"):
         jaxsync.local.regroup([s], islands=0)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda sl: jaxsync.diloco(
+            _inner(0.5), optax.sgd(0.5, momentum=0.5), every=2, islands=_isl(), slice_anchor=sl
+        ),
+        lambda sl: jaxsync.bmuf(_inner(0.5), 2, nesterov=True, islands=_isl(), slice_anchor=sl),
+        lambda sl: jaxsync.local_sgd(_inner(0.5), 2, warmup=2, islands=_isl(), slice_anchor=sl),
+        lambda sl: jaxsync.diloco(
+            jaxsync.sharded(optax.sgd(0.5, momentum=0.5), axis_name="replica", comm=None),
+            every=2,
+            islands=_isl(),
+            slice_anchor=sl,
+        ),
+    ],
+    ids=["diloco", "bmuf_nesterov", "local_sgd_warmup", "sharded_inner"],
+)
+def test_a_sliced_anchor_gives_the_same_parameters(make):
+    """slice_anchor=True: each of an island's 4 replicas holds 1 of the anchor's
+    4 (padded) elements and of the outer state's, the outer mean averages each
+    slice over the 2 islands, and the new anchor is gathered in the island: the
+    parameters are the whole anchor's, bit for bit, at every step."""
+    p_full, a_full, _ = run(make(False), 2, 6)
+    p_sl, a_sl, _ = run(make(True), 2, 6)
+    np.testing.assert_array_equal(p_sl, p_full)
+    assert a_full.shape == (8, 6, 2) and a_sl.shape == (8, 6, 1)  # 1/4 of a padded leaf
+    for d in range(8):  # replica r of each island holds element r (0 and 1 are real)
+        r = d % 4
+        if r < 2:
+            np.testing.assert_array_equal(a_sl[d, :, 0], a_full[d, :, r])
+
+
+def test_slice_anchor_with_several_devices_a_process_across_processes_is_refused():
+    from mpi4py import MPI
+
+    isl = jaxsync.islands("process", axis_name="d", comm=None)
+    isl = dataclasses.replace(isl, outer_comm=MPI.COMM_SELF)
+    with pytest.raises(ValueError, match="slice_anchor=True slices the anchor"):
+        jaxsync.diloco(optax.sgd(0.1), every=2, islands=isl, slice_anchor=True)
+
+
+def test_a_sliced_anchor_skips_the_outer_step_on_every_replica():
+    """A NaN in one element only: with the anchor sliced, one replica's slice of
+    the mean is not finite and another's is; every replica must skip (the
+    decision is the island's, then every island's), never half an outer step."""
+    tx = jaxsync.diloco(_inner(0.5), optax.sgd(1.0), every=2, islands=_isl(), slice_anchor=True)
+    ps, anchors, skipped = run(tx, 2, 4, bad=(3, 5), first_only=True)
+    full, _, _ = run(
+        jaxsync.diloco(_inner(0.5), optax.sgd(1.0), every=2, islands=_isl()),
+        2,
+        4,
+        bad=(3, 5),
+        first_only=True,
+    )
+    np.testing.assert_array_equal(skipped[:, 3], np.ones(8))
+    np.testing.assert_array_equal(anchors[:, 3], anchors[:, 1])
+    np.testing.assert_array_equal(ps, full)
+    assert np.isfinite(ps).all()

@@ -32,6 +32,7 @@ def diloco(
     mix: float = 0.0,
     delay: int = 0,
     overlap: bool = False,
+    slice_anchor: bool = False,
 ) -> optax.GradientTransformation:
     """DiLoCo: ``every`` local steps per island, then one outer step.
 
@@ -67,9 +68,9 @@ def diloco(
     it is applied: the arithmetic and the bytes are streaming's, but the
     transfer is not overlapped with the ``tau`` steps. ``overlap=True`` (one
     device per process, islands across processes) starts it instead at the
-    send step on a thread of its own and takes the result ``tau`` steps later:
+    send step through the native target and takes the result ``tau`` steps later:
     the transfer runs while those steps compute (the state then holds a handle,
-    valid in this process only: checkpoint after an apply step).
+    valid in this process only: see :func:`jaxsync.local.in_flight`).
 
     Args:
       inner: the whole inner optimizer, e.g. ``optax.chain(mean, adam)``.
@@ -87,6 +88,10 @@ def diloco(
       mix: ``alpha`` in ``[0, 1]``.
       delay: ``tau < every / fragments``.
       overlap: run the delayed mean during the ``tau`` steps (see above).
+      slice_anchor: keep the anchor and the outer state sliced over the
+        island's replicas (each holds ``1/R`` of them, as ``jaxsync.sharded``
+        slices its state; the new anchor is all-gathered inside the island at
+        an outer step). Islands as a mesh axis, or one device per process.
 
     Returns:
       an ``optax.GradientTransformation`` whose state is a
@@ -119,5 +124,6 @@ def diloco(
         mix=mix,
         delay=delay,
         overlap=overlap,
+        slice_anchor=slice_anchor,
     )
     return optax.GradientTransformation(init_fn(cfg), update_fn(cfg))

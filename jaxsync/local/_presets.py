@@ -28,6 +28,7 @@ def local_sgd(
     strategy: str = "hierarchical",
     comm_dtype: Any = None,
     timeout: float | None = None,
+    slice_anchor: bool = False,
 ) -> optax.GradientTransformation:
     """Local SGD: the islands' parameters averaged every ``every`` steps.
 
@@ -50,6 +51,10 @@ def local_sgd(
       strategy: the average's jaxsync strategy.
       comm_dtype: its wire dtype.
       timeout: its stall watchdog (MPI).
+      slice_anchor: keep the anchor and the outer state sliced over the
+        island's replicas (each holds ``1/R`` of them, as ``jaxsync.sharded``
+        slices its state; the new anchor is all-gathered inside the island at
+        an outer step). Islands as a mesh axis, or one device per process.
 
     Returns:
       an ``optax.GradientTransformation`` (state :class:`jaxsync.LocalUpdatesState`).
@@ -72,6 +77,7 @@ def local_sgd(
         comm_dtype=comm_dtype,
         timeout=timeout,
         warmup=warmup,
+        slice_anchor=slice_anchor,
     )
     return optax.GradientTransformation(init_fn(cfg), update_fn(cfg))
 
@@ -135,6 +141,7 @@ def bmuf(
     strategy: str = "hierarchical",
     comm_dtype: Any = None,
     timeout: float | None = None,
+    slice_anchor: bool = False,
 ) -> optax.GradientTransformation:
     """BMUF: blockwise model-update filtering (Chen and Huo, ICASSP 2016).
 
@@ -160,6 +167,10 @@ def bmuf(
       strategy: the block average's jaxsync strategy.
       comm_dtype: its wire dtype.
       timeout: its stall watchdog (MPI).
+      slice_anchor: keep the anchor and the outer state sliced over the
+        island's replicas (each holds ``1/R`` of them, as ``jaxsync.sharded``
+        slices its state; the new anchor is all-gathered inside the island at
+        an outer step). Islands as a mesh axis, or one device per process.
 
     Returns:
       an ``optax.GradientTransformation`` (state :class:`jaxsync.LocalUpdatesState`,
@@ -210,5 +221,6 @@ def bmuf(
         comm_dtype=comm_dtype,
         timeout=timeout,
         reset_inner=reset_momentum_sgd,
+        slice_anchor=slice_anchor,
     )
     return optax.GradientTransformation(init_fn(cfg), update_fn(cfg))

@@ -30,7 +30,8 @@ class LocalUpdatesState(NamedTuple):
 
     Attributes:
       step: inner steps taken (int32), the same on every island.
-      anchor: the outer parameters, float32, identical on every island.
+      anchor: the outer parameters, float32, identical on every island (with
+        ``slice_anchor=True``, this replica's slice of each leaf).
       outer_state: the outer optimizer's state (identical on every island).
       inner_state: the inner optimizer's state, kept across outer steps.
       skipped: outer steps skipped because the averaged pseudo-gradient was not
@@ -62,12 +63,24 @@ class LocalConfig:
     mix: float = 0.0
     delay: int = 0
     lane: Any = None  # overlap=True: the outer communicator's lane (_inflight)
+    # slice_anchor=True: the island's replicas' SyncConfig (each holds 1/R of the
+    # anchor and outer state; the new anchor is all-gathered over it at an outer
+    # step), and the outer mean's, over the islands only (each replica with its
+    # peers of the same slice)
+    slices: Any = None
+    outer_sync: Any = None
+
+    @property
+    def outer_mean(self):
+        """The outer mean's SyncConfig (over the islands only when sliced)."""
+        return self.outer_sync if self.outer_sync is not None else self.sync
 
     def describe(self) -> str:
         return (
             f"{self.fn} every {self.every} warmup {self.warmup} reset_inner "
             f"{self.reset_inner} fragments {self.fragments} mix {self.mix} delay "
-            f"{self.delay} overlap {self.lane is not None} {self.islands.describe()}"
+            f"{self.delay} overlap {self.lane is not None} sliced {self.slices is not None} "
+            f"{self.islands.describe()}"
         )
 
 
@@ -102,6 +115,7 @@ def make_local_config(
     mix=0.0,
     delay=0,
     overlap=False,
+    slice_anchor=False,
 ) -> LocalConfig:
     """Validate every static option of a local-update factory."""
     _tx(fn, "inner", inner, "pass the whole inner optimizer, e.g. optax.chain(mean, adam)")
@@ -151,6 +165,7 @@ def make_local_config(
             f"backend is {sync.backend!r}. Fix: run on CPU with the native target "
             "(python -m jaxsync info), or islands as a mesh axis (jaxsync.AxisComm)."
         )
+    slices, outer_sync = _sliced(fn, islands_, slice_anchor, strategy, comm_dtype, timeout)
     lane = None
     if not isinstance(overlap, bool):
         raise bad_type(fn, "overlap", "a bool", overlap, "overlap=False or overlap=True")
@@ -160,6 +175,12 @@ def make_local_config(
             f"comm_dtype; a quantized wire (comm_dtype={comm_dtype!r}) is not supported "
             "there yet. Fix: overlap=False (the held form takes the quantized mean) or "
             "comm_dtype=jnp.bfloat16."
+        )
+    if overlap and slices is not None:
+        raise ValueError(
+            f"{fn}: overlap=True with slice_anchor=True is not supported yet (the "
+            "skip decision of a sliced mean in flight needs the island's replicas). "
+            "Fix: overlap=False (the held form) or slice_anchor=False."
         )
     if overlap:
         outer_comm = islands_.outer_comm
@@ -188,7 +209,38 @@ def make_local_config(
         mix=float(mix),
         delay=delay,
         lane=lane,
+        slices=slices,
+        outer_sync=outer_sync,
     )
+
+
+def _sliced(fn, isl: Islands, slice_anchor, strategy, comm_dtype, timeout):
+    """``slice_anchor=True``: the island's replicas' config and the outer mean's."""
+    if not isinstance(slice_anchor, bool):
+        raise bad_type(fn, "slice_anchor", "a bool", slice_anchor, "slice_anchor=True")
+    if not slice_anchor:
+        return None, None
+    several = isl.axis_name is not None and isl.kind != "axis"
+    if several and isl.outer_comm is not None:
+        raise ValueError(
+            f"{fn}: slice_anchor=True slices the anchor over the island's replicas, "
+            "each averaging its slice with the same slice of the other islands; with "
+            f"several devices a process (axis_name={isl.axis_name!r}) and islands across "
+            "processes, jaxsync's MPI stage cannot pair devices. Fix: one device per "
+            "process (axis_name=None), islands as a mesh axis (jaxsync.AxisComm), or "
+            "slice_anchor=False."
+        )
+    replicas = _config.make_config(fn, "hierarchical", isl.axis_name, isl.comm)
+    outer = _config.make_config(
+        fn,
+        strategy,
+        None,
+        isl.outer_comm,
+        comm_dtype=comm_dtype,
+        check_finite=True,
+        timeout=timeout,
+    )
+    return replicas, outer
 
 
 def strided_labels(tree, fragments: int) -> list[int]:

@@ -40,6 +40,30 @@ def _as_varying(leaves, axes):
     return [_invariance._varying(x, axes) for x in leaves]
 
 
+def _slicing(cfg: LocalConfig, tree, strict: bool = True):
+    """``slice_anchor=True``: the anchor's layout over the island's replicas and
+    this replica's place (``jaxsync.sharded``'s), else None."""
+    if cfg.slices is None:
+        return None
+    from jaxsync.zero import _layout, _sharded
+
+    place = _sharded.Place(cfg.slices, strict)
+    return _layout.make_layout(tree, place.devices, place.processes, cfg.fn), place
+
+
+def _gather(cfg: LocalConfig, sl, ks, slices) -> list:
+    """The whole leaves ``ks`` of the anchor from the island's replicas' slices."""
+    from jaxsync.zero import _layout, _sharded
+
+    layout, place = sl
+    sub = _layout.Layout(tuple(layout.slots[k] for k in ks), None, layout.devices, layout.processes)
+    backend = cfg.slices.backend
+    if place.alone:  # one device per process: each leaf's slice as it is
+        rows = _sharded.gather_leaves(place.intra, backend, [x.reshape(-1) for x in slices], None)
+        return sub.unleaf_rows(rows)
+    return sub.unpack_rows(_sharded.gather(place.intra, backend, sub.join(slices)))
+
+
 def _fragments(cfg: LocalConfig, tree) -> list[list[int]]:
     labels = leaf_labels(cfg, tree)
     return [[k for k, lab in enumerate(labels) if lab == f] for f in range(cfg.fragments)]
@@ -58,6 +82,9 @@ def init_fn(cfg: LocalConfig):
         # a copy, never the parameters' own buffer (or a step donating both
         # parameters and state would donate it twice)
         anchor = [jnp.array(x, jnp.float32, copy=True) for x in leaves]
+        sl = _slicing(cfg, params, strict=False)
+        if sl is not None:  # this replica's slices only (a copy each)
+            anchor = sl[0].take(anchor, sl[1].index)
         frags = _fragments(cfg, params)
         outer = tuple(cfg.outer.init([anchor[k] for k in ks]) for ks in frags)
         held = ()
@@ -118,8 +145,13 @@ def _turn(n, cfg: LocalConfig, f: int):
 def _mean(cfg: LocalConfig, pg):
     """The pseudo-gradient's mean over islands and whether it is all finite
     (one flag, the same on every island: it is read from the synced mean)."""
-    pg = _as_varying(pg, tuple(cfg.sync.axes) + tuple(cfg.sync.backend.mesh_axes))
-    mean, finite = sync(pg, cfg.sync)
+    c = cfg.outer_mean
+    pg = _as_varying(pg, tuple(c.axes) + tuple(c.backend.mesh_axes))
+    mean, finite = sync(pg, c)
+    if cfg.slices is not None:  # each replica saw its slice: all of the island decide
+        bad, _ = sync([(~finite).astype(jnp.float32)], cfg.slices)
+        finite = bad[0] == 0
+        mean = [_invariance._varying(m, _invariance._vma(x)) for m, x in zip(mean, pg)]
     return mean, finite
 
 
@@ -137,13 +169,13 @@ def _in_flight(cfg: LocalConfig, send, apply, handle, a_f, loc):
 
     handle = lax.cond(
         send,
-        lambda args: _inflight.start(cfg.lane, cfg.sync, [x - y for x, y in zip(*args)]),
+        lambda args: _inflight.start(cfg.lane, cfg.outer_mean, [x - y for x, y in zip(*args)]),
         lambda _: handle,
         (a_f, loc),
     )
 
     def take(h):
-        mean = _inflight.finish(cfg.lane, cfg.sync, h, a_f)
+        mean = _inflight.finish(cfg.lane, cfg.outer_mean, h, a_f)
         return mean, jnp.all(jnp.stack([jnp.all(jnp.isfinite(m)) for m in mean]))
 
     def idle(h):
@@ -188,8 +220,11 @@ def update_fn(cfg: LocalConfig):
         u_leaves = tdef.flatten_up_to(u)
         l_leaves = tdef.flatten_up_to(local)
         anchor = tdef.flatten_up_to(state.anchor)
+        sl = _slicing(cfg, params)
+        l32 = [x.astype(jnp.float32) for x in l_leaves]
+        l_mine = l32 if sl is None else sl[0].take(l32, sl[1].index)  # the anchor's part
         if cfg.warmup:  # the anchor follows the (identical) parameters until then
-            anchor = [jnp.where(n <= 0, x.astype(jnp.float32), a) for x, a in zip(l_leaves, anchor)]
+            anchor = [jnp.where(n <= 0, x, a) for x, a in zip(l_mine, anchor)]
         new = list(l_leaves)
         changed = [jnp.array(False)] * len(p_leaves)
         ostates, held = list(state.outer_state), list(state.held)
@@ -198,7 +233,7 @@ def update_fn(cfg: LocalConfig):
             if not ks:  # fewer leaves than fragments: this turn moves nothing
                 continue
             a_f = [anchor[k] for k in ks]
-            loc = [l_leaves[k].astype(jnp.float32) for k in ks]
+            loc = [l_mine[k] for k in ks]
             send = _turn(n, cfg, f)
 
             def mean_of(args, like=held[f][0] if cfg.delay and cfg.lane is None else None):
@@ -212,7 +247,10 @@ def update_fn(cfg: LocalConfig):
 
             def idle(args):
                 a, _ = args
-                return [jnp.zeros(x.shape, x.dtype) for x in a], jnp.array(True)
+                zeros = [jnp.zeros(x.shape, x.dtype) for x in a]
+                if cfg.slices is not None:  # typed as the sliced mean (shard_map)
+                    zeros = [_invariance._varying(z, _invariance._vma(x)) for z, x in zip(zeros, a)]
+                return zeros, jnp.array(True)
 
             if cfg.lane is not None:
                 mean, finite, held[f] = _in_flight(
@@ -220,12 +258,14 @@ def update_fn(cfg: LocalConfig):
                 )
                 apply = _turn(n - cfg.delay, cfg, f)
             elif cfg.delay:
-                got = _select_phase(~send, lambda _, h=held[f]: h, mean_of, (a_f, loc), cfg.sync)
+                got = _select_phase(
+                    ~send, lambda _, h=held[f]: h, mean_of, (a_f, loc), cfg.outer_mean
+                )
                 held[f] = got
                 apply = _turn(n - cfg.delay, cfg, f)
                 mean, finite = got
             else:
-                mean, finite = _select_phase(~send, idle, mean_of, (a_f, loc), cfg.sync)
+                mean, finite = _select_phase(~send, idle, mean_of, (a_f, loc), cfg.outer_mean)
                 apply = send
 
             def outer_step(args, finite=finite):
@@ -237,11 +277,24 @@ def update_fn(cfg: LocalConfig):
             )
             skipped = skipped + (apply & ~finite).astype(jnp.int32)
             applied = applied | apply
+            whole = a_f
+            if sl is not None:  # the new anchor's slices, gathered at an apply step
+                like = [_invariance._vma(l32[k]) for k in ks]  # both branches typed alike
+
+                def gathered(xs, ks=ks, like=like):
+                    got = _gather(cfg, sl, ks, xs)
+                    return [_invariance._varying(x, v) for x, v in zip(got, like)]
+
+                def unused(xs, ks=ks, like=like):
+                    zeros = [jnp.zeros(l32[k].shape, jnp.float32) for k in ks]
+                    return [_invariance._varying(x, v) for x, v in zip(zeros, like)]
+
+                whole = _select_phase(apply, gathered, unused, a_f, cfg.slices)
             for j, k in enumerate(ks):
                 anchor[k] = a_f[j]
-                target = a_f[j]
+                target = whole[j]
                 if cfg.mix:
-                    target = (1.0 - cfg.mix) * a_f[j] + cfg.mix * loc[j]
+                    target = (1.0 - cfg.mix) * whole[j] + cfg.mix * l32[k]
                 new[k] = jnp.where(apply, target.astype(p_leaves[k].dtype), new[k])
                 changed[k] = apply
         out = [

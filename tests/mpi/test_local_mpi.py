@@ -155,3 +155,20 @@ def test_islands_that_disagree_on_every_fail_alike(local_run):
     assert all(kind != "OK" for kind, _ in got), got
     assert got[0] == got[1], got
     assert "every 2" in got[0][1] and "every 4" in got[0][1], got[0][1]
+
+
+def test_a_sliced_anchor_across_processes_gives_the_same_parameters():
+    """4 processes, 2 islands of 2 (worker_local_sliced.py): each process keeps
+    half of the anchor (x: 3 of 5 elements, padded; y: 2 of 3), bitwise the
+    parameters of the whole anchor, DiLoCo and streaming (fragments, delay, mix)."""
+    run = run_mpi("worker_local_sliced.py", n=4, devices=1, timeout=240)
+    assert run.returncode == 0 and not run.timed_out, run.output[-3000:]
+    for res in run.results:
+        for name in ("diloco", "streaming"):
+            whole, sliced = res[f"{name}:False"], res[f"{name}:True"]
+            assert res[f"{name}:True:anchor"] == {"x": [3], "y": [2]}
+            assert res[f"{name}:False:anchor"] == {"x": [5], "y": [3]}
+            for t, (a, b) in enumerate(zip(whole, sliced)):
+                for k in ("x", "y"):
+                    np.testing.assert_array_equal(b[k], a[k], err_msg=f"{name} step {t} {k}")
+            assert not np.array_equal(whole[-1]["x"], np.full(5, 4.0))

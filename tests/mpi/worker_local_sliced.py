@@ -1,0 +1,52 @@
+"""jaxsync.local with slice_anchor=True across processes: 4 processes of one
+device, 2 islands of 2 processes (islands = a split of the world), so each
+process holds half of the anchor and of the outer state, averages its half with
+its peer of the other island and the new anchor is all-gathered in the island.
+Records each step's parameters for slice_anchor True and False (and the
+anchor's leaf shapes); test_local_mpi.py compares them bitwise."""
+
+from _worker import Results, init, to_numpy
+
+
+def main():
+    ns, jax, MPI = init()
+    import jax.numpy as jnp
+    import optax
+
+    import jaxsync
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    res = Results(ns.out, rank)
+    isl = jaxsync.islands(comm.Split(rank // 2, key=rank), comm=comm)
+    # dyadic targets: process r pulls toward c_r (5 + 3 elements: padded slices)
+    c = {"x": jnp.arange(5.0) * (rank - 1.5), "y": jnp.full((3,), 2.0 * rank - 3.0)}
+    for sliced in (False, True):
+        for name, make in (
+            ("diloco", lambda s: jaxsync.diloco(
+                optax.chain(jaxsync.hierarchical_mean(None, isl.comm), optax.sgd(0.5)),
+                optax.sgd(0.5, momentum=0.5), every=2, islands=isl, slice_anchor=s)),
+            ("streaming", lambda s: jaxsync.diloco(
+                optax.chain(jaxsync.hierarchical_mean(None, isl.comm), optax.sgd(0.5)),
+                optax.sgd(0.5, momentum=0.5), every=4, fragments=2, delay=1, mix=0.5,
+                islands=isl, slice_anchor=s)),
+        ):  # fmt: skip
+            tx = make(sliced)
+            p = {"x": jnp.full((5,), 4.0), "y": jnp.full((3,), -2.0)}
+            s = tx.init(p)
+
+            def step(p, s, tx=tx):
+                u, s = tx.update(jax.tree.map(lambda a, b: a - b, p, c), s, p)
+                return optax.apply_updates(p, u), s
+
+            f, out = jax.jit(step), []
+            for _ in range(8):
+                p, s = f(p, s)
+                out.append(to_numpy(p))
+            res.add(f"{name}:{sliced}", out)
+            res.add(f"{name}:{sliced}:anchor", {k: list(v.shape) for k, v in s.anchor.items()})
+    res.write()
+
+
+if __name__ == "__main__":
+    main()
