@@ -163,7 +163,17 @@ def test_a_sliced_anchor_across_processes_gives_the_same_parameters():
     parameters of the whole anchor, DiLoCo and streaming (fragments, delay, mix)."""
     run = run_mpi("worker_local_sliced.py", n=4, devices=1, timeout=240)
     assert run.returncode == 0 and not run.timed_out, run.output[-3000:]
-    for res in run.results:
+    check_sliced(run.results)
+
+
+def check_sliced(results):
+    """The sliced anchor's parameters, and streaming's mean in flight, bitwise
+    the whole anchor's held form (worker_local_sliced.py's records)."""
+    for rank, res in enumerate(results):
+        assert res["islands"] == [2, rank // 2], res["islands"]
+        for t, (a, b) in enumerate(zip(res["streaming:False"], res["streaming:overlap"])):
+            for k in ("x", "y"):
+                np.testing.assert_array_equal(b[k], a[k], err_msg=f"in flight, step {t} {k}")
         for name in ("diloco", "streaming"):
             whole, sliced = res[f"{name}:False"], res[f"{name}:True"]
             assert res[f"{name}:True:anchor"] == {"x": [3], "y": [2]}
