@@ -171,24 +171,18 @@ def _check_dtype(fn, comm_dtype):
     return dt
 
 
-def _check_quant(fn, comm_dtype, auto: bool, overlap, double_buffering):
+def _check_quant(fn, comm_dtype, overlap, double_buffering):
     """``comm_dtype=Quantized(...)``: where it is not supported (yet), an error."""
     if not isinstance(comm_dtype, Quantized):
         return None
     what = (
-        "strategy='auto'"
-        if auto or fn == "auto_mean"
-        else "overlap=True"
-        if overlap is True
-        else "double_buffering=True"
-        if double_buffering
-        else None
+        "overlap=True" if overlap is True else "double_buffering=True" if double_buffering else None
     )
     if what is not None:
         raise ValueError(
             f"{fn}: comm_dtype=Quantized(...) does not work with {what} yet, got "
-            f"comm_dtype={comm_dtype!r}. Fix: drop {what} (a named strategy, no "
-            "overlap or double buffering), or use comm_dtype=jnp.bfloat16."
+            f"comm_dtype={comm_dtype!r}. Fix: drop {what} (the quantized sum then "
+            "blocks the step), or use comm_dtype=jnp.bfloat16."
         )
     return comm_dtype
 
@@ -276,7 +270,7 @@ def make_config(
 ) -> SyncConfig:
     """Validate every static option; raise TypeError/ValueError naming it."""
     chosen = _plugins.strategy(strategy) if isinstance(strategy, str) else None
-    quant = _check_quant(fn, comm_dtype, chosen is not None, overlap, double_buffering)
+    quant = _check_quant(fn, comm_dtype, overlap, double_buffering)
     if chosen is not None:  # "auto": chosen at trace time (jaxsync.auto, _sync.sync)
         return chosen.make_config(
             fn,

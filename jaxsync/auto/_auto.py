@@ -216,6 +216,8 @@ def resolve(tree, cfg):
     import jax.numpy as jnp
 
     itemsize = jnp.dtype(cfg.comm_dtype).itemsize if cfg.comm_dtype else None
+    if cfg.quant is not None:  # a block-quantized wire: its codes and scales per value
+        itemsize = cfg.quant.bits / 8 + 4 / cfg.quant.block
     choice = choose(
         tree,
         topo,

@@ -36,6 +36,28 @@ def _calls(path):
     ]
 
 
+def test_auto_mean_takes_the_quantized_wire(quant_run):
+    """auto_mean(comm_dtype=Quantized(...)) (refused before): the strategy it
+    picks runs the quantized schedule, so its 3 steps' outputs and residuals are
+    one named strategy's, bit for bit (the same choice on every rank)."""
+    for r in range(2):
+        got = quant_run.results[r]["auto"]
+        named = {"hierarchical": quant_run.results[r]["ef"], **got}
+        del named["auto"]
+        same = [
+            k
+            for k, v in named.items()
+            if all(
+                np.array_equal(a.view(np.uint32), b.view(np.uint32))
+                for a, b in zip(
+                    [*map(np.asarray, got["auto"]["outs"][0]), *got["auto"]["residual"]],
+                    [*map(np.asarray, v["outs"][0]), *v["residual"]],
+                )
+            )
+        ]
+        assert same, (r, got["auto"], named)
+
+
 @pytest.mark.parametrize("name", ["int8", "fp4"])
 def test_timeline_bytes_match_the_formula(quant_run, name):
     """Per process: the all-to-all sends (N - 1) / N of its buffer, the all-gather

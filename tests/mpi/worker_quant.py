@@ -19,6 +19,7 @@ all-gather): mpirun -n 2 x 2 devices, jit(shard_map).
 import os
 import sys
 import traceback
+import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -118,6 +119,15 @@ def main():
     x = jnp.asarray(np.cos(np.arange(D * 37, dtype=np.float32)).reshape(D, 37) * (rank + 1))
     outs, resid, _ = step_fn(tx, 3)(x)
     res.add("ef", dict(outs=to_numpy(outs), residual=to_numpy(resid)))
+    # strategy="auto" with the same wire: the strategy it picks, bit for bit
+    got = {}
+    for name in ("auto", "two_dimensional"):
+        make = getattr(jaxsync, f"{name}_mean")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # no measured profile here
+            outs, resid, _ = step_fn(make(axis_name="d", comm=comm, comm_dtype=q), 3)(x)
+        got[name] = dict(outs=to_numpy(outs), residual=to_numpy(resid))
+    res.add("auto", got)
 
     # -- sharded: the reduce-scatter quantized, nothing requantized --
     import optax
