@@ -168,3 +168,58 @@ def test_run_reraises_what_is_not_a_process_failure():
     with pytest.raises(ValueError, match="a bug"):
         run(train, State(comm=object()))
     assert run(lambda st: st.x * 2, State(comm=object(), x=21)) == 42
+
+
+class _FakeComm:
+    """A communicator whose Allreduce blocks until it is revoked (a lost peer)."""
+
+    def __init__(self, size=3):
+        import threading
+
+        self.size, self.revoked = size, threading.Event()
+
+    def Dup(self):
+        return _FakeComm(self.size)
+
+    def Get_size(self):
+        return self.size
+
+    def Revoke(self):
+        self.revoked.set()
+
+    def Allreduce(self, a, b, op=None):
+        self.revoked.wait(30.0)  # a peer that never joins: only the revoke ends it
+        raise ValueError("MPI_ERR_REVOKED")
+
+
+def test_recovery_revokes_the_islands_and_fails_their_lanes(monkeypatch):
+    """The old world's islands (split communicators) and streaming's in-flight lane
+    are jaxsync's to revoke: a transfer in flight and one queued behind it raise (no
+    hang), and a transform made afterwards gets new islands and a new lane."""
+    import numpy as np
+
+    from jaxsync.elastic import _run
+    from jaxsync.local import _inflight, _islands
+
+    world, outer = _FakeComm(), _FakeComm()
+    isl = _islands.Islands("process", None, None, outer, 3, 0)
+    monkeypatch.setitem(_islands._MADE, (id(world), "process"), (world, isl))
+    ln = _inflight.lane(outer)
+    monkeypatch.setitem(_inflight._LANES, id(outer), (outer, ln))
+    h1, h2 = ln.start(np.ones(4, np.float32)), ln.start(np.ones(4, np.float32))
+    got = _run._derived(world)
+    assert any(c is outer for c in got) and any(c is ln.comm for c in got), got
+    for c in got:
+        c.Revoke()
+    _run._fail_lanes(world, RuntimeError("lost: MPI_ERR_REVOKED"))
+    for h in (h1, h2):
+        with pytest.raises((RuntimeError, ValueError), match="MPI_ERR_REVOKED"):
+            ln.finish(h)
+    assert (id(world), "process") not in _islands._MADE and id(outer) not in _inflight._LANES
+    for _ in range(3000):  # the queued job drained without MPI: the exit drain's count
+        if ln.done == ln.count:
+            break
+        import time
+
+        time.sleep(0.01)
+    assert (ln.done, ln.count) == (2, 2)

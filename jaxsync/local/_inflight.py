@@ -39,6 +39,7 @@ class Lane:
         self.count = 0
         self.lock = threading.Lock()
         self.done = 0  # jobs finished (the exit drain waits for count == done)
+        self.failed: BaseException | None = None  # set by fail_all (elastic recovery)
         _quiet.watch(lambda: (self.count, self.done))
         threading.Thread(target=self._loop, daemon=True, name="jaxsync-inflight").start()
 
@@ -51,6 +52,8 @@ class Lane:
             # KeyError under load, killed the thread, and the step hung).
             slot = self.jobs.get()
             try:
+                if self.failed is not None:  # the world was lost: no MPI on it
+                    raise self.failed
                 out = np.empty_like(slot[0])
                 self.comm.Allreduce(slot[0], out, op=MPI.SUM)
                 slot[2] = out
@@ -69,6 +72,22 @@ class Lane:
             # Queued under the lock: the lane's order is the handles' order.
             self.jobs.put(slot)
         return np.asarray(handle, np.int32)
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Fail every job in flight or queued, and every later one, with ``exc``.
+
+        Called by :func:`jaxsync.elastic.recover` after it revoked ``self.comm``
+        (which ends an ``Allreduce`` the thread is blocked in): a pending slot
+        raises ``exc`` where it is awaited instead of waiting; queued jobs are
+        drained without MPI, so the exit drain's count catches up.
+        """
+        self.failed = exc
+        with self.lock:
+            slots = list(self.slots.values())
+        for slot in slots:
+            if not slot[1].is_set():
+                slot[2] = exc
+                slot[1].set()
 
     def finish(self, handle) -> np.ndarray:
         handle = int(handle)
