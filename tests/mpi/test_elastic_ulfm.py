@@ -185,3 +185,69 @@ def test_two_ring_neighbours_lost_together_end_with_a_clear_error(tmp_path):
     assert sorted(recs) == [0], f"survivors' records: {sorted(recs)}\n{out}"
     err = recs[0]["error"]
     assert "slices of rank(s) [1] (of the 3-rank world" in err and "[1, 2]" in err, err
+
+
+def _local_reference(mode, steps=10, lost_from=7):
+    """Three islands (rank r's gradient (r + 1) c(t), inner sgd(0.5)) up to step
+    ``lost_from``, islands 0 and 1 from there; outer sgd(0.5, momentum=0.5) every 4
+    steps on the mean of anchor - local (float32, exact); ``stream``: the mean sent
+    at the outer step, applied one step later, params = 0.5 anchor + 0.5 local."""
+    import numpy as np
+
+    f = np.float32
+    a, m = np.zeros(4, f), np.zeros(4, f)
+    xs = [np.zeros(4, f) for _ in range(3)]
+    sent = None
+    for t in range(steps):
+        alive = range(3 if t < lost_from else 2)
+        ct = np.array([t + 1, 0.5, -(t % 3), 0.25], f)
+        for r in alive:
+            xs[r] = xs[r] - f(0.5) * (f(r + 1) * ct)
+        n = t + 1
+        if n % 4 == 0:
+            pg = [a - xs[r] for r in alive]
+            total = pg[0]
+            for p in pg[1:]:
+                total = total + p
+            mean = total / f(len(pg)) if len(pg) == 3 else total * f(1.0 / len(pg))
+            if mode == "diloco":
+                m = mean + f(0.5) * m
+                a = a - f(0.5) * m
+                for r in alive:
+                    xs[r] = a
+            else:
+                sent = mean
+        if mode == "stream" and n % 4 == 1 and n > 1:
+            m = sent + f(0.5) * m
+            a = a - f(0.5) * m
+            for r in alive:
+                xs[r] = f(0.5) * a + f(0.5) * xs[r]
+    return xs, a
+
+
+@requires_ft
+@pytest.mark.parametrize("mode", ["diloco", "stream"])
+def test_local_updates_recover_on_the_survivors_bitwise(tmp_path, mode):
+    """jaxsync.diloco with islands="process": rank 2 killed mid-interval (diloco) or
+    with the outer mean in flight on streaming's lane (stream, overlap=True). The
+    survivors make the transform on the shrunk world and finish: 3 islands in the
+    outer step of step 3, 2 in that of step 7 (the lost island's local steps since
+    the last outer step are gone with it; the anchor and outer state are kept),
+    bitwise."""
+    import numpy as np
+
+    recs, out = _launch("worker_elastic_local.py", tmp_path, timeout=120, args=[mode])
+    assert sorted(recs) == [0, 1], f"survivors' records: {sorted(recs)}\n{out}"
+    assert "Traceback" not in out, out
+    xs, a = _local_reference(mode)
+    for r, rec in recs.items():
+        got = np.array(rec["x"], np.float32)
+        assert got.tobytes() == xs[r].tobytes(), (r, got, xs[r], out)
+        assert np.array(rec["anchor"], np.float32).tobytes() == a.tobytes(), (rec, a)
+        assert (rec["size"], rec["islands"], rec["recoveries"]) == (2, 2, 1), rec
+        # diloco: the commit after step 4, 5 or 6, by where the survivors raised (the
+        # local steps are the same on 3 islands or 2); stream: after step 6 (no
+        # commit right after a send step, 3; the mean sent at 7 fails at 7 or 8)
+        ok = {"diloco": (6, 7, 8), "stream": (7,)}[mode]
+        assert rec["recovery_s"]["restored_commit"] in ok, rec
+        assert rec["quiet"] is True, rec
