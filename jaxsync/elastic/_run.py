@@ -15,8 +15,10 @@ makes new transforms and re-jits) and calls ``train_fn`` again. A process lost d
 a recovery makes the recovery itself fail with a process failure: :func:`run`
 recovers again, on the shrunk communicator.
 
-docs/elastic.md says what is not covered (overlap's and double buffering's in-flight
-work, the host tier's pipelined requests, a local island's inner state).
+The old world's in-flight lanes (streaming's ``overlap=True``) are failed, and the
+islands split from it revoked. docs/elastic.md says what is lost (a lost island's
+local steps, a lost rank's pending double-buffered gradients) and what is not
+covered (the host tier's pipelined requests are failed by the revoke, untested).
 
 Imports: jax, numpy, mpi4py (when called), ``jaxsync._comm._topology``, ``_shards``.
 """

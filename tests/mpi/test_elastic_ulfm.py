@@ -108,7 +108,8 @@ def _reference(ranks_after):
     Rank r's gradients are (r + 1) * c(t): their mean is 2 c(t) over 3 ranks, 1.5 c(t)
     over 2, c(t) over 1. w -= 0.5 * mean; p follows sgd(0.5, momentum=0.5): the
     momentum (one third on each rank before the loss) must come back whole; q (4
-    leaves, overlap on) follows w, leaf j times j + 1.
+    leaves, overlap on) follows w, leaf j times j + 1; d (double buffering) applies
+    step t - 1's gradients averaged over step t's ranks.
     """
     import numpy as np
 
@@ -116,15 +117,20 @@ def _reference(ranks_after):
     k = {1: f(1.0), 2: f(1.5), 3: f(2.0)}
     w, p, m = np.zeros((1, 4), f), np.zeros(6, f), np.zeros(6, f)
     q = [np.zeros((1, 64), f)] * 4
+    d, pending = np.zeros((1, 4), f), np.zeros((1, 4), f)
     for t in range(6):
         mean = k[3 if t < 3 else ranks_after]
         ct = np.array([[t + 1, 0.5, -(t % 3), 0.25]], f)
+        # double buffering: step t - 1's gradients (each rank's own, pending in its
+        # state) averaged in step t over step t's world: the lost rank's is gone
+        d = d - f(0.5) * (mean * pending)
+        pending = ct
         cp = np.array([t + 1, 0.5, -(t % 3), 0.25, 2.0 - t, 0.75], f)
         w = w - f(0.5) * (mean * ct)
         q = [x - f(0.5) * (mean * (j + 1) * np.tile(ct, (1, 16))) for j, x in enumerate(q)]
         m = mean * cp + f(0.5) * m
         p = p - f(0.5) * m
-    return w, p, q
+    return w, p, q, d
 
 
 def _check_bitwise(recs, ranks_after, out):
@@ -132,13 +138,15 @@ def _check_bitwise(recs, ranks_after, out):
 
     # The stall watchdog stands aside (no thread dies on the revoked communicator).
     assert "Traceback" not in out, out
-    w, p, q = _reference(ranks_after)
+    w, p, q, d = _reference(ranks_after)
     for r, rec in recs.items():
         got_w, got_p = np.array(rec["w"], np.float32), np.array(rec["p"], np.float32)
         assert got_w.tobytes() == w.tobytes(), (r, got_w, w, out)
         assert got_p.tobytes() == p.tobytes(), (r, got_p, p, out)
         got_q = np.array(rec["q"], np.float32)
         assert got_q.tobytes() == np.stack(q).tobytes(), (r, got_q, q, out)
+        got_d = np.array(rec["d"], np.float32)
+        assert got_d.tobytes() == d.tobytes(), (r, got_d, d, out)
         # the exit drain went quiet (nothing of the revoked world left running)
         assert rec["quiet"] is True, rec
 
