@@ -18,7 +18,7 @@ recovers again, on the shrunk communicator.
 The old world's in-flight lanes (streaming's ``overlap=True``) are failed, and the
 islands split from it revoked. docs/elastic.md says what is lost (a lost island's
 local steps, a lost rank's pending double-buffered gradients) and what is not
-covered (the host tier's pipelined requests are failed by the revoke, untested).
+covered.
 
 Imports: jax, numpy, mpi4py (when called), ``jaxsync._comm._topology``, ``_shards``.
 """

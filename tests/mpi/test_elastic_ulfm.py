@@ -47,7 +47,7 @@ def _env():
     return env
 
 
-def _launch(worker, tmp_path, timeout=60, args=()):
+def _launch(worker, tmp_path, timeout=60, args=(), n=3):
     cmd = [
         str(FT_VENV / "bin" / "mpirun"),
         "--with-ft",
@@ -55,7 +55,7 @@ def _launch(worker, tmp_path, timeout=60, args=()):
         "--allow-run-as-root",
         "--oversubscribe",
         "-n",
-        "3",
+        str(n),
         str(FT_VENV / "bin" / "python"),
         str(Path(__file__).parent / worker),
         str(tmp_path),
@@ -259,3 +259,23 @@ def test_local_updates_recover_on_the_survivors_bitwise(tmp_path, mode):
         ok = {"diloco": (6, 7, 8), "stream": (7,)}[mode]
         assert rec["recovery_s"]["restored_commit"] in ok, rec
         assert rec["quiet"] is True, rec
+
+
+@requires_ft
+def test_host_tier_pipelined_requests_fail_and_survivors_finish_bitwise(tmp_path):
+    """Two (test) hosts of two processes, hierarchical_mean(host_tier=True) on 4 chunks
+    (pipelined in one native call); rank 3 killed at step 3: the survivors' tier
+    requests fail (no hang), they recover onto hosts {0, 1} and {2} (a tier still)
+    and finish: steps 0-2 summed over 4 ranks, 3-5 over 3, bitwise."""
+    import numpy as np
+
+    recs, out = _launch("worker_elastic_tier.py", tmp_path, timeout=120, n=4)
+    assert sorted(recs) == [0, 1, 2], f"survivors' records: {sorted(recs)}\n{out}"
+    assert "Traceback" not in out, out
+    f, w = np.float32, np.zeros(4, np.float32)
+    for t in range(6):
+        w = w - f(0.5) * (f(10 if t < 3 else 6) * np.array([t + 1, 0.5, -(t % 3), 0.25], f))
+    for rec in recs.values():
+        assert np.array(rec["head"], f).tobytes() == w.tobytes() and rec["same"], (rec, w)
+        assert (rec["size"], rec["recoveries"], rec["quiet"]) == (3, 1, True), rec
+        assert rec["tiers"][0] == 2 and rec["tiers"][-1] == 2, rec  # the tier, both worlds
