@@ -5,6 +5,9 @@ Run in the ft environment (``bash scripts/setup_ft.sh``), from the checkout:
     .venv-ft/bin/mpirun --with-ft ulfm --allow-run-as-root --oversubscribe -n 4 \\
         .venv-ft/bin/python scripts/elastic_recovery.py [--steps 6] [--kill-at 3]
 
+Across the emulated cluster's hosts (each its own daemon, so pass ``--stamp`` a path
+on the shared filesystem) see docs/benchmarks.md.
+
 Each process drives one CPU device and trains the benchmark's ResNet-like tree
 (``jaxsync.bench.trees.resnet18_like``: 47 leaves, 5.5M float32) with
 ``jaxsync.sharded(optax.sgd(momentum=0.5), comm="auto")``, made (and compiled ahead
@@ -45,11 +48,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--kill-at", type=int, default=3)
+    ap.add_argument(
+        "--stamp",
+        default=None,
+        help="the file the lost rank writes its kill time to, read by rank 0 (default: "
+        "in $TMPDIR, named by the parent's PID: give one across hosts, whose daemons differ)",
+    )
     ns = ap.parse_args()
     jax.config.update("jax_num_cpu_devices", 1)  # before the backend starts
     world = MPI.COMM_WORLD
     first, n0 = world.Get_rank(), world.Get_size()
-    stamp = os.path.join(tempfile.gettempdir(), f"jaxsync-elastic-kill-{os.getppid()}")
+    stamp = ns.stamp or os.path.join(tempfile.gettempdir(), f"jaxsync-elastic-kill-{os.getppid()}")
     if first == 0 and os.path.exists(stamp):
         os.remove(stamp)
     mesh = Mesh(np.array(jax.devices()), ("d",))

@@ -168,3 +168,49 @@ def test_run_reraises_what_is_not_a_process_failure():
     with pytest.raises(ValueError, match="a bug"):
         run(train, State(comm=object()))
     assert run(lambda st: st.x * 2, State(comm=object(), x=21)) == 42
+
+
+class _FakeComm:
+    """A communicator that records its revoke (the lane only duplicates it here)."""
+
+    def __init__(self, size=3):
+        self.size, self.revoked = size, False
+
+    def Dup(self):
+        return _FakeComm(self.size)
+
+    def Get_size(self):
+        return self.size
+
+    def py2f(self):
+        return -7  # never passed to MPI here: no sum is started
+
+    def allgather(self, x):
+        return [x] * self.size
+
+    def Revoke(self):
+        self.revoked = True
+
+
+def test_recovery_revokes_the_islands_and_fails_their_lanes(monkeypatch):
+    """The old world's islands (split communicators) and streaming's in-flight lane
+    are jaxsync's to revoke: recovery revokes the island's and the lane's own
+    communicators, fails every sum in flight (the native ``fail_all``, with
+    MPI_ERR_REVOKED in its text, which run() reads as a process failure) and
+    forgets both, so a transform made afterwards gets new islands and a new lane."""
+    from jaxsync.elastic import _run
+    from jaxsync.local import _inflight, _islands
+
+    world, outer = _FakeComm(), _FakeComm()
+    isl = _islands.Islands("process", None, None, outer, 3, 0)
+    monkeypatch.setitem(_islands._MADE, (id(world), "process"), (world, isl))
+    ln = _inflight.lane(outer)
+    monkeypatch.setitem(_inflight._LANES, id(outer), (outer, ln))
+    failed: list = []
+    monkeypatch.setattr(_inflight, "fail_all", lambda text: failed.append(text) or 0)
+    got = _run._derived(world)
+    assert any(c is outer for c in got) and any(c is ln.comm for c in got), got
+    _run._fail_lanes(world, RuntimeError(_run._LOST.format(3)))
+    assert len(failed) == 1 and "MPI_ERR_REVOKED" in failed[0], failed
+    assert _run.is_process_failure(RuntimeError(failed[0]))
+    assert (id(world), "process") not in _islands._MADE and id(outer) not in _inflight._LANES

@@ -15,8 +15,10 @@ makes new transforms and re-jits) and calls ``train_fn`` again. A process lost d
 a recovery makes the recovery itself fail with a process failure: :func:`run`
 recovers again, on the shrunk communicator.
 
-docs/elastic.md says what is not covered (overlap's and double buffering's in-flight
-work, the host tier's pipelined requests, a local island's inner state).
+The old world's in-flight lanes (streaming's ``overlap=True``) are failed, and the
+islands split from it revoked. docs/elastic.md says what is lost (a lost island's
+local steps, a lost rank's pending double-buffered gradients) and what is not
+covered.
 
 Imports: jax, numpy, mpi4py (when called), ``jaxsync._comm._topology``, ``_shards``.
 """
@@ -220,18 +222,62 @@ def agree_commit(comm: Any, held: list[int]) -> int:
 
 
 def _derived(comm: Any) -> list:
-    """The user's communicator and every private one jaxsync made from it."""
+    """The user's communicator and every private one jaxsync made from it: its
+    ``Comms``, the islands split from it (``jaxsync.islands``: the island and the
+    outer communicators, and their ``Comms``) and their in-flight lanes' duplicates."""
     from jaxsync._comm._topology import Comms
 
     got = [comm]
-    c = Comms._cache.get(id(comm))
-    if c is not None and c.user is comm:
-        got += [c.world, c.control, c.agreement, *c._devices]
-        got += [wd.comm for wd in c._watchdogs.values()]
-        got += [c._host] if c._host is not None else []
-        if c._tier is not None:
-            got += [*c._tier.host, *c._tier.cross, *c._tier_base]
+    for user in [comm, *_island_comms(comm)]:
+        got += [user] if user is not comm else []
+        c = Comms._cache.get(id(user))
+        if c is not None and c.user is user:
+            got += [c.world, c.control, c.agreement, *c._devices]
+            got += [wd.comm for wd in c._watchdogs.values()]
+            got += [c._host] if c._host is not None else []
+            if c._tier is not None:
+                got += [*c._tier.host, *c._tier.cross, *c._tier_base]
+    got += [ln.comm for ln in _lanes(got)]
     return got
+
+
+def _island_comms(comm: Any) -> list:
+    """The communicators ``jaxsync.islands(..., comm=comm)`` split from ``comm``."""
+    made = getattr(sys.modules.get("jaxsync.local._islands"), "_MADE", {})
+    out = []
+    for (key, _), (world, isl) in list(made.items()):
+        if key == id(comm) and world is comm:
+            out += [c for c in (isl.comm, isl.outer_comm) if hasattr(c, "Revoke")]
+    return out
+
+
+def _lanes(comms: list) -> list:
+    """The in-flight lanes (streaming's ``overlap=True``) on any of ``comms``."""
+    lanes = getattr(sys.modules.get("jaxsync.local._inflight"), "_LANES", {})
+    return [ln for c, ln in list(lanes.values()) if any(c is x for x in comms)]
+
+
+def _fail_lanes(comm: Any, exc: BaseException) -> None:
+    """Fail the old world's lanes (pending transfers raise ``exc``) and forget them,
+    with the islands split from it: a transform made after the recovery makes new ones."""
+    comms = [comm, *_island_comms(comm)]
+    for ln in _lanes(comms):
+        fail = getattr(ln, "fail_all", None)
+        if fail is not None:  # a Python lane: its slots
+            fail(exc)
+        else:  # the native lane: every sum in flight (``_inflight.fail_all(text)``)
+            sys.modules["jaxsync.local._inflight"].fail_all(str(exc))
+            break
+    lanes = getattr(sys.modules.get("jaxsync.local._inflight"), "_LANES", {})
+    for k, (c, _) in list(lanes.items()):
+        if any(c is x for x in comms):
+            lanes.pop(k, None)
+    made = getattr(sys.modules.get("jaxsync.local._islands"), "_MADE", {})
+    for k, (world, _) in list(made.items()):
+        if world is comm:
+            made.pop(k, None)
+    for c in comms[1:]:
+        _forget(c)
 
 
 def _stop_watchdogs(comm: Any) -> None:
@@ -239,12 +285,18 @@ def _stop_watchdogs(comm: Any) -> None:
     must not be reported, nor end the job (``on_timeout="abort"``), while recovering."""
     from jaxsync._comm._topology import Comms
 
-    c = Comms._cache.get(id(comm))
-    if c is not None and c.user is comm:
-        for wd in c._watchdogs.values():
-            wd._stop.set()  # the thread sees it within one poll; not joined here
+    for user in [comm, *_island_comms(comm)]:
+        c = Comms._cache.get(id(user))
+        if c is not None and c.user is user:
+            for wd in c._watchdogs.values():
+                wd._stop.set()  # the thread sees it within one poll; not joined here
 
 
+_LOST = (
+    "jaxsync.elastic: a process of the {}-process world was lost while this transfer "
+    "was in flight (overlap=True): MPI_ERR_REVOKED, the world was revoked and "
+    "recovered. Fix: nothing: the recovery restores a commit and calls train_fn again."
+)
 _DEAD: list = []  # the revoked worlds' jaxsync communicators: kept, never freed
 
 
@@ -287,6 +339,7 @@ def recover(state: State) -> None:
             c.Revoke()
         except MPI.Exception:
             pass  # already revoked by a peer
+    _fail_lanes(old, RuntimeError(_LOST.format(old.Get_size())))
     t.append(time.perf_counter())
     new = old.Shrink()
     state.comm = new

@@ -5,8 +5,9 @@ cluster's hosts: the cluster runs it with ``launch=False``, and PRRTE starts its
 daemon on each host through the cluster's ssh stand-in (``--prtemca plm_ssh_agent
 $JAXSYNC_CLUSTER_SSH``), out-of-band and MPI traffic on the cluster's subnet, one
 process per host (``--map-by ppr:1:node``). The workers are the MPI suite's
-(``tests/mpi/worker_elastic_inprocess.py``: three models, ``sharded`` and overlap
-among them, a commit per step) and its reference (``test_elastic_ulfm._check_bitwise``):
+(``tests/mpi/worker_elastic_inprocess.py``: four models, ``sharded``, double
+buffering and overlap among them, a commit per step) and its reference
+(``test_elastic_ulfm._check_bitwise``):
 
 - host 2's process killed (SIGKILL) at step 3: its daemon sees it end, the survivors
   recover at once;

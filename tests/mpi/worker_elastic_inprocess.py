@@ -2,12 +2,14 @@
 
     mpirun --with-ft ulfm -n 3 python worker_elastic_inprocess.py OUT_DIR [MODE]
 
-Each process has one CPU device. Three models train in one step: ``w`` with
+Each process has one CPU device. Four models train in one step: ``w`` with
 ``jaxsync.naive_mean(comm="auto")`` (a stall watchdog on, ``on_timeout="abort"``:
 it must not end the job during the recovery), and ``p`` with
 ``jaxsync.sharded(optax.sgd(0.5, momentum=0.5), comm="auto")`` (each rank holds a
 third of the momentum; ``State(sharded=...)`` keeps a ring copy), and ``q`` (4
-leaves) with ``naive_mean(overlap=True)``, a bucket per leaf. The gradient of rank r
+leaves) with ``naive_mean(overlap=True)``, a bucket per leaf, and ``d`` with
+``naive_mean(double_buffering=True)`` (step t averages and applies step t - 1's
+gradients, each rank's own, pending in the committed state). The gradient of rank r
 at step t is ``(r + 1) * c(t)`` (dyadic; leaf j of ``q``: times j + 1, tiled); a
 commit after every step. At the end, the exit drain and ``free_communicators`` are
 timed (no MPI_Finalize: after a failure it can hang). The
@@ -78,22 +80,27 @@ def _make(s=None):
     tx = jaxsync.naive_mean(axis_name="d", timeout=20.0, on_timeout="abort")
     ox = jaxsync.naive_mean(axis_name="d", overlap=True, overlap_bucket_bytes=256)
     zx = jaxsync.sharded(inner, axis_name="d")
+    dx = jaxsync.naive_mean(axis_name="d", double_buffering=True)
     specs = jaxsync.state_specs(jax.eval_shape(zx.init, p0), "d")
+    dspec = jax.tree.map(lambda _: P("d"), jax.eval_shape(dx.init, jnp.zeros((1, 4))))
 
-    def both(w, g, p, gp, st, q, gq):
+    def both(w, g, p, gp, st, q, gq, d, ds):
         u, st = zx.update(gp, st, p)
         mq = ox.update(gq, ox.init(gq))[0]
         q = [a - LR * b for a, b in zip(q, mq)]
-        return w - LR * tx.update(g, tx.init(g))[0], optax.apply_updates(p, u), st, q
+        md, ds = dx.update(g, ds)  # step t - 1's mean (the pending one), t's kept
+        w = w - LR * tx.update(g, tx.init(g))[0]
+        return w, optax.apply_updates(p, u), st, q, d - LR * md, ds
 
     f = jax.shard_map(
         both,
         mesh=mesh,
-        in_specs=(P("d"), P("d"), P(), P(), specs, P("d"), P("d")),
-        out_specs=(P("d"), P(), specs, P("d")),
+        in_specs=(P("d"), P("d"), P(), P(), specs, P("d"), P("d"), P("d"), dspec),
+        out_specs=(P("d"), P(), specs, P("d"), P("d"), dspec),
     )
     init = jax.jit(jax.shard_map(zx.init, mesh=mesh, in_specs=P(), out_specs=specs))
-    step_fn.update(f=jax.jit(f), init=init)
+    dinit = jax.jit(jax.shard_map(dx.init, mesh=mesh, in_specs=P("d"), out_specs=dspec))
+    step_fn.update(f=jax.jit(f), init=init, dinit=dinit)
 
 
 _make()
@@ -103,6 +110,8 @@ state = el.State(
     p=p0,
     q=[np.zeros((1, 64), np.float32) for _ in range(4)],
     opt=step_fn["init"](jnp.asarray(p0)),
+    d=np.zeros((1, 4), np.float32),
+    ds=step_fn["dinit"](jnp.zeros((1, 4), jnp.float32)),
     sharded={"opt": (inner, "p")},
 )
 state.on_reset(_make)
@@ -132,8 +141,10 @@ def train(s):
         times["t0"] = time.perf_counter()
         try:
             gq = [k * (j + 1) * jnp.tile(c(t), (1, 16)) for j in range(4)]
-            w, p, opt, q = step_fn["f"](s.w, k * c(t), s.p, k * cp(t), s.opt, s.q, gq)
-            s.w, s.p, s.opt, s.q, s.t = w, p, opt, q, t + 1
+            w, p, opt, q, d, ds = step_fn["f"](
+                s.w, k * c(t), s.p, k * cp(t), s.opt, s.q, gq, s.d, s.ds
+            )
+            s.w, s.p, s.opt, s.q, s.d, s.ds, s.t = w, p, opt, q, d, ds, t + 1
             s.commit()  # blocks: a failure in the step surfaces here at the latest
         except Exception:
             times["failed"] = time.perf_counter()
@@ -141,11 +152,11 @@ def train(s):
             raise
         if s.recoveries and "first_step_after" not in times:
             times["first_step_after"] = time.perf_counter() - times["failed"]
-    return np.asarray(s.w), np.asarray(s.p), [np.asarray(x) for x in s.q]
+    return np.asarray(s.w), np.asarray(s.p), [np.asarray(x) for x in s.q], np.asarray(s.d)
 
 
 try:
-    w, p, q = el.run(train, state)
+    w, p, q, d = el.run(train, state)
 except el.SlicesLost as e:  # mode "pair": two ring neighbours lost together
     with open(os.path.join(out, f"rank-{first}.json"), "w") as f:
         json.dump({"error": str(e), "recoveries": state.recoveries}, f)
@@ -161,6 +172,7 @@ rec = {
     "w": w.tolist(),
     "p": p.tolist(),
     "q": [x.tolist() for x in q],
+    "d": d.tolist(),
     "quiet": quiet,
     "rank": state.comm.Get_rank(),
     "size": state.comm.Get_size(),
