@@ -140,11 +140,17 @@ class State:
 
         With ``sharded`` entries, also a collective over ``state.comm``: the ring
         copy of this rank's slices (it counts only once the neighbour's arrived).
+        A local-update state with a fragment's mean in flight (``overlap=True``)
+        waits for it and keeps its sum (``jaxsync.local.in_flight``): a restore
+        puts it back in flight in the new world.
         """
         import jax
 
         tree = jax.block_until_ready(self._entries)
         copy = jax.tree.map(_host, jax.device_get(tree))
+        flying = _flying(tree)
+        if flying:  # streaming's sums in flight, waited for: a restore resumes them
+            copy[_IN_FLIGHT] = flying
         ring = None
         if self._sharded:
             left = _shards.ring_copy(self.comm, {n: copy[n] for n in self._sharded})
@@ -164,6 +170,7 @@ class State:
 
         entries, ring = {n: (e, r) for n, e, r in self._commits}[number]  # KeyError: gone
         entries = jax.tree.map(_host, entries)
+        flying = entries.pop(_IN_FLIGHT, {})
         if self._sharded:
             new, left = _shards.rebuild(self.comm, ring, entries, self._sharded)
             entries.update(new)
@@ -171,8 +178,26 @@ class State:
             ring = {"gen": self.recoveries, "size": c.Get_size(), "rank": c.Get_rank()}
             ring["left"] = left  # the new world's ring: a second loss is covered too
         self._commits = [c for c in self._commits if c[0] < number]
-        self._commits.append((number, jax.tree.map(_host, entries), ring))
+        kept = jax.tree.map(_host, entries)
+        if flying:
+            kept[_IN_FLIGHT] = flying
+            from jaxsync.local import _resume
+
+            for name, saved in flying.items():  # in flight again, in this process
+                entries[name] = _resume.resume_in_flight(entries[name], saved)
+        self._commits.append((number, kept, ring))
         self._entries = entries
+
+
+_IN_FLIGHT = "__jaxsync_in_flight__"  # a commit's saved sums in flight, by entry
+
+
+def _flying(tree: dict) -> dict:
+    """Each entry's sums in flight (``overlap=True`` local updates), waited for."""
+    mod = sys.modules.get("jaxsync.local._resume")
+    if mod is None:
+        return {}
+    return {name: mod.in_flight(v) for name, v in tree.items() if mod.has_sums(v)}
 
 
 def _host(x: Any) -> Any:

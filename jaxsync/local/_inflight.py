@@ -51,9 +51,10 @@ def _lib():
         ctypes.c_int64,
         ctypes.c_char_p,
         ctypes.c_int64,
+        ctypes.POINTER(ctypes.c_float),
     ]
     lib.jaxsync_inflight_put.restype = ctypes.c_int32
-    lib.jaxsync_inflight_put.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.jaxsync_inflight_put.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float]
     lib.jaxsync_inflight_fail_all.restype = ctypes.c_int64
     lib.jaxsync_inflight_fail_all.argtypes = [ctypes.c_char_p]
     lib.jaxsync_inflight_pending.restype = ctypes.c_int64
@@ -115,21 +116,21 @@ def start(ln: Lane, sync, leaves) -> jax.Array:
     flat = jnp.concatenate([x.reshape(-1) for x in leaves]).astype(travel)
     flat = _sync._scale_before(flat, pre)
     call = jax.ffi.ffi_call(_START, jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True)
+    post = ln.size / pre if sync.reduce == "mean" else 1.0 / pre
     attrs = dict(poll_us=np.int64(ln.poll), piece_bytes=np.int64(ln.piece))
-    return call(flat, comm=np.int64(ln.handle), **attrs)
+    return call(flat, comm=np.int64(ln.handle), post=np.float32(post), **attrs)
 
 
 def finish(ln: Lane, sync, handle, like) -> list:
     """Take ``handle``'s sum (waiting for it); the mean, float32 leaves shaped like
-    ``like`` (divided after the sum as the held form's ``sync`` divides)."""
-    travel, pre = _travel(sync)
-    post = ln.size / pre if sync.reduce == "mean" else 1.0 / pre
+    ``like``: divided after the sum as the held form's ``sync`` divides, by the
+    divisor given at its start (its own world's, also for a sum resumed after a
+    recovery in a smaller one; exact where it is 1)."""
+    travel, _ = _travel(sync)
     size = sum(int(np.prod(x.shape)) for x in like)
-    call = jax.ffi.ffi_call(_FINISH, jax.ShapeDtypeStruct((size,), travel), has_side_effect=True)
-    flat = call(handle)
-    if post != 1.0:
-        flat = flat.astype(jnp.float32) / jnp.float32(post)
-    flat = flat.astype(jnp.float32)
+    shapes = (jax.ShapeDtypeStruct((size,), travel), jax.ShapeDtypeStruct((), jnp.float32))
+    flat, post = jax.ffi.ffi_call(_FINISH, shapes, has_side_effect=True)(handle)
+    flat = flat.astype(jnp.float32) / post
     out, at = [], 0
     for x in like:
         k = int(np.prod(x.shape))

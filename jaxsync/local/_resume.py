@@ -24,15 +24,28 @@ def _states(state) -> list:
     return [s for s in jax.tree.leaves(state, is_leaf=is_local) if is_local(s)]
 
 
+def _handle(h) -> int | None:
+    """``h`` as a handle (an int32 scalar of ``overlap=True``'s ``held``), or None."""
+    if np.ndim(h) == 0 and np.asarray(h).dtype == np.int32:
+        return int(np.asarray(h))
+    return None
+
+
+def has_sums(state: Any) -> bool:
+    """Whether ``state`` holds a sum in flight (``jaxsync.elastic``'s commit saves it)."""
+    handles = [_handle(h) for s in _states(state) for h in s.held]
+    return any(h is not None and h >= 0 for h in handles)
+
+
 def in_flight(state: Any) -> list[np.ndarray]:
     """The sums in flight in ``state`` (waited for), to save with a checkpoint.
 
     ``state`` is (or holds) the state of a local-update transform made with
-    ``overlap=True``. Returns one uint8 array per fragment, in order: the bytes
-    of its sum as it travels (in ``comm_dtype``; empty where none is in
-    flight): save it beside the state, and after restoring give it to
-    :func:`resume_in_flight`. The transfers are not taken: the running job goes
-    on as if nothing happened.
+    ``overlap=True``. Returns one uint8 array per fragment, in order (opaque:
+    the float32 divisor that makes the sum a mean, then the sum's bytes as it
+    travelled, in ``comm_dtype``; empty where none is in flight): save it beside
+    the state, and after restoring give it to :func:`resume_in_flight`. The
+    transfers are not taken: the running job goes on as if nothing happened.
 
     Example:
       >>> import numpy as np, jaxsync
@@ -50,7 +63,8 @@ def in_flight(state: Any) -> list[np.ndarray]:
             lib = lib or _inflight._lib()
             n = lib.jaxsync_inflight_size(h)
             got, err = np.empty(max(n, 0), np.uint8), ctypes.create_string_buffer(1024)
-            rc = -1 if n < 0 else lib.jaxsync_inflight_wait(h, got.ctypes.data, n, err, 1024)
+            post = ctypes.c_float(1.0)
+            rc = -1 if n < 0 else lib.jaxsync_inflight_wait(h, got.ctypes.data, n, err, 1024, post)
             if rc == -1:
                 raise ValueError(
                     f"jaxsync.local.in_flight: handle {h} is not in flight in this process "
@@ -59,7 +73,7 @@ def in_flight(state: Any) -> list[np.ndarray]:
                 )
             if rc == -2:
                 raise RuntimeError(f"jaxsync.local.in_flight: the sum failed: {err.value.decode()}")
-            out.append(got)
+            out.append(np.concatenate([np.array([post.value], np.float32).view(np.uint8), got]))
     return out
 
 
@@ -87,7 +101,9 @@ def resume_in_flight(state: Any, saved: list) -> Any:
         x = np.ascontiguousarray(np.asarray(x).reshape(-1)).view(np.uint8)
         if not x.size:
             return jnp.array(-1, jnp.int32)
-        return jnp.array(_inflight._lib().jaxsync_inflight_put(x.ctypes.data, x.size), jnp.int32)
+        post, data = float(x[:4].view(np.float32)[0]), np.ascontiguousarray(x[4:])
+        h = _inflight._lib().jaxsync_inflight_put(data.ctypes.data, data.size, post)
+        return jnp.array(h, jnp.int32)
 
     def one(s):
         if not isinstance(s, LocalUpdatesState):

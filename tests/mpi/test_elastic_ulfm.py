@@ -234,7 +234,7 @@ def _local_reference(mode, steps=10, lost_from=7):
 
 
 @requires_ft
-@pytest.mark.parametrize("mode", ["diloco", "stream"])
+@pytest.mark.parametrize("mode", ["diloco", "stream", "sent"])
 def test_local_updates_recover_on_the_survivors_bitwise(tmp_path, mode):
     """jaxsync.diloco with islands="process": rank 2 killed mid-interval (diloco) or
     with the outer mean in flight on streaming's lane (stream, overlap=True). The
@@ -247,7 +247,10 @@ def test_local_updates_recover_on_the_survivors_bitwise(tmp_path, mode):
     recs, out = _launch("worker_elastic_local.py", tmp_path, timeout=120, args=[mode])
     assert sorted(recs) == [0, 1], f"survivors' records: {sorted(recs)}\n{out}"
     assert "Traceback" not in out, out
-    xs, a = _local_reference(mode)
+    # sent: the commit after step 4 held the 3 islands' mean in flight; it lands at 5
+    xs, a = _local_reference(
+        "stream" if mode == "sent" else mode, lost_from=4 if mode == "sent" else 7
+    )
     for r, rec in recs.items():
         got = np.array(rec["x"], np.float32)
         assert got.tobytes() == xs[r].tobytes(), (r, got, xs[r], out)
@@ -256,7 +259,7 @@ def test_local_updates_recover_on_the_survivors_bitwise(tmp_path, mode):
         # diloco: the commit after step 4, 5 or 6, by where the survivors raised (the
         # local steps are the same on 3 islands or 2); stream: after step 6 (no
         # commit right after a send step, 3; the mean sent at 7 fails at 7 or 8)
-        ok = {"diloco": (6, 7, 8), "stream": (7,)}[mode]
+        ok = {"diloco": (6, 7, 8), "stream": (7,), "sent": (5,)}[mode]
         assert rec["recovery_s"]["restored_commit"] in ok, rec
         assert rec["quiet"] is True, rec
 

@@ -15,7 +15,11 @@ step 5 (here, each run) or at the latest in the outer mean of step 7. MODE
 ``stream``: ``diloco(delay=1, mix=0.5, overlap=True)``; rank 2 is killed at step 7,
 the survivors send their pseudo-gradients on the lane (in flight), and the step that
 awaits it (8) fails: the recovery fails the old lane, the survivors restore the
-commit of step 6 and redo 7 and 8 on a new lane. Each survivor writes
+commit of step 6 and redo 7 and 8 on a new lane. MODE ``sent``: as ``stream``, but
+a commit after every step, also right after a send step (it waits for the sum in
+flight and keeps it), and rank 2 is killed at step 4, just after that commit: the
+survivors restore it, its 3-island mean back in flight, and apply it at step 5
+(``jaxsync.local.resume_in_flight``). Each survivor writes
 OUT_DIR/rank-R.json: final parameters, anchor, the recovery and whether the exit
 drain went quiet.
 """
@@ -39,7 +43,7 @@ from jaxsync._comm import _quiet
 
 STEPS = 10
 out, mode = sys.argv[1], sys.argv[2]
-KILL_AT = {"diloco": 5, "stream": 7}[mode]
+KILL_AT = {"diloco": 5, "stream": 7, "sent": 4}[mode]
 first = MPI.COMM_WORLD.Get_rank()
 victim = MPI.COMM_WORLD.Get_size() - 1
 made = {}
@@ -51,7 +55,7 @@ def c(t):
 
 def make(s):
     isl = jaxsync.islands("process", comm=s.comm)
-    extra = {"delay": 1, "mix": 0.5, "overlap": True} if mode == "stream" else {}
+    extra = {"delay": 1, "mix": 0.5, "overlap": True} if mode != "diloco" else {}
     tx = jaxsync.diloco(optax.sgd(0.5), optax.sgd(0.5, momentum=0.5), every=4, islands=isl, **extra)
 
     def step(x, opt, g):
@@ -79,7 +83,7 @@ def train(s):
         s.x, s.opt, s.t = x, opt, t + 1
         jax.block_until_ready((x, opt))  # a failure in the step surfaces here
         if mode != "stream" or (t + 1) % 4:  # stream: not right after a send step
-            s.commit()
+            s.commit()  # sent: every step (the sum in flight is waited for and kept)
     return np.asarray(s.x), np.asarray(s.opt.anchor)
 
 

@@ -2,7 +2,7 @@
 // that stays in flight across separate jitted calls (the outer mean of
 // jaxsync.local's streaming with overlap=True).
 //
-// start(x: T[n]) -> handle: s32[]   (attributes: comm, poll_us, piece_bytes)
+// start(x: T[n]) -> handle: s32[]   (attributes: comm, poll_us, piece_bytes, post)
 //   copies x into a buffer this library owns (the snapshot: never an XLA
 //   buffer, so nothing the caller donates or reuses lies under the transfer),
 //   queues its sum (as jaxsync_allreduce sums: float32 in pieces of piece_bytes,
@@ -11,8 +11,11 @@
 //   overlap's sums, in the order they were queued: the step order, the same on
 //   every process), and returns at once with a handle (a number of this
 //   process) that the optimizer state carries to a later step.
-// finish(handle: s32[]) -> T[n]
-//   returns a future that the lane completes with the sum (at once if it is
+// finish(handle: s32[]) -> (T[n], f32[])
+//   returns a future that the lane completes with the sum and the divisor that
+//   makes it a mean (`post`, given at the start: the sum's world's, so a sum
+//   resumed in a smaller world after a recovery is still divided by its own)
+//   (at once if it is
 //   already done) and forgets the handle; an unknown handle (a state restored
 //   from a checkpoint taken while a sum was in flight, in another process) is
 //   an error that says so. MPI failures (a revoked communicator after a lost
@@ -22,8 +25,9 @@
 //
 // C entry points for checkpoints (jaxsync.local.in_flight / resume_in_flight),
 // in bytes: jaxsync_inflight_size(h) (-1: unknown), jaxsync_inflight_wait(h,
-// out, n, err, cap) waits for h's sum and copies it out without forgetting h,
-// jaxsync_inflight_put(data, n) registers a finished sum and returns its handle,
+// out, n, err, cap, post) waits for h's sum and copies it (and its divisor) out
+// without forgetting h, jaxsync_inflight_put(data, n, post) registers a finished
+// sum and returns its handle,
 // jaxsync_inflight_fail_all(text) fails every sum not yet taken (elastic
 // recovery: nothing waits on a dead world), jaxsync_inflight_pending() counts
 // handles not yet taken.
@@ -36,6 +40,7 @@ namespace {
 struct Slot {
   std::vector<char> data;  // the sum's bytes
   ffi::DataType type = ffi::DataType::F32;
+  float post = 1.0f;  // the divisor that makes the sum a mean
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
@@ -79,8 +84,9 @@ void Complete(Slot& slot, std::string error) {
 }
 
 ffi::Error StartImpl(ffi::AnyBuffer x, ffi::Result<ffi::BufferR0<ffi::S32>> handle,
-                     int64_t comm, int64_t poll_us, int64_t piece_bytes) {
+                     int64_t comm, int64_t poll_us, int64_t piece_bytes, float post) {
   auto slot = std::make_shared<Slot>();
+  slot->post = post;
   const size_t n = x.element_count();
   const char* src = static_cast<const char*>(x.untyped_data());
   slot->data.assign(src, src + x.size_bytes());
@@ -123,7 +129,8 @@ ffi::Error Unknown(int32_t h) {
       "apply step.");
 }
 
-ffi::Future FinishImpl(ffi::BufferR0<ffi::S32> handle, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Future FinishImpl(ffi::BufferR0<ffi::S32> handle, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Result<ffi::BufferR0<ffi::F32>> post) {
   ffi::Promise promise;
   ffi::Future future(promise);
   const int32_t h = handle.typed_data()[0];
@@ -133,8 +140,9 @@ ffi::Future FinishImpl(ffi::BufferR0<ffi::S32> handle, ffi::Result<ffi::AnyBuffe
     return future;
   }
   void* dst = out->untyped_data();
+  float* divisor = post->typed_data();
   const size_t n = out->size_bytes();
-  auto deliver = [slot, dst, n, promise]() mutable {
+  auto deliver = [slot, dst, divisor, n, promise]() mutable {
     if (!slot->error.empty()) {
       promise.SetError(ffi::Error::Internal(slot->error));
     } else if (slot->data.size() != n) {
@@ -143,6 +151,7 @@ ffi::Future FinishImpl(ffi::BufferR0<ffi::S32> handle, ffi::Result<ffi::AnyBuffe
           " bytes, the result " + std::to_string(n)));
     } else {
       std::memcpy(dst, slot->data.data(), n);
+      *divisor = slot->post;
       promise.SetAvailable();
     }
   };
@@ -168,12 +177,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_inflight_start, jaxsync::StartImpl,
                                   .Ret<ffi::BufferR0<ffi::S32>>()
                                   .Attr<int64_t>("comm")
                                   .Attr<int64_t>("poll_us")
-                                  .Attr<int64_t>("piece_bytes"));
+                                  .Attr<int64_t>("piece_bytes")
+                                  .Attr<float>("post"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_inflight_finish, jaxsync::FinishImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::BufferR0<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>());
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::BufferR0<ffi::F32>>());
 
 extern "C" int64_t jaxsync_inflight_size(int32_t h) {
   auto slot = Find(h, false);
@@ -182,7 +193,8 @@ extern "C" int64_t jaxsync_inflight_size(int32_t h) {
 
 // Waits for h's sum and copies its n bytes to out: 0, or -1 (unknown handle or
 // another size) / -2 (the sum failed; its error text in err, at most cap bytes).
-extern "C" int jaxsync_inflight_wait(int32_t h, char* out, int64_t n, char* err, int64_t cap) {
+extern "C" int jaxsync_inflight_wait(int32_t h, char* out, int64_t n, char* err, int64_t cap,
+                                     float* post) {
   auto slot = Find(h, false);
   if (!slot || static_cast<int64_t>(slot->data.size()) != n) return -1;
   std::unique_lock<std::mutex> lock(slot->mu);
@@ -192,11 +204,13 @@ extern "C" int jaxsync_inflight_wait(int32_t h, char* out, int64_t n, char* err,
     return -2;
   }
   std::memcpy(out, slot->data.data(), static_cast<size_t>(n));
+  *post = slot->post;
   return 0;
 }
 
-extern "C" int32_t jaxsync_inflight_put(const char* data, int64_t n) {
+extern "C" int32_t jaxsync_inflight_put(const char* data, int64_t n, float post) {
   auto slot = std::make_shared<Slot>();
+  slot->post = post;
   slot->data.assign(data, data + n);
   slot->done = true;
   return Register(std::move(slot));
