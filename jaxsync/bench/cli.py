@@ -38,6 +38,7 @@ SUITES = {
     "accumulate": "jaxsync.bench.accumulate",
     "weights": "jaxsync.bench.weights",
     "local-updates": "jaxsync.bench.local",
+    "quant-quality": "jaxsync.bench.quality",
 }
 """``--suite NAME``: the module whose ``main(argv)`` runs it."""
 
@@ -58,6 +59,8 @@ SUITE_HELP = {
     "wires): its cost",
     "local-updates": "a byte-level transformer LM: data parallel against DiLoCo, local SGD and "
     "streaming DiLoCo, eval loss against wall-clock and steps",
+    "quant-quality": "digits MLP and byte-level LM trained through each wire format (float32, "
+    "bfloat16, Quantized int8/e4m3/int4/e2m1): eval loss per seed against float32's spread",
 }
 
 
