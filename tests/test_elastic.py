@@ -214,3 +214,25 @@ def test_recovery_revokes_the_islands_and_fails_their_lanes(monkeypatch):
     assert len(failed) == 1 and "MPI_ERR_REVOKED" in failed[0], failed
     assert _run.is_process_failure(RuntimeError(failed[0]))
     assert (id(world), "process") not in _islands._MADE and id(outer) not in _inflight._LANES
+
+
+def test_islands_given_as_a_communicator_are_revoked_by_a_recovery_too():
+    """islands=<an mpi4py communicator>: its communicators are kept with the split
+    ones, so jaxsync.elastic's recovery finds (revokes, forgets) them; they were
+    missed (only islands="process" / "host" were found)."""
+    from mpi4py import MPI
+
+    import jaxsync
+    from jaxsync.elastic import _run
+    from jaxsync.local import _islands
+
+    world = MPI.COMM_SELF.Dup()
+    try:
+        mine = world.Dup()
+        jaxsync.islands(mine, comm=world)
+        found = [isl for (k, _), (w, isl) in _islands._MADE.items() if w is world]
+        assert len(found) == 1 and found[0].kind == "comm", found
+        _run._fail_lanes(world, RuntimeError("lost: MPI_ERR_REVOKED"))
+        assert not [w for w, _ in _islands._MADE.values() if w is world]
+    finally:
+        world.Free()

@@ -129,7 +129,10 @@ def islands(islands: Any = "host", *, axis_name: Any = None, comm: Any = "auto")
                 "islands: an island communicator was given but comm=None (one "
                 "process). Fix: pass comm=MPI.COMM_WORLD (every process of the job)."
             )
-        return _from_island("comm", axis_name, comm, islands)
+        got = _from_island("comm", axis_name, comm, islands)
+        # kept with the split ones: an elastic recovery revokes every island of a lost world
+        _MADE[(id(comm), ("comm", id(islands), len(_MADE)))] = (comm, got)
+        return got
     raise TypeError(
         "islands got unexpected type for argument 'islands' (expected: 'host', "
         "'process', an mpi4py Intracomm or jaxsync.AxisComm, got: "
