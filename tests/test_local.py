@@ -440,6 +440,11 @@ def test_the_native_inflight_sum_matches_the_held_form_and_resumes_mid_flight(tm
         jax.block_until_ready(fly(q3, t3))
     with pytest.raises(ValueError, match="saved has 1 entries, the state 2 fragments"):
         jaxsync.local.resume_in_flight(t, saved[:1])
+    # the held form keeps its means in the state: nothing in flight, nothing to resume
+    assert [x.size for x in jaxsync.local.in_flight(s)] == [0, 0]
+    same = jaxsync.local.resume_in_flight(s, [np.zeros(0, np.uint8)] * 2)
+    for x, y in zip(jax.tree.leaves(same.held), jax.tree.leaves(s.held)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 @pytest.mark.parametrize("make", ["diloco", "bmuf_nesterov", "streaming"])

@@ -26,6 +26,8 @@ def _states(state) -> list:
 
 def _handle(h) -> int | None:
     """``h`` as a handle (an int32 scalar of ``overlap=True``'s ``held``), or None."""
+    if isinstance(h, (tuple, list)):  # the held form: (means, finite)
+        return None
     if np.ndim(h) == 0 and np.asarray(h).dtype == np.int32:
         return int(np.asarray(h))
     return None
@@ -41,7 +43,9 @@ def in_flight(state: Any) -> list[np.ndarray]:
     """The sums in flight in ``state`` (waited for), to save with a checkpoint.
 
     ``state`` is (or holds) the state of a local-update transform made with
-    ``overlap=True``. Returns one uint8 array per fragment, in order (opaque:
+    ``overlap=True`` (the held form's means are in the state itself: its entries
+    come back empty, and :func:`resume_in_flight` leaves it as it is). Returns
+    one uint8 array per fragment, in order (opaque:
     the float32 divisor that makes the sum a mean, then the sum's bytes as it
     travelled, in ``comm_dtype``; empty where none is in flight): save it beside
     the state, and after restoring give it to :func:`resume_in_flight`. The
@@ -56,8 +60,8 @@ def in_flight(state: Any) -> list[np.ndarray]:
     lib, out = None, []
     for s in _states(state):
         for h in s.held:
-            h = int(np.asarray(h))
-            if h < 0:
+            h = _handle(h)  # None: the held form (overlap=False), its mean in the state
+            if h is None or h < 0:
                 out.append(np.zeros(0, np.uint8))
                 continue
             lib = lib or _inflight._lib()
@@ -108,6 +112,9 @@ def resume_in_flight(state: Any, saved: list) -> Any:
     def one(s):
         if not isinstance(s, LocalUpdatesState):
             return s
-        return s._replace(held=tuple(put(next(it)) for _ in s.held))
+        got = [(h, next(it)) for h in s.held]
+        if any(_handle(h) is None for h, _ in got):  # the held form: nothing to resume
+            return s
+        return s._replace(held=tuple(put(x) for _, x in got))
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, LocalUpdatesState))
