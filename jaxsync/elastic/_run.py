@@ -286,13 +286,8 @@ def _fail_lanes(comm: Any, exc: BaseException) -> None:
     """Fail the old world's lanes (pending transfers raise ``exc``) and forget them,
     with the islands split from it: a transform made after the recovery makes new ones."""
     comms = [comm, *_island_comms(comm)]
-    for ln in _lanes(comms):
-        fail = getattr(ln, "fail_all", None)
-        if fail is not None:  # a Python lane: its slots
-            fail(exc)
-        else:  # the native lane: every sum in flight (``_inflight.fail_all(text)``)
-            sys.modules["jaxsync.local._inflight"].fail_all(str(exc))
-            break
+    if _lanes(comms):  # every sum in flight in this process (the native lanes')
+        sys.modules["jaxsync.local._inflight"].fail_all(str(exc))
     lanes = getattr(sys.modules.get("jaxsync.local._inflight"), "_LANES", {})
     for k, (c, _) in list(lanes.items()):
         if any(c is x for x in comms):
