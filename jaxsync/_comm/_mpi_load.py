@@ -31,6 +31,8 @@ _NATIVE_KINDS = (
     "allreduce_async",
     "allgather",
     "alltoall",
+    "allgather_async",
+    "alltoall_async",
     "agree",
     "step",
     "reduce",

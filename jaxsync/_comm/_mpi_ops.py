@@ -151,10 +151,10 @@ class _NativeOps:
         return self._call("allreduce", list(bufs))
 
     def alltoall(self, x):
-        return self._call("alltoall", [x])[0]
+        return self._call("alltoall" if self.mode is None else "alltoall_async", [x])[0]
 
     def allgather(self, x):
-        return self._call("allgather", [x])[0]
+        return self._call("allgather" if self.mode is None else "allgather_async", [x])[0]
 
     def allgather_many(self, bufs):
         """Each buffer stacked along a new leading axis: any number, one call."""

@@ -8,7 +8,8 @@
   it returns a future at once and XLA runs the rest of the step meanwhile
   (overlap);
 * ``jaxsync_allgather`` and ``jaxsync_alltoall`` move any number of buffers,
-  one after another;
+  one after another; their ``_async`` forms do it on the communicator's thread
+  (overlap with a quantized wire);
 * ``jaxsync_reduce``, ``jaxsync_bcast`` (in place, any number of buffers) and
   ``jaxsync_reduce_scatter`` (buffer -> this rank's slice): the host tier's
   steps among the processes of one host (rank 0 of the communicator is the root);
@@ -67,6 +68,7 @@ def _drop_varying(aval, axes):
 def _native_abstract_eval(token, comm, active, *xs, kind, size, invariant, inplace=True, **_):
     del token, comm, active  # the other parameters only reach the lowering
     outs = []
+    kind = kind.removesuffix("_async") if kind.startswith("all") else kind
     for x in xs:
         if kind == "alltoall" and (x.ndim == 0 or x.shape[0] != size):
             raise ValueError(
@@ -92,7 +94,7 @@ native_p.def_abstract_eval(_native_abstract_eval)
 # that take ``group_bytes``.
 _IN_PLACE = ("allreduce", "allreduce_async", "reduce", "bcast")
 # Blocking kinds that take ``poll_us`` (besides allreduce): how they wait.
-_POLLED = ("allgather", "alltoall", "reduce_scatter")
+_POLLED = ("allgather", "alltoall", "allgather_async", "alltoall_async", "reduce_scatter")
 # The host tier in one call (``jaxsync_tier``, registered by ``tier_available``):
 # ``chunk`` > 0 bytes a chunk, leader_only; < 0: two_dimensional.
 _KINDS = (*_NATIVE_KINDS, "tier")
@@ -148,7 +150,7 @@ mlir.register_lowering(native_p, _native_lowering, platform="cpu")
 def _native_batching(args, dims, **params):
     # Under vmap every mapped replica takes part as a slice of one larger message.
     token, comm, active, *xs = args
-    kind = params["kind"]
+    kind = params["kind"].removesuffix("_async")
     nm = None  # not mapped
     if any(d is not nm for d in dims[:3]):
         raise NotImplementedError(
@@ -200,12 +202,14 @@ def native_call(
         runs on until a result is used),
         ``"allgather"`` (each buffer stacked along a new leading axis of size
         ``size``; any number, one call), ``"alltoall"`` (buffers whose leading
-        axis has size ``size``), ``"reduce"`` (sums onto rank 0, in place there; other ranks'
-        buffers unchanged), ``"bcast"`` (rank 0's buffers to every rank, in
-        place) or ``"reduce_scatter"`` (1-D buffers: this rank's slice of
-        ``ceil(n / size)`` elements, zeros past the end; in place, the
-        buffer, the slice in its first elements, the rest undefined); ``reduce`` and
-        ``reduce_scatter`` sum 16-bit floats in float32, rounded once.
+        axis has size ``size``), ``"allgather_async"`` / ``"alltoall_async"``
+        (the same on the communicator's thread), ``"reduce"`` (sums onto rank
+        0, in place there; other ranks' buffers unchanged), ``"bcast"`` (rank
+        0's buffers to every rank, in place) or ``"reduce_scatter"`` (1-D
+        buffers: this rank's slice of ``ceil(n / size)`` elements, zeros past
+        the end; in place, the buffer, the slice in its first elements, the
+        rest undefined); ``reduce`` and ``reduce_scatter`` sum 16-bit floats
+        in float32, rounded once.
       xs: the local arrays.
       token: the previous call's token (see ``_ordering.chain_token``).
       comm: int32 scalar: the communicator's Fortran handle (``comm.py2f()``).
