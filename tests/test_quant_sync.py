@@ -176,16 +176,66 @@ def test_other_dtypes_pass_and_bf16_quantized():
     assert out["b"].dtype == jnp.bfloat16 and (np.asarray(out["b"], np.float32) == 2.0).all()
 
 
-@pytest.mark.parametrize(
-    "kw, match",
-    [
-        (dict(overlap=True), "overlap=True"),
-        (dict(double_buffering=True), "double_buffering=True"),
-    ],
-)
-def test_unsupported_options_raise(kw, match):
-    with pytest.raises(ValueError, match=rf"comm_dtype=Quantized.*{match}.*Fix"):
-        jaxsync.hierarchical_mean(axis_name="d", comm=None, comm_dtype=jaxsync.Quantized(), **kw)
+def _steps(tx, x, nsteps=3):
+    """``nsteps`` updates of gradients ``x * (t + 1)`` on 2 hosts x 2 local
+    replicas (vmap): the outputs per step and the last state."""
+
+    def body(g):
+        st = tx.init(g)
+        outs = []
+        for t in range(nsteps):
+            out, st = tx.update(jax.tree.map(lambda y: y * (t + 1), g), st)
+            outs.append(out)
+        return outs, st
+
+    return jax.jit(jax.vmap(jax.vmap(body, axis_name="local"), axis_name="host"))(x)
+
+
+def _tree4():
+    key = jax.random.PRNGKey(5)
+    return [
+        jax.random.normal(jax.random.fold_in(key, k), (2, 2, m)) for k, m in enumerate((9, 70, 40))
+    ]
+
+
+@pytest.mark.parametrize("strategy", STRATS)
+def test_overlap_and_double_buffering_take_the_quantized_wire(strategy):
+    """overlap=True (per bucket) and double_buffering=True (a step late) with a
+    quantized wire (both refused before): overlap's outputs and residuals are
+    overlap=False's bits (stochastic keys by the bucket's place in the sync);
+    double buffering applies the last step's quantized mean, bit for bit, its
+    residuals in DoubleBufferState.wire, laid out per replica by state_specs.
+    (Across processes, on the communicator's lane: tests/mpi/test_quant_mpi.py.)"""
+    q = jaxsync.Quantized(bits=4, block=16, rounding="stochastic")
+    kw = dict(pack_threshold=128)  # three buffers, in two overlap buckets of 256 bytes
+    plain, st0 = _steps(_tx(strategy, q, overlap=False, **kw), _tree4())
+    over, st1 = _steps(_tx(strategy, q, overlap=True, overlap_bucket_bytes=256, **kw), _tree4())
+    for a, b in zip(jax.tree.leaves((plain, st0.residual)), jax.tree.leaves((over, st1.residual))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    q = jaxsync.Quantized(bits=8, block=16)
+    plain, st0 = _steps(_tx(strategy, q, overlap=False, **kw), _tree4())
+    double, st1 = _steps(_tx(strategy, q, overlap=False, double_buffering=True, **kw), _tree4())
+    assert isinstance(st1, jaxsync.DoubleBufferState)
+    assert isinstance(st1.wire, jaxsync.QuantState)
+    assert not any(np.asarray(y).any() for y in double[0])
+    for a, b in zip(jax.tree.leaves(plain[:2]), jax.tree.leaves(double[1:])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(st1.wire.step[0, 0]) == 3 and np.abs(np.asarray(st1.wire.residual[0])).max() > 0
+    tx = _tx(strategy, q, double_buffering=True)
+    specs = jaxsync.state_specs(jax.eval_shape(tx.init, [jnp.ones(10), jnp.ones(3)]), "local")
+    assert specs.pending == [P("local"), P("local")] and specs.all_finite == P()
+    assert specs.wire == jaxsync.QuantState(P(), (P("local"),), P())
+
+
+def test_weights_with_double_buffering_and_a_quantized_wire_raise():
+    with pytest.raises(ValueError, match=r"weights=True with double_buffering=True.*Fix"):
+        jaxsync.hierarchical_mean(
+            axis_name="d",
+            comm=None,
+            comm_dtype=jaxsync.Quantized(),
+            double_buffering=True,
+            weights=True,
+        )
 
 
 def test_auto_takes_the_quantized_wire_and_sync_gradients_needs_a_state():

@@ -90,6 +90,10 @@ class AxisOps:
         """``x`` has shape (size, m): row j goes to peer j; returns rows from peers."""
         if not self.axes:
             return x
+        # An operand vmap left unmapped (a constant: double buffering's first
+        # step sends init's zeros) comes back misshapen from jax's all_to_all
+        # batching rule ((2, 3) -> (2, 3, 2, 3)): this makes it mapped (fused).
+        x = x + (lax.axis_index(self.axes) * 0).astype(x.dtype)
         return lax.all_to_all(x, self.axes, 0, 0, tiled=True)
 
     def allgather(self, x):

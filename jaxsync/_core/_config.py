@@ -171,22 +171,6 @@ def _check_dtype(fn, comm_dtype):
     return dt
 
 
-def _check_quant(fn, comm_dtype, overlap, double_buffering):
-    """``comm_dtype=Quantized(...)``: where it is not supported (yet), an error."""
-    if not isinstance(comm_dtype, Quantized):
-        return None
-    what = (
-        "overlap=True" if overlap is True else "double_buffering=True" if double_buffering else None
-    )
-    if what is not None:
-        raise ValueError(
-            f"{fn}: comm_dtype=Quantized(...) does not work with {what} yet, got "
-            f"comm_dtype={comm_dtype!r}. Fix: drop {what} (the quantized sum then "
-            "blocks the step), or use comm_dtype=jnp.bfloat16."
-        )
-    return comm_dtype
-
-
 # jaxsync.accumulate's k while it traces its wrapped update: in the agreed text
 # (ranks with another k reach the sync at other calls: named, not only counted)
 ACCUMULATE: contextvars.ContextVar[int] = contextvars.ContextVar("jaxsync_acc", default=1)
@@ -270,7 +254,7 @@ def make_config(
 ) -> SyncConfig:
     """Validate every static option; raise TypeError/ValueError naming it."""
     chosen = _plugins.strategy(strategy) if isinstance(strategy, str) else None
-    quant = _check_quant(fn, comm_dtype, overlap, double_buffering)
+    quant = comm_dtype if isinstance(comm_dtype, Quantized) else None
     if chosen is not None:  # "auto": chosen at trace time (jaxsync.auto, _sync.sync)
         return chosen.make_config(
             fn,
@@ -390,7 +374,7 @@ def make_config(
         backend = _axis_backend.LocalBackend()
     else:
         backend = _make_backend(fn, comm, staging, timeout, on_timeout)
-    overlap = resolve_overlap(overlap, backend) and quant is None  # "auto": where it spans hosts
+    overlap = resolve_overlap(overlap, backend)  # "auto": where it spans hosts
     if (overlap or double_buffering) and isinstance(backend, _axis_backend.LocalBackend):
         warn_no_inter_stage(fn, comm, overlap, double_buffering)
     return SyncConfig(

@@ -225,6 +225,13 @@ def transform(fn: str, cfg, weights, make_fns, allsum=None):
     transform divides by :data:`DIVISOR`.
     """
     check_weights(fn, weights, cfg.reduce)
+    if cfg.quant is not None and cfg.double_buffering:
+        raise ValueError(
+            f"{fn}: weights={weights!r} with double_buffering=True keeps the weights and "
+            "counts in the delayed gradients' buffer, which a quantized wire (comm_dtype="
+            f"{cfg.quant!r}) would round. Fix: drop double_buffering, or use "
+            "comm_dtype=jnp.bfloat16 (or None) with it."
+        )
     inner_cfg = dataclasses.replace(  # both here; the agreed text shows the user's
         cfg, reduce="sum", predivide=None, weights=(weights, cfg.reduce, cfg.predivide)
     )

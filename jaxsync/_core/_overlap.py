@@ -3,18 +3,16 @@
 ``run_async`` runs a strategy once per bucket, in the order backward produces
 the gradients, inside ``_async.asynchronous()`` (``overlap=True``); ``double_buffer_fns``
 is ``double_buffering=True``'s init/update pair (ChainerMN's double-buffering optimizer);
-``document_overlap`` adds the options (and ``weights``) to a factory's docstring;
 ``warn_no_inter_stage`` warns where no inter-process stage exists; ``check_overlap``
 validates the options, ``resolve_overlap`` decides ``overlap="auto"``.
 
 Imports: jax, ``_async``, ``_invariance``, ``_tie``, ``_plugins``, ``_strategies``;
-``_config`` (defaults, checks, ``bad_type``), ``_sync``, ``_transforms`` import it.
+``_config`` (defaults, checks, ``bad_type``), ``_sync``, ``_quantsum`` import it.
 """
 
 from __future__ import annotations
 
 import contextvars
-import inspect
 import os
 import sys
 import types
@@ -82,7 +80,7 @@ def overlap_groups(nbytes: list, bucket_bytes: int, first_bytes: int | None = No
     return groups
 
 
-def run_async(cfg, bufs: list, intra, group, tiered=False) -> list:
+def run_async(cfg, bufs: list, intra, group, tiered=False, runner=None) -> list:
     """The strategy run once per overlap bucket, its MPI sums asynchronous.
 
     ``overlap``: one call per bucket, issued as backward produces the bucket
@@ -91,7 +89,9 @@ def run_async(cfg, bufs: list, intra, group, tiered=False) -> list:
     from the state (step t-1's gradients, all there when the step starts), so
     one call sums them all (in place: the results hold their memory until the
     update, so the backward's temporaries never reuse it and wait for the
-    network), while this step's forward and backward run.
+    network), while this step's forward and backward run. ``runner(idx, bufs)``
+    (a quantized wire's schedule, ``_quantsum``) replaces the strategy's sum of
+    the buffers ``idx``.
     """
     if cfg.overlap:
         sizes = [int(b.size) * jnp.dtype(b.dtype).itemsize for b in bufs]
@@ -118,7 +118,10 @@ def run_async(cfg, bufs: list, intra, group, tiered=False) -> list:
                 done, mine = tie((done, mine))
                 for i, y in zip(prev, done):
                     out[i] = y
-            got = _strategies.run(cfg.strategy, mine, intra, cfg.backend, group, tiered)
+            if runner is not None:
+                got = runner(idx, mine)
+            else:
+                got = _strategies.run(cfg.strategy, mine, intra, cfg.backend, group, tiered)
             for i, y in zip(idx, got):
                 out[i] = y
             prev = idx
@@ -147,25 +150,30 @@ class DoubleBufferState(NamedTuple):
         with :func:`jaxsync.state_specs`.
       all_finite: with ``check_finite``, whether the last applied gradients
         were all finite (``None`` otherwise).
+      wire: with ``comm_dtype=jaxsync.Quantized(...)``, the quantized wire's
+        :class:`jaxsync.QuantState` (its residuals, step); ``None`` otherwise.
     """
 
     pending: Any
     all_finite: Any = None
+    wire: Any = None
 
 
-def double_buffer_fns(fn: str, cfg, sync):
+def double_buffer_fns(fn: str, cfg, sync, wire=None):
     """ChainerMN's double buffering: step t applies the mean of step t-1's gradients.
 
     The state holds the last step's local gradients. ``update`` reduces them
     (their MPI sums start when the step starts: they depend on the state only,
     so they travel during this step's forward and backward) and keeps the new
     gradients, unreduced, for the next step. The first step reduces the zeros
-    ``init`` made: it applies zeros.
+    ``init`` made: it applies zeros. ``wire``: a quantized wire's ``(init,
+    update)`` (``_quantsum.transform_fns``), which then reduces them.
     """
 
     def init_fn(params):
         pending = jax.tree_util.tree_map(lambda x: _as_pending(jnp.zeros_like(x)), params)
-        return DoubleBufferState(pending, jnp.array(True) if cfg.check_finite else None)
+        finite = jnp.array(True) if cfg.check_finite else None
+        return DoubleBufferState(pending, finite, wire[0](params) if wire else None)
 
     def update_fn(updates, state, params=None):
         del params
@@ -204,7 +212,11 @@ def double_buffer_fns(fn: str, cfg, sync):
         # network: the step took the sum of its compute and its communication).
         reset = _AFTER.set(jax.tree_util.tree_leaves(updates))
         try:
-            synced, finite = sync(last, cfg)
+            if wire:
+                synced, wired = wire[1](last, state.wire)
+                finite = wired.all_finite if cfg.check_finite else None
+            else:
+                (synced, finite), wired = sync(last, cfg), None
         finally:
             _AFTER.reset(reset)
         # Kept as this replica's share: a gradient autodiff already summed over
@@ -217,7 +229,7 @@ def double_buffer_fns(fn: str, cfg, sync):
         # was read): XLA may then put them where the donated state was, with one
         # copy (this one) instead of its two (the state in, these out).
         pending = tie(pending, after=jax.tree_util.tree_leaves(synced), fresh=True)
-        return synced, DoubleBufferState(pending, finite)
+        return synced, DoubleBufferState(pending, finite, wired)
 
     return init_fn, update_fn
 
@@ -303,69 +315,6 @@ def _outside_jaxsync() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(package):
         frame, level = frame.f_back, level + 1
     return level
-
-
-# The three options, as every MPI factory documents them (``document_overlap``).
-_ARGS = """      overlap: ``True`` sends the gradients in buckets, in the order backward
-        produces them (the tree's leaves last to first), each bucket as soon as
-        it exists; with MPI on CPU the sums run on a communication thread while
-        the step computes on (see "Overlap" in docs/strategies.md). The same bits as
-        ``False``. The buckets' order assumes the tree lists the model's layers
-        first to last. ``"auto"`` (default): on where the inter-process stage
-        spans more than one host (MPI, the topology's host count), off within
-        one host and without MPI. ``True`` without an inter-process stage (one
-        process) hides nothing, and the factory warns.
-      overlap_bucket_bytes: with ``overlap``, about this many bytes per bucket
-        (``"auto"``: 4 MiB; the first bucket 1 MiB).
-      double_buffering: ``True`` applies, at step ``t``, the mean of the
-        gradients of step ``t - 1`` (ChainerMN's ``double_buffering``): step
-        ``t``'s local gradients are kept in the state, and their reduction
-        runs during step ``t + 1``'s forward and backward. The first step
-        applies zeros (the state starts from zero gradients; ChainerMN skips
-        its first update): plain SGD leaves the parameters unchanged, an
-        optimizer after this transform sees one zero gradient. The gradients
-        of the last step are in the state and never applied. A checkpoint of
-        the state taken between steps resumes the same run bit for bit. The
-        step of staleness costs accuracy on a short run (see docs/strategies.md);
-        without an inter-process stage (one process) there is nothing to hide
-        and the factory warns.
-      weights: ``True``: ``update`` takes ``weight=`` (a scalar per replica; 1 by default) and
-        ``done=`` (no data after this step) and returns ``sum(w g) / sum(w)`` (0 if all are 0);
-        ``"world"``: ``sum(w g) / n``. See :func:`jaxsync.all_done`, docs/strategies.md.
-
-"""
-
-
-# ``host_tier``, as the factories that may take the host tier document it.
-_HOST_TIER_ARG = """      host_tier: the host tier (MPI on CPU, several hosts, several processes on
-        a host): a host's processes reduced first, then one process per host
-        (or each local rank's slice) across hosts, then the host's result
-        (see "The host tier" in docs/strategies.md). ``"auto"`` (default):
-        for a synchronisation most of whose bytes are 16-bit on the wire
-        (``comm_dtype=jnp.bfloat16``, bfloat16 parameters), where it always
-        sends fewer bytes across hosts; float32 keeps MPI's own allreduce.
-        ``True``: whenever the topology has one; ``False``: never.
-        ``JAXSYNC_HOST_TIER=1`` / ``0`` overrides it for every transform.
-"""
-
-
-def document_overlap(factory):
-    """Add ``overlap``, ``overlap_bucket_bytes`` and ``double_buffering`` (and
-    ``host_tier``, ``weights``, where the factory takes them) to a factory's
-    docstring (before ``Returns:``), and the state they make."""
-    doc, takes = factory.__doc__, inspect.signature(factory).parameters
-    at = doc.index("\n    Returns:")
-    args = _ARGS.rstrip("\n") if "weights" in takes else _ARGS[: _ARGS.index("      weights:")]
-    args = (_HOST_TIER_ARG if "host_tier" in takes else "") + args.rstrip("\n")
-    doc = doc[:at] + "\n" + args + doc[at:]
-    doc = doc.replace(
-        "      ``check_finite``.\n",
-        "      ``check_finite``; with ``double_buffering``,\n"
-        "      :class:`jaxsync.DoubleBufferState`.\n",
-        1,
-    )
-    factory.__doc__ = doc
-    return factory
 
 
 def bad_type(fn, arg, expected, got, fix):

@@ -21,8 +21,11 @@ Error feedback: the first quantization's error (of this process's sum) is kept
 in :class:`QuantState` and added to the next step's buffer before it is
 quantized; the requantization of the summed slices is not covered.
 
-May import: ``_quant``, ``_strategies``, ``_intra`` and the host tier's module
-(``_sync`` imports it).
+With ``overlap`` / ``double_buffering`` the schedule runs per overlap bucket
+(``_overlap.run_async``), its two calls on the communicator's thread.
+
+May import: ``_quant``, ``_strategies``, ``_overlap``, ``_intra`` and the host
+tier's module (``_sync`` imports it).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from jax import lax
 
 from jaxsync._comm import _axis_backend
 
-from . import _strategies
+from . import _overlap, _strategies
 from ._plan import make_plan
 from ._quant import Quantized, decode, encode
 from ._reduce16 import rows_sum_f32
@@ -121,14 +124,17 @@ def _unpack_rows(rows, sizes, spec: Quantized) -> list:
     return out
 
 
-def program(spec: Quantized, count: int, step, rank):
+def program(spec: Quantized, count: int, step, rank, ks=None):
     """``prog(ops, bufs)``: ``bufs`` = ``count`` float32 buffers, then their
     residuals (``count`` more, or none); returns the sums, then the new residuals.
-    ``step``, ``rank``: traced int32 (the stochastic keys), or None (nearest)."""
+    ``step``, ``rank``: traced int32 (the stochastic keys), or None (nearest);
+    ``ks``: the buffers' places among the sync's quantized buckets (the keys
+    fold them in; default ``0 .. count - 1``)."""
 
     def keys(k, stage):
         if spec.rounding != "stochastic":
             return None
+        k = ks[k] if ks is not None else k
         key = jax.random.fold_in(jax.random.PRNGKey(_SEED), step)
         return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, k), rank), stage)
 
@@ -232,7 +238,31 @@ def _rank(backend, intra, per_device: bool):
 def run(cfg, bufs: list, res, intra, tiered: bool, step) -> tuple[list, tuple]:
     """Sum ``bufs`` over every replica, the floating buckets quantized across
     processes; ``res``: the residuals of those buckets (or None). Returns the
-    sums and the new residuals (``res`` as given where nothing crossed)."""
+    sums and the new residuals (``res`` as given where nothing crossed).
+
+    With ``overlap`` (or ``double_buffering``) the schedule runs once per
+    overlap bucket, its all-to-all and all-gather on the communicator's thread
+    (``_overlap.run_async``): the same bits as one call for every bucket."""
+    if not (cfg.overlap or cfg.double_buffering):
+        return _run(cfg, bufs, res, intra, tiered, step)
+    qidx = [k for k, b in enumerate(bufs) if str(b.dtype) == "float32"]
+    ef = res is not None and cfg.quant.error_feedback
+    news = list(res) if ef else []
+
+    def runner(idx, mine):
+        ks = [qidx.index(i) for i in idx if i in qidx]
+        got, new = _run(
+            cfg, mine, tuple(news[k] for k in ks) if ef else None, intra, tiered, step, ks
+        )
+        for k, r in zip(ks, new if ef else ()):
+            news[k] = r
+        return got
+
+    out = _overlap.run_async(cfg, bufs, intra, None, tiered, runner=runner)
+    return out, (tuple(news) if ef else res)
+
+
+def _run(cfg, bufs: list, res, intra, tiered: bool, step, ks=None) -> tuple[list, tuple]:
     spec: Quantized = cfg.quant
     qidx = [k for k, b in enumerate(bufs) if str(b.dtype) == "float32"]
     rest = [k for k in range(len(bufs)) if k not in qidx]
@@ -254,7 +284,7 @@ def run(cfg, bufs: list, res, intra, tiered: bool, step) -> tuple[list, tuple]:
     step = jnp.int32(0) if step is None else step
     two_d = cfg.strategy == "two_dimensional"
     rank = _rank(cfg.backend, intra, two_d) if spec.rounding == "stochastic" else None
-    prog = program(spec, len(xs), step, rank)
+    prog = program(spec, len(xs), step, rank, ks)
     if two_d:
         d = intra.size
         padded = [_strategies._pad_to(x, d) for x in xs]

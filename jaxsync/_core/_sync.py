@@ -349,8 +349,9 @@ class SyncState(NamedTuple):
 
 def transform_fns(fn: str, cfg: SyncConfig):
     """``(init_fn, update_fn)`` of a transform that synchronises with ``cfg``."""
-    if cfg.double_buffering:
-        return _overlap.double_buffer_fns(fn, cfg, sync)
+    if cfg.double_buffering:  # a quantized wire's state inside (DoubleBufferState.wire)
+        wire = _quantsum.transform_fns(fn, cfg, sync) if cfg.quant is not None else None
+        return _overlap.double_buffer_fns(fn, cfg, sync, wire)
     if cfg.quant is not None:  # the residuals and the step in a QuantState
         return _quantsum.transform_fns(fn, cfg, sync)
     expected = SyncState if cfg.check_finite else optax.EmptyState

@@ -13,7 +13,7 @@ import optax
 
 from . import _join
 from ._config import AUTO, make_config
-from ._overlap import document_overlap
+from ._overlap_doc import document_overlap
 from ._sync import transform_fns
 
 if TYPE_CHECKING:  # annotations only: the core does not import jaxsync.sparse

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import optax
 
-from jaxsync._core._overlap import document_overlap
+from jaxsync._core._overlap_doc import document_overlap
 
 from ._choose import (
     AUTO,

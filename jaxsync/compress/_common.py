@@ -143,10 +143,12 @@ def state_specs(state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
             return replicated
         # A NamedTuple or (NNX) a mapping with its field names: the subtree under
         # "residual" is per replica, the rest replicated.
+        # (A quantized wire's state in a DoubleBufferState: its residuals too.)
         return jax.tree_util.tree_map_with_path(
             lambda path, x: (
                 _per_replica(path, x, per_replica)
                 if _field(path[0]) in _PER_REPLICA
+                or [_field(k) for k in path[:2]] == ["wire", "residual"]
                 else replicated
             ),
             node,
@@ -171,8 +173,9 @@ def _per_replica(path, leaf, spec):
 
 
 # DoubleBufferState's fields (jaxsync._core._sync, which imports this module's users).
-_DOUBLE_FIELDS = frozenset(("pending", "all_finite"))
-_STATE_FIELDS = (frozenset(PowerSGDState._fields), frozenset(SignState._fields), _DOUBLE_FIELDS)
+_DOUBLE_FIELDS = frozenset(("pending", "all_finite", "wire"))
+_COMPRESS_FIELDS = (frozenset(PowerSGDState._fields), frozenset(SignState._fields))
+_STATE_FIELDS = (*_COMPRESS_FIELDS, _DOUBLE_FIELDS, _DOUBLE_FIELDS - {"wire"})
 _PER_REPLICA = ("residual", "pending")  # each replica's own values
 
 

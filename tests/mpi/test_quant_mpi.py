@@ -130,3 +130,53 @@ def test_sharded_within_bound_on_every_rank(quant_run):
             assert row["error"] is None, row["error"]
         for ya, yb in zip(a["out"], b["out"]):  # the same updates on every rank
             assert (np.asarray(ya).view(np.uint8) == np.asarray(yb).view(np.uint8)).all()
+
+
+def _bits(tree):
+    return [np.asarray(x).view(np.uint8) for x in tree]
+
+
+@pytest.mark.parametrize("strategy", ["hierarchical", "two_dimensional"])
+def test_overlap_runs_the_schedule_per_bucket_on_the_lane_same_bits(quant_run, strategy):
+    """overlap=True with a quantized wire (refused before): the schedule runs once
+    per overlap bucket, its all-to-all and all-gather on the communicator's lane,
+    and three steps of stochastic 4-bit rounding with error feedback give the
+    bits of overlap=False (outputs and residuals): the keys fold in each
+    bucket's place among the sync's, not its place in the call."""
+    for r in range(2):
+        got = quant_run.results[r]["overlap"]
+        plain, over = got[f"{strategy}/plain"], got[f"{strategy}/overlap"]
+        for a, b in zip(plain["outs"], over["outs"]):
+            for x, y in zip(_bits(a), _bits(b)):
+                np.testing.assert_array_equal(x, y)
+        for x, y in zip(_bits(plain["residual"]), _bits(over["residual"])):
+            np.testing.assert_array_equal(x, y)
+        with open(os.path.join(over["dir"], f"rank{r}.json")) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+        moved = [e for e in events if e["name"] in ("alltoall", "allgather")]
+        moved = [e for e in moved if e["args"]["bytes"] > 0]
+        # several buckets a step, each an all-to-all then an all-gather, queued
+        # on the lane (queued_us: only lane jobs carry it)
+        assert len(moved) >= 2 * 2 * 3, len(moved)
+        assert all("queued_us" in e["args"] for e in moved), moved[:2]
+        with open(os.path.join(plain["dir"], f"rank{r}.json")) as f:
+            blocking = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+        blocking = [e for e in blocking if e["name"] in ("alltoall", "allgather")]
+        assert not any("queued_us" in e["args"] for e in blocking)
+        per_step = sum(e["args"]["bytes"] for e in moved) / 3
+        assert per_step == sum(e["args"]["bytes"] for e in blocking) / 3
+
+
+@pytest.mark.parametrize("strategy", ["hierarchical", "two_dimensional"])
+def test_double_buffering_applies_the_last_steps_quantized_mean(quant_run, strategy):
+    """double_buffering=True with a quantized wire (refused before): step t
+    applies step t - 1's quantized mean, bit for bit the plain transform's, with
+    the error feedback carried along (step 1 applies zeros)."""
+    for r in range(2):
+        got = quant_run.results[r]["overlap"]
+        plain, double = got[f"{strategy}/nearest"], got[f"{strategy}/double"]
+        for y in double["outs"][0]:
+            assert not np.asarray(y).any()
+        for a, b in zip(plain["outs"][:2], double["outs"][1:]):
+            for x, y in zip(_bits(a), _bits(b)):
+                np.testing.assert_array_equal(x, y)

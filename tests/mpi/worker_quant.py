@@ -14,6 +14,9 @@ all-gather): mpirun -n 2 x 2 devices, jit(shard_map).
   timeline's bytes of one float32 leaf (per format), and two trees of
   tests/test_zero_quant.py against its float64 reference and bound (int8
   nearest; fp4 stochastic with a NaN), every rank the same values.
+* ``overlap``: three steps of a four-leaf tree with ``overlap=True`` (buckets of
+  512 bytes: several calls), stochastic rounding, against ``overlap=False``; and
+  ``double_buffering=True`` against the plain transform (nearest), per strategy.
 """
 
 import os
@@ -182,6 +185,48 @@ def main():
             row["error"] = traceback.format_exc()
         sh_rows.append(row)
     res.add("sharded", dict(bytes=sh_bytes, rows=sh_rows))
+
+    # -- overlap and double buffering: the schedule per bucket, on the lane --
+    sizes = (37, 300, 5, 129)  # four leaves; overlap buckets of about 512 bytes
+    xs = [
+        jnp.asarray(np.sin(np.arange(D * m, dtype=np.float32) * (k + 1)).reshape(D, m) * (rank + 1))
+        for k, m in enumerate(sizes)
+    ]
+
+    def steps_fn(tx, nsteps=3):
+        def body(*leaves):
+            g = [x[0] for x in leaves]
+            st = tx.init(g)
+            outs = []
+            for t in range(nsteps):
+                out, st = tx.update([y * (t + 1) for y in g], st)
+                outs.append([y[None] for y in out])
+            wire = st.wire if hasattr(st, "wire") else st
+            return outs, [r[None] for r in wire.residual]
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec_d, out_specs=spec_d))
+
+    ov = {}
+    for strategy in ("hierarchical", "two_dimensional"):
+        make = getattr(jaxsync, f"{strategy}_mean")
+        for name, q, kw in [
+            ("plain", jaxsync.Quantized(bits=4, block=16, rounding="stochastic"), {}),
+            (
+                "overlap",
+                jaxsync.Quantized(bits=4, block=16, rounding="stochastic"),
+                dict(overlap=True, overlap_bucket_bytes=512),
+            ),
+            ("nearest", jaxsync.Quantized(bits=8, block=16), {}),
+            ("double", jaxsync.Quantized(bits=8, block=16), dict(double_buffering=True)),
+        ]:
+            kw = {"overlap": False, "pack_threshold": 256, **kw}  # 3 buffers
+            tx = make(axis_name="d", comm=comm, comm_dtype=q, **kw)
+            f = steps_fn(tx)
+            d = os.path.join(ns.dir, f"ov_{strategy}_{name}")
+            with jaxsync.timeline(d):
+                outs, resid = jax.block_until_ready(f(*xs))
+            ov[f"{strategy}/{name}"] = dict(outs=to_numpy(outs), residual=to_numpy(resid), dir=d)
+    res.add("overlap", ov)
     res.write()
 
 
