@@ -16,7 +16,9 @@ rank's; the figure the median over rounds):
   overlap case across hosts, the blocking one within a host);
 * ``forward``: the forward pass alone (the loss);
 * ``bare``: ``mpi4py`` ``Allreduce`` of the gradients' bytes (float32,
-  preallocated, out of place).
+  preallocated, out of place); with ``--wire`` a ``jaxsync.Quantized`` format
+  (every case's ``comm_dtype``, block 2048), the schedule's ``Alltoall`` of the
+  codes and scales and its ``Allgather`` of one row.
 
 Targets (the issues'): with overlap the step at most 1.25 x max(nosync, bare),
 below blocking by at least a third of bare and (issue 31) at most 1.05 x
@@ -99,18 +101,39 @@ def make_step(tx, lr: float = 1e-2):
     return jax.jit(step, donate_argnums=(0, 1)), opt
 
 
-def _cases(comm, buckets):
+# --wire: comm_dtype for every case (float32: None); the bare collective beside
+# a quantized wire is its schedule's: an all-to-all of n (b/8 + 4/B) bytes, then
+# an all-gather of 1/N of them.
+WIRES = ("float32", "int8", "e4m3", "int4", "e2m1")
+
+
+def wire_spec(wire: str):
+    """``comm_dtype`` of ``--wire`` (``None`` for float32)."""
     import jaxsync
 
-    blocking = jaxsync.hierarchical_mean(None, comm, overlap=False)
+    if wire == "float32":
+        return None
+    return jaxsync.Quantized(bits=8 if wire in ("int8", "e4m3") else 4, kind=_KIND[wire])
+
+
+_KIND = {"int8": "int", "int4": "int", "e4m3": "float", "e2m1": "float"}
+
+
+def _cases(comm, buckets, wire="float32"):
+    import jaxsync
+
+    q = wire_spec(wire)
+    blocking = jaxsync.hierarchical_mean(None, comm, comm_dtype=q, overlap=False)
     cases = {"nosync": None, "blocking": blocking}
     for b in buckets:
         cases[f"overlap {b / MiB:g}MiB"] = jaxsync.hierarchical_mean(
-            None, comm, overlap=True, overlap_bucket_bytes=b
+            None, comm, comm_dtype=q, overlap=True, overlap_bucket_bytes=b
         )
-    cases["double"] = jaxsync.hierarchical_mean(None, comm, overlap=False, double_buffering=True)
+    cases["double"] = jaxsync.hierarchical_mean(
+        None, comm, comm_dtype=q, overlap=False, double_buffering=True
+    )
     # the defaults (overlap="auto": on across hosts, off within one host)
-    cases["default"] = jaxsync.hierarchical_mean(None, comm)
+    cases["default"] = jaxsync.hierarchical_mean(None, comm, comm_dtype=q)
     return cases
 
 
@@ -131,7 +154,7 @@ def _time(fn, iters, comm, meter=None):
     return comm.allreduce(statistics.median(times), op=MPI.MAX)
 
 
-def measure(comm, layers, width, batch, buckets, rounds, iters, trace_dir=None):
+def measure(comm, layers, width, batch, buckets, rounds, iters, trace_dir=None, wire="float32"):
     """Median step seconds per case (interleaved rounds) and the bare allreduce,
     the samples, the gradients' bytes and each case's CPU share
     (``{case: {"machine", "ranks"}}``, see ``timing.CpuMeter``). With
@@ -146,7 +169,7 @@ def measure(comm, layers, width, batch, buckets, rounds, iters, trace_dir=None):
     x = jax.random.normal(jax.random.PRNGKey(1 + comm.Get_rank()), (batch, width))
     nbytes = sum(int(a.size) * 4 for a in jax.tree.leaves(params))
     carry, steps = {}, {}
-    for name, tx in _cases(comm, buckets).items():
+    for name, tx in _cases(comm, buckets, wire).items():
         step, opt = make_step(tx)
         p = jax.tree.map(jnp.copy, params)
         steps[name] = step
@@ -162,9 +185,18 @@ def measure(comm, layers, width, batch, buckets, rounds, iters, trace_dir=None):
 
     send = np.ones(nbytes // 4, np.float32)
     recv = np.empty_like(send)
+    q, N = wire_spec(wire), comm.Get_size()
+    if q is not None:  # the schedule's bytes: codes and scales, N rows, then a row each
+        row = -(-(nbytes // 4) // N)
+        row = row * q.bits // 8 + 4 * -(-row // q.block)
+        rows, got = np.ones((N, row), np.uint8), np.empty((N, row), np.uint8)
 
     def bare():
-        comm.Allreduce(send, recv, op=MPI.SUM)
+        if q is None:
+            comm.Allreduce(send, recv, op=MPI.SUM)
+        else:
+            comm.Alltoall(rows, got)
+            comm.Allgather(rows[0], got)
 
     forward = jax.jit(loss)
     fns = {name: runner(name) for name in steps}
@@ -272,6 +304,13 @@ def _parse(argv):
     p.add_argument("--iters", type=int, default=None, help="calls per sample (default 5)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory")
     p.add_argument(
+        "--wire",
+        choices=WIRES,
+        default="float32",
+        help="every case's comm_dtype: float32 (None) or a jaxsync.Quantized format "
+        "(block 2048); the bare collective is then its all-to-all and all-gather",
+    )
+    p.add_argument(
         "--no-timeline",
         action="store_true",
         help="skip the timeline picture (by default the first overlap case runs "
@@ -309,10 +348,18 @@ def main(argv: list[str] | None = None) -> int:
 
     tuned = jaxsync.tune_host_allocator()
     hosts = jaxsync.topology(comm).hosts
-    mode = "cluster" if hosts > 1 else "shm"
+    mode = ("cluster" if hosts > 1 else "shm") + ("" if args.wire == "float32" else f"-{args.wire}")
     trace_dir = None if args.no_timeline else args.out / f"overlap-{mode}-timeline"
     med, samples, nbytes, cpu = measure(
-        comm, args.layers, args.width, args.batch, args.buckets, args.rounds, args.iters, trace_dir
+        comm,
+        args.layers,
+        args.width,
+        args.batch,
+        args.buckets,
+        args.rounds,
+        args.iters,
+        trace_dir,
+        args.wire,
     )
     if comm.Get_rank() != 0:
         return 0
@@ -321,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\noverlap suite, {mode}: {comm.Get_size()} processes on {hosts} host(s), "
         f"{args.layers} layers x {args.width}, batch {args.batch}, "
-        f"{nbytes / 1e6:.1f} MB of gradients; median of {args.rounds} rounds x "
+        f"{nbytes / 1e6:.1f} MB of gradients, wire {args.wire}; median of {args.rounds} rounds x "
         f"{args.iters} calls, slowest rank; load average {os.getloadavg()[0]:.1f}"
     )
     print(
@@ -356,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         "width": args.width,
         "batch": args.batch,
         "gradient_bytes": nbytes,
+        "wire": args.wire,
         "rounds": args.rounds,
         "iters": args.iters,
         "quick": args.quick,

@@ -127,3 +127,21 @@ def test_bench_overlap_suite_smoke(tmp_path):
     merged = json.loads((trace / "timeline.json").read_text())
     steps = [e for e in merged["traceEvents"] if e.get("cat") == "step"]
     assert len(steps) == 2 * 3  # TRACE_STEPS per rank
+
+
+def test_bench_overlap_suite_with_a_quantized_wire(tmp_path):
+    """``--wire int8``: every case (overlap and double buffering included, refused
+    with a quantized wire before) runs with ``comm_dtype=Quantized(bits=8)``, and
+    the bare collective beside them is the schedule's all-to-all and all-gather."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(ROOT)
+    cmd = [str(MPIRUN), "-n", "2", sys.executable, "-m", "jaxsync", "bench", "--suite"]
+    cmd += ["overlap", "--quick", "--no-timeline", "--wire", "int8", "--out", str(tmp_path)]
+    returncode, text, timed_out = run_command(cmd, timeout=300, env=env)
+    if timed_out:
+        pytest.fail("bench --suite overlap --wire int8 timed out:\n" + text[-3000:])
+    assert returncode == 0, text[-3000:]
+    record = json.loads((tmp_path / "overlap-shm-int8.json").read_text())
+    assert record["meta"]["wire"] == "int8" and "wire int8" in text
+    assert {"nosync", "blocking", "double", "default", "bare"} <= set(record["median_s"])
+    assert all(v > 0 for v in record["median_s"].values()), record["median_s"]
