@@ -115,7 +115,7 @@ def _agree(cfg: LocalConfig, step, params, state):
         f"{cfg.describe()}\nparameters {jax.tree.structure(params)} {shapes}\n"
         f"outer state {jax.tree.structure(state.outer_state)} outer probe {_probe(cfg.outer)}"
     )
-    (out,) = backend.agree(text, f"{cfg.fn} configuration", [step[None]])
+    (out,) = backend.agree(text, f"{cfg.fn} configuration", [step[None]], alone=True)
     return out[0]
 
 

@@ -85,6 +85,19 @@ def test_closed_forms_across_processes(local_run, mode, case):
             assert skipped == 0
 
 
+def test_the_watchdog_leaves_every_stage_it_enters(local_run):
+    """With timeout= under shard_map: the same parameters as without, and no
+    stage left open after a step. The configuration's agreement used to stay
+    entered (a stall reported after ``timeout`` seconds, or the job ended with
+    on_timeout="abort") and to type the step count varying over the devices
+    (shard_map refused the state's out_specs)."""
+    for res in local_run.results:
+        for got, want in zip(res["watched"], res["smap:diloco"][:3], strict=True):
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(g, w)
+        assert res["watched:open"] and not any(res["watched:open"]), res["watched:open"]
+
+
 def test_post_local_sgd_warmup_is_data_parallel_first(local_run):
     want = reference("smap", 6, 2, sgd(1.0), warmup=2)
     for rank, res in enumerate(local_run.results):
