@@ -182,6 +182,8 @@ _FIXES = {
     "parameter tree": "call broadcast_params on every process with the same root and a "
     "tree of the same structure, shapes and dtypes (only the values may differ)",
     "broadcast root": "pass the same root to broadcast_params on every process",
+    "configuration": "create the local-update transform with the same options (every, "
+    "fragments, delay, mix, the outer optimizer) and parameter tree on every process",
 }
 
 # The options line of an agreed text (``SyncConfig.describe``): "key value"
@@ -245,9 +247,27 @@ def _disagreement(texts: Sequence[str], what: str) -> str:
             break
     if la.startswith("root ") and lb.startswith("root "):
         what = "broadcast root"  # broadcast_params' root, first in its text
+    fix = _FIXES.get(what, "make every process agree")
+    keys = ""
+    if what.endswith(" configuration"):  # jaxsync.local's: "key value" pairs
+        fix = _FIXES["configuration"]
+        named = _keys_that_differ(la, lb)
+        keys = f" ({', '.join(named)})" if named else ""
     return (
-        f"jaxsync: the {what} differs between rank 0 and rank {other}, so the "
+        f"jaxsync: the {what} differs between rank 0 and rank {other}{keys}, so the "
         f"processes would issue different collectives (a hang or wrong results).\n"
         f"  {'rank 0:':<{w}} {la or '<nothing>'}\n  {f'rank {other}:':<{w}} "
-        f"{lb or '<nothing>'}\nFix: {_FIXES.get(what, 'make every process agree')}."
+        f"{lb or '<nothing>'}\nFix: {fix}."
     )
+
+
+def _keys_that_differ(a: str, b: str) -> list[str]:
+    """In two lines of ``key value`` words, the keys whose values differ."""
+    wa, wb = a.split(), b.split()
+    if len(wa) != len(wb):
+        return []
+    return [
+        wa[i - 1]
+        for i in range(1, len(wa))
+        if wa[i] != wb[i] and wa[i - 1] == wb[i - 1] and wa[i - 1].isidentifier()
+    ]

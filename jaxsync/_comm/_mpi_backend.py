@@ -287,7 +287,7 @@ class MPIBackend:
         branches = [functools.partial(on, c, k == 0) for k, c in enumerate(per_dev)]
         return list(lax.switch(idx, branches, bufs))
 
-    def agree(self, text: str, what: str, bufs: list) -> list:
+    def agree(self, text: str, what: str, bufs: list, alone: bool = False) -> list:
         """Check the synchronisation's header across processes before ``bufs`` travel.
 
         Returns ``bufs`` tied to the check. On CPU (jaxsync's native target)
@@ -298,18 +298,25 @@ class MPIBackend:
         host callback compares the digest the first time the compiled step runs
         (``_agree``). With nothing to travel the check runs all the same: a
         process with nothing to reduce must not leave the others waiting.
-        Tracing alone never blocks.
+        Tracing alone never blocks. ``alone``: a check with no stage after it
+        (a configuration's, ``jaxsync.local``): with the watchdog it is a stage
+        of its own, left by a host callback once it has passed, which keeps it
+        in the step; ``bufs`` then come back untied (tied to the leader
+        device's callback, they would be typed varying under ``shard_map``).
         """
         # With the watchdog, the synchronisation's first stage is entered here,
         # before the agreement: a first execution waiting in it is watched too.
-        start = jnp.zeros((1,), jnp.uint8)
-        if self.timeout is not None and bufs:
+        start, leave = jnp.zeros((1,), jnp.uint8), None
+        if self.timeout is not None and (bufs or alone):
             site, name, _ = self._new_stage()
             when = _one_device()
             if when is not None:
                 start = _varying(start, _vma(when))
             start = self._watchdog().enter_before(start, site, name, when)
-            _ordering.set_chain_value(f"watch-entered-{id(self)}", (site, name, True))
+            if alone:  # left after the check (a host callback nothing reads)
+                leave = functools.partial(self._watchdog().leave_after, site=site, when=when)
+            else:  # left by the synchronisation's first stage (``run``)
+                _ordering.set_chain_value(f"watch-entered-{id(self)}", (site, name, True))
         if self.native:
             # A native call checks it: no host callback in the step, which would
             # put jit's dispatch on its slow path. It comes first in the token
@@ -341,9 +348,15 @@ class MPIBackend:
                 keep_alive(dep)
             # One barrier per buffer: each waits for the check, none for the
             # others (a bucket of an overlapped step travels as soon as it exists).
+            if leave is not None:
+                leave(dep)
+                return list(bufs)
             return [lax.optimization_barrier((dep, b))[1] for b in bufs]
         after = None if self.timeout is None else start
         dep = agreement_dep(self.comms.agreement, text, what, _disagreement, after=after)
+        if leave is not None:
+            leave(dep)
+            return list(bufs)
         if not bufs:
             keep_alive(dep)
         return tie_buffers(bufs, dep)

@@ -275,6 +275,10 @@ class Watchdog:
         """``x`` (one element or more) computed after stage ``site`` is entered."""
         return _tie(lambda h: self.enter(h, site, name), x, when)
 
+    def leave_after(self, x, site, when=None):
+        """``x`` (one element or more), stage ``site`` left once it is computed."""
+        return _tie(lambda h: self.leave(h, site), x, when)
+
 
 def _lost_peer(e: BaseException) -> bool:
     """Whether ``e`` is ULFM's process failure or revocation (mpi4py's error class)."""

@@ -46,6 +46,11 @@ class Islands:
         island).
       count: the number of islands (``None`` for a mesh axis: its size).
       index: this process's island (``None`` for a mesh axis).
+      island_axis: the mesh axis that indexes the islands (``None``: islands
+        across processes).
+      world: every process of the job, the communicator the islands were split
+        from (``comm``), or ``None`` (one process, or a mesh axis): a local-update
+        transform checks on it that every process has the same configuration.
     """
 
     kind: str
@@ -55,6 +60,7 @@ class Islands:
     count: int | None
     index: int | None
     island_axis: str | None = None
+    world: Any = None
 
     def size(self) -> int:
         """The number of islands (a mesh axis: its size, while traced)."""
@@ -158,7 +164,13 @@ def _from_island(kind: str, axis_name, world, island) -> Islands:
     inner = island if island.Get_size() > 1 else None
     count = len(leaders)
     return Islands(
-        kind, axis_name, inner, outer if count > 1 else None, count, leaders.index(leader)
+        kind,
+        axis_name,
+        inner,
+        outer if count > 1 else None,
+        count,
+        leaders.index(leader),
+        world=world,
     )
 
 

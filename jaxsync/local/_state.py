@@ -69,6 +69,9 @@ class LocalConfig:
     # peers of the same slice)
     slices: Any = None
     outer_sync: Any = None
+    # every process of the job (Islands.world): the MPIBackend the configuration
+    # is agreed over (_update._agree), or None (one process, a mesh axis)
+    world: Any = None
 
     @property
     def outer_mean(self):
@@ -211,7 +214,21 @@ def make_local_config(
         lane=lane,
         slices=slices,
         outer_sync=outer_sync,
+        world=_world(fn, islands_, timeout),
     )
+
+
+def _world(fn, isl: Islands, timeout):
+    """The backend over every process of the job that the configuration is
+    agreed on, or None: one process, islands as a mesh axis, or not jaxsync's
+    native target (the outer mean across processes needs it, see above).
+
+    Made now, on every process (collective over the world): never while tracing."""
+    world = isl.world
+    if world is None or world.Get_size() < 2 or jax.default_backend() != "cpu":
+        return None
+    timeout = None if timeout is None else float(timeout)
+    return _mpi_backend.MPIBackend(world, timeout=timeout, name=f"{fn} agreement")
 
 
 def _sliced(fn, isl: Islands, slice_anchor, strategy, comm_dtype, timeout):

@@ -105,9 +105,15 @@ def init_fn(cfg: LocalConfig):
 
 
 def _agree(cfg: LocalConfig, step, params, state):
-    """Islands that disagree on the schedule or the tree fail the first step on
-    every process with the same message (never a hang in a later outer mean)."""
-    backend = cfg.sync.backend
+    """Processes that disagree on the schedule or the tree fail the first step on
+    every process with the same message (never a hang in a later outer mean).
+
+    Over every process of the job (``cfg.world``), not the outer mean's
+    communicator: two processes of one island that differ would otherwise fail
+    only with their same-rank peers, the rest waiting for them in the inner
+    mean. The check is the step's first native call: every MPI call of the step
+    (the inner chain's too) follows it in the token chain."""
+    backend = cfg.world if cfg.world is not None else cfg.sync.backend
     if not isinstance(backend, _mpi_backend.MPIBackend):
         return step
     shapes = [(str(x.dtype), tuple(x.shape)) for x in jax.tree.leaves(params)]
@@ -115,7 +121,7 @@ def _agree(cfg: LocalConfig, step, params, state):
         f"{cfg.describe()}\nparameters {jax.tree.structure(params)} {shapes}\n"
         f"outer state {jax.tree.structure(state.outer_state)} outer probe {_probe(cfg.outer)}"
     )
-    (out,) = backend.agree(text, f"{cfg.fn} configuration", [step[None]])
+    (out,) = backend.agree(text, f"{cfg.fn} configuration", [step[None]], alone=True)
     return out[0]
 
 

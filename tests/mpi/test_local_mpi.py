@@ -85,6 +85,19 @@ def test_closed_forms_across_processes(local_run, mode, case):
             assert skipped == 0
 
 
+def test_the_watchdog_leaves_every_stage_it_enters(local_run):
+    """With timeout= under shard_map: the same parameters as without, and no
+    stage left open after a step. The configuration's agreement used to stay
+    entered (a stall reported after ``timeout`` seconds, or the job ended with
+    on_timeout="abort") and to type the step count varying over the devices
+    (shard_map refused the state's out_specs)."""
+    for res in local_run.results:
+        for got, want in zip(res["watched"], res["smap:diloco"][:3], strict=True):
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(g, w)
+        assert res["watched:open"] and not any(res["watched:open"]), res["watched:open"]
+
+
 def test_post_local_sgd_warmup_is_data_parallel_first(local_run):
     want = reference("smap", 6, 2, sgd(1.0), warmup=2)
     for rank, res in enumerate(local_run.results):
@@ -157,13 +170,36 @@ def test_islands_that_disagree_on_every_fail_alike(local_run):
     assert "every 2" in got[0][1] and "every 4" in got[0][1], got[0][1]
 
 
-def test_a_sliced_anchor_across_processes_gives_the_same_parameters():
-    """4 processes, 2 islands of 2 (worker_local_sliced.py): each process keeps
-    half of the anchor (x: 3 of 5 elements, padded; y: 2 of 3), bitwise the
-    parameters of the whole anchor, DiLoCo and streaming (fragments, delay, mix)."""
+@pytest.fixture(scope="module")
+def sliced_run():
+    """4 processes, 2 islands of 2 (worker_local_sliced.py)."""
     run = run_mpi("worker_local_sliced.py", n=4, devices=1, timeout=240)
     assert run.returncode == 0 and not run.timed_out, run.output[-3000:]
-    check_sliced(run.results)
+    return run
+
+
+def test_a_sliced_anchor_across_processes_gives_the_same_parameters(sliced_run):
+    """Each process keeps half of the anchor (x: 3 of 5 elements, padded; y: 2 of
+    3), bitwise the parameters of the whole anchor, DiLoCo and streaming
+    (fragments, delay, mix)."""
+    check_sliced(sliced_run.results)
+
+
+def test_processes_of_one_island_that_disagree_fail_alike(sliced_run):
+    """Rank 1 alone has another ``every``: its outer communicator is {1, 3}, yet
+    every rank gets the same error (the agreement spans the world): none waits
+    in the inner mean for a peer that failed."""
+    check_disagreement(sliced_run.results)
+
+
+def check_disagreement(results):
+    """Every rank's record of worker_local_sliced.py's last case: one error."""
+    got = [res["disagree"] for res in results]
+    assert all(kind != "OK" for kind, _ in got), got
+    assert got.count(got[0]) == 4, got
+    msg = got[0][1]
+    assert "configuration differs between rank 0 and rank 1 (every)" in msg, msg
+    assert "every 2" in msg and "every 4" in msg, msg
 
 
 def check_sliced(results):

@@ -133,6 +133,24 @@ def main():
             4,
         ),
     )
+    # timeout=: every stage the step enters (the configuration's agreement too)
+    # is left once the step's outputs exist (none open: never a stall reported)
+    res.add(
+        "watched",
+        run(
+            lambda isl: jaxsync.diloco(
+                inner(isl, 0.5), optax.sgd(0.5, momentum=0.5), every=2, islands=isl, timeout=600.0
+            ),
+            "smap",
+            3,
+        ),
+    )
+    from jaxsync._comm._topology import Comms
+
+    res.add(
+        "watched:open",
+        [sorted(w._open) for c in Comms._cache.values() for w in c._watchdogs.values()],
+    )
     res.add(
         "skip",
         run(lambda isl: jaxsync.diloco(inner(isl, 0.5), every=2, islands=isl), "smap", 4, (3, 1)),

@@ -5,7 +5,8 @@ its peer of the other island and the new anchor is all-gathered in the island.
 Records each step's parameters for slice_anchor True and False (and the
 anchor's leaf shapes), and streaming's mean in flight (overlap=True, whole
 anchor); test_local_mpi.py and, across 2 emulated hosts (``--islands host``: an
-island a host), tests/cluster/test_cluster_local.py compare them bitwise."""
+island a host), tests/cluster/test_cluster_local.py compare them bitwise. Then
+rank 1 alone builds DiLoCo with another ``every``: the error every rank records."""
 
 from _worker import Results, init, to_numpy
 
@@ -53,6 +54,21 @@ def main():
                 out.append(to_numpy(p))
             res.add(f"{name}:{sliced}", out)
             res.add(f"{name}:{sliced}:anchor", {k: list(v.shape) for k, v in s.anchor.items()})
+    # Rank 1 alone (island 0's second process) runs another schedule: the same
+    # error on every rank at the first step, not ranks 0 and 2 waiting in the
+    # inner mean for the peers whose outer communicator found it.
+    tx = jaxsync.diloco(
+        optax.chain(jaxsync.hierarchical_mean(None, isl.comm), optax.sgd(0.5)),
+        every=4 if rank == 1 else 2,
+        islands=isl,
+    )
+    p = {"x": jnp.full((5,), 4.0), "y": jnp.full((3,), -2.0)}
+    try:
+        u, _ = jax.jit(tx.update)(jax.tree.map(lambda a, b: a - b, p, c), tx.init(p), p)
+        jax.block_until_ready(u)
+        res.add("disagree", ("OK", ""))
+    except Exception as e:  # noqa: BLE001 - the type is part of the result
+        res.add("disagree", (type(e).__name__, str(e)))
     res.write()
 
 
