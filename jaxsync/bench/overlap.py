@@ -86,8 +86,9 @@ def loss(params, x):
     return jnp.mean(h**2)
 
 
-def make_step(tx, lr: float = 1e-2):
-    """A jitted train step ``(params, state, x) -> (params, state)``, both donated."""
+def make_step(tx, lr: float = 1e-2, scheduler: str = "default"):
+    """A jitted train step ``(params, state, x) -> (params, state)``, both donated;
+    ``scheduler="memory"``: compiled with XLA:CPU's memory-optimized scheduler."""
     import jax
     import optax
 
@@ -98,7 +99,13 @@ def make_step(tx, lr: float = 1e-2):
         u, s = opt.update(g, s, p)
         return optax.apply_updates(p, u), s
 
-    return jax.jit(step, donate_argnums=(0, 1)), opt
+    options = {"xla_cpu_scheduler_type": SCHEDULERS[scheduler]} if scheduler != "default" else None
+    return jax.jit(step, donate_argnums=(0, 1), compiler_options=options), opt
+
+
+# --xla-scheduler: XLA:CPU's scheduler for every case's step (jax.jit's
+# compiler_options); "default" leaves XLA's choice.
+SCHEDULERS = {"default": None, "memory": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
 
 # --wire: comm_dtype for every case (float32: None); the bare collective beside
@@ -154,7 +161,18 @@ def _time(fn, iters, comm, meter=None):
     return comm.allreduce(statistics.median(times), op=MPI.MAX)
 
 
-def measure(comm, layers, width, batch, buckets, rounds, iters, trace_dir=None, wire="float32"):
+def measure(
+    comm,
+    layers,
+    width,
+    batch,
+    buckets,
+    rounds,
+    iters,
+    trace_dir=None,
+    wire="float32",
+    scheduler="default",
+):
     """Median step seconds per case (interleaved rounds) and the bare allreduce,
     the samples, the gradients' bytes and each case's CPU share
     (``{case: {"machine", "ranks"}}``, see ``timing.CpuMeter``). With
@@ -170,7 +188,7 @@ def measure(comm, layers, width, batch, buckets, rounds, iters, trace_dir=None, 
     nbytes = sum(int(a.size) * 4 for a in jax.tree.leaves(params))
     carry, steps = {}, {}
     for name, tx in _cases(comm, buckets, wire).items():
-        step, opt = make_step(tx)
+        step, opt = make_step(tx, scheduler=scheduler)
         p = jax.tree.map(jnp.copy, params)
         steps[name] = step
         carry[name] = (p, opt.init(p))
@@ -311,6 +329,13 @@ def _parse(argv):
         "(block 2048); the bare collective is then its all-to-all and all-gather",
     )
     p.add_argument(
+        "--xla-scheduler",
+        choices=tuple(SCHEDULERS),
+        default="default",
+        help="XLA:CPU's scheduler for every step (memory: CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED, "
+        "which issues a quantized wire's buckets during the backward)",
+    )
+    p.add_argument(
         "--no-timeline",
         action="store_true",
         help="skip the timeline picture (by default the first overlap case runs "
@@ -349,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     tuned = jaxsync.tune_host_allocator()
     hosts = jaxsync.topology(comm).hosts
     mode = ("cluster" if hosts > 1 else "shm") + ("" if args.wire == "float32" else f"-{args.wire}")
+    mode += "" if args.xla_scheduler == "default" else f"-{args.xla_scheduler}"
     trace_dir = None if args.no_timeline else args.out / f"overlap-{mode}-timeline"
     med, samples, nbytes, cpu = measure(
         comm,
@@ -360,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         args.iters,
         trace_dir,
         args.wire,
+        args.xla_scheduler,
     )
     if comm.Get_rank() != 0:
         return 0
@@ -404,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch": args.batch,
         "gradient_bytes": nbytes,
         "wire": args.wire,
+        "xla_scheduler": args.xla_scheduler,
         "rounds": args.rounds,
         "iters": args.iters,
         "quick": args.quick,
