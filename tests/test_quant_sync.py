@@ -230,8 +230,8 @@ def test_overlap_and_double_buffering_take_the_quantized_wire(strategy):
 def test_weights_with_double_buffering_and_a_quantized_wire_raise():
     with pytest.raises(ValueError, match=r"weights=True with double_buffering=True.*Fix"):
         jaxsync.hierarchical_mean(
-            axis_name="d",
-            comm=None,
+            axis_name="local",
+            comm=jaxsync.AxisComm("host"),
             comm_dtype=jaxsync.Quantized(),
             double_buffering=True,
             weights=True,

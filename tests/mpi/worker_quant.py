@@ -49,15 +49,18 @@ def main():
     mesh = Mesh(np.array(jax.devices()), ("d",))
     spec_d = P("d")
 
-    def step_fn(tx, nsteps=1):
+    def step_fn(tx, nsteps=1, grow=False):
+        # grow: step t's gradients are (t + 1) x the leaves; the wire's state is
+        # a double-buffered transform's .wire
         def body(*leaves):
             g = [x[0] for x in leaves]
             st = tx.init(g)
             outs = []
-            for _ in range(nsteps):
-                out, st = tx.update(g, st)
+            for t in range(nsteps):
+                out, st = tx.update([y * (t + 1) for y in g] if grow else g, st)
                 outs.append([y[None] for y in out])
-            return outs, [r[None] for r in st.residual], st.all_finite[None]
+            wire = getattr(st, "wire", st)
+            return outs, [r[None] for r in wire.residual], wire.all_finite[None]
 
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec_d, out_specs=spec_d))
 
@@ -193,19 +196,6 @@ def main():
         for k, m in enumerate(sizes)
     ]
 
-    def steps_fn(tx, nsteps=3):
-        def body(*leaves):
-            g = [x[0] for x in leaves]
-            st = tx.init(g)
-            outs = []
-            for t in range(nsteps):
-                out, st = tx.update([y * (t + 1) for y in g], st)
-                outs.append([y[None] for y in out])
-            wire = st.wire if hasattr(st, "wire") else st
-            return outs, [r[None] for r in wire.residual]
-
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec_d, out_specs=spec_d))
-
     ov = {}
     for strategy in ("hierarchical", "two_dimensional"):
         make = getattr(jaxsync, f"{strategy}_mean")
@@ -221,10 +211,10 @@ def main():
         ]:
             kw = {"overlap": False, "pack_threshold": 256, **kw}  # 3 buffers
             tx = make(axis_name="d", comm=comm, comm_dtype=q, **kw)
-            f = steps_fn(tx)
+            f = step_fn(tx, 3, grow=True)
             d = os.path.join(ns.dir, f"ov_{strategy}_{name}")
             with jaxsync.timeline(d):
-                outs, resid = jax.block_until_ready(f(*xs))
+                outs, resid, _ = jax.block_until_ready(f(*xs))
             ov[f"{strategy}/{name}"] = dict(outs=to_numpy(outs), residual=to_numpy(resid), dir=d)
     res.add("overlap", ov)
     res.write()

@@ -217,42 +217,20 @@ ffi::Error AlltoallImpl(ffi::Token t, CommArg comm, ActiveArg active, ffi::Remai
 }  // namespace
 }  // namespace jaxsync
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_allgather, jaxsync::AllgatherImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<CommArg>()
-                                  .Arg<ActiveArg>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Token>()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("poll_us"));
+// The four moves take the same operands: (token, comm, active, buffers...) ->
+// (token, results...), and how their waits poll.
+#define JAXSYNC_MOVE_HANDLER(name, impl)                                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl,                             \
+                                ffi::Ffi::Bind()                        \
+                                    .Arg<ffi::Token>()                  \
+                                    .Arg<CommArg>()                     \
+                                    .Arg<ActiveArg>()                   \
+                                    .RemainingArgs()                    \
+                                    .Ret<ffi::Token>()                  \
+                                    .RemainingRets()                    \
+                                    .Attr<int64_t>("poll_us"))
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_alltoall, jaxsync::AlltoallImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<CommArg>()
-                                  .Arg<ActiveArg>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Token>()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("poll_us"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_allgather_async, jaxsync::AllgatherAsyncImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<CommArg>()
-                                  .Arg<ActiveArg>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Token>()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("poll_us"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_alltoall_async, jaxsync::AlltoallAsyncImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<CommArg>()
-                                  .Arg<ActiveArg>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Token>()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("poll_us"));
+JAXSYNC_MOVE_HANDLER(jaxsync_allgather, jaxsync::AllgatherImpl);
+JAXSYNC_MOVE_HANDLER(jaxsync_alltoall, jaxsync::AlltoallImpl);
+JAXSYNC_MOVE_HANDLER(jaxsync_allgather_async, jaxsync::AllgatherAsyncImpl);
+JAXSYNC_MOVE_HANDLER(jaxsync_alltoall_async, jaxsync::AlltoallAsyncImpl);
