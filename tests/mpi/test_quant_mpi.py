@@ -180,3 +180,31 @@ def test_double_buffering_applies_the_last_steps_quantized_mean(quant_run, strat
         for a, b in zip(plain["outs"][:2], double["outs"][1:]):
             for x, y in zip(_bits(a), _bits(b)):
                 np.testing.assert_array_equal(x, y)
+
+
+def test_host_tier_with_overlap_and_double_buffering_same_bits():
+    """2 hosts x 2 processes (faked): the quantized wire through the host tier
+    (float32 on the host, quantized between the leaders), overlapped per bucket
+    and by default (overlap="auto" is on across hosts) and double-buffered: the
+    same bits as the blocking tier on every rank, outputs and residuals."""
+    run = run_mpi("worker_quant_tier.py", n=4, devices=1, timeout=300).check()
+    for r in range(4):
+        got = run.results[r]["cases"]
+        assert {"reduce", "bcast"} <= set(got["plain"]["kinds"]), got["plain"]["kinds"]
+        for name in ("overlap", "default"):
+            for a, b in zip(got["plain"]["outs"], got[name]["outs"]):
+                for x, y in zip(_bits(a), _bits(b)):
+                    np.testing.assert_array_equal(x, y, err_msg=name)
+            for x, y in zip(_bits(got["plain"]["residual"]), _bits(got[name]["residual"])):
+                np.testing.assert_array_equal(x, y, err_msg=name)
+        for y in got["double"]["outs"][0]:
+            assert not np.asarray(y).any()
+        for a, b in zip(got["nearest"]["outs"][:2], got["double"]["outs"][1:]):
+            for x, y in zip(_bits(a), _bits(b)):
+                np.testing.assert_array_equal(x, y)
+    # every rank the same means
+    for x, y in zip(
+        _bits(run.results[0]["cases"]["plain"]["outs"][2]),
+        _bits(run.results[3]["cases"]["plain"]["outs"][2]),
+    ):
+        np.testing.assert_array_equal(x, y)
