@@ -179,12 +179,7 @@ ffi::Future MoveAsyncImpl(ffi::Token, CommArg comm, ActiveArg active, ffi::Remai
     if (timeline) {
       Record(kAlltoall ? kAlltoall_ : kAllgather, handle, bytes, queued, began, NowNs(), true);
     }
-    g_finished.fetch_add(1, std::memory_order_release);
-    if (e.failure()) {
-      promise.SetError(std::move(e));
-    } else {
-      promise.SetAvailable();
-    }
+    Settle(promise, std::move(e));
   });
   return future;
 }

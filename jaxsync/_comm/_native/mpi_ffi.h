@@ -290,6 +290,16 @@ struct Counted {
   ~Counted() { g_finished.fetch_add(1, std::memory_order_release); }
 };
 
+// A lane job's end: counted as finished, its future set (the error, or available).
+inline void Settle(ffi::Promise& promise, ffi::Error e) {
+  g_finished.fetch_add(1, std::memory_order_release);
+  if (e.failure()) {
+    promise.SetError(std::move(e));
+  } else {
+    promise.SetAvailable();
+  }
+}
+
 // ---- The timeline (jaxsync.timeline, JAXSYNC_TIMELINE) -------------------
 // While it is on, every call that talks MPI records what it did and when, on
 // which thread: 8 int64 per event (kind, communicator handle, bytes, queued,

@@ -386,12 +386,7 @@ ffi::Future AllreduceAsyncImpl(ffi::Token, CommArg comm, ActiveArg active,
                    static_cast<long long>(us(queued)), static_cast<long long>(us(began)),
                    static_cast<long long>(us(std::chrono::steady_clock::now())), bytes);
     }
-    g_finished.fetch_add(1, std::memory_order_release);
-    if (e.failure()) {
-      promise.SetError(std::move(e));
-    } else {
-      promise.SetAvailable();
-    }
+    Settle(promise, std::move(e));
   });
   return future;
 }
