@@ -142,16 +142,18 @@ def state_specs(state: PyTree, axis_name: str | tuple[str, ...]) -> PyTree:
         if not _is_compression_state(node):
             return replicated
         # A NamedTuple or (NNX) a mapping with its field names: the subtree under
-        # "residual" is per replica, the rest replicated.
-        # (A quantized wire's state in a DoubleBufferState: its residuals too.)
+        # "residual" is per replica, the rest replicated; a state inside it (a
+        # quantized wire's in a DoubleBufferState) lays itself out.
         return jax.tree_util.tree_map_with_path(
             lambda path, x: (
-                _per_replica(path, x, per_replica)
+                x.jaxsync_state_specs(per_replica, replicated)
+                if hasattr(x, "jaxsync_state_specs")
+                else _per_replica(path, x, per_replica)
                 if _field(path[0]) in _PER_REPLICA
-                or [_field(k) for k in path[:2]] == ["wire", "residual"]
                 else replicated
             ),
             node,
+            is_leaf=lambda n: hasattr(n, "jaxsync_state_specs"),
         )
 
     return jax.tree_util.tree_map(
