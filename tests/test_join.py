@@ -261,3 +261,41 @@ def test_a_lossy_wire_keeps_the_weights_and_counts_exact(comm_dtype):
     assert active.tolist() == [[1, 1], [1, 1]] and total.tolist() == [[1221.0] * 2] * 2
     want = (300 * 0.25 + 301 * 0.5 + 620 * 1.0) / 1221
     np.testing.assert_allclose(out["a"], want, rtol=2**-6)
+
+
+# One NaN weight; weights 1 and -1 (sum 0, members not 0); a negative sum: each
+# gives sum(w g) / sum(w) as IEEE has it (NaN, +-inf, the exact quotient), not
+# the zeros that only a step of all-zero weights gives.
+BAD_WEIGHTS = {
+    "nan": np.array([1, np.nan, 0, 3, 4, 0, 1, 5], np.float32),
+    "sum_zero": np.array([1, -1, 0, 0, 0, 0, 0, 0], np.float32),
+    "negative": np.array([1, -2, 0, 0, 0, 0, 0, 0], np.float32),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_WEIGHTS))
+@pytest.mark.parametrize("name", STRATEGIES + ["flat_bf16", "sign"])
+def test_bad_weights_give_the_quotient_not_zeros(name, case):
+    w = BAD_WEIGHTS[case]
+    g = _grads()
+    if name == "sign":  # one magnitude per replica: sign compression exact
+        g["a"] = np.ones_like(g["a"]) * (1 + np.arange(N, dtype=np.float32))[:, None, None] / 4
+        tx = jaxsync.sign_mean("i", comm=None, weights=True, min_size=1)
+    elif name == "flat_bf16":  # the counts' float32 sync beside a lossy wire
+        tx = _tx("flat", weights=True, comm_dtype=jnp.bfloat16)
+    else:
+        tx = _tx(name, weights=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        want = _want(g, w)
+    out, _, total = _mapped("vmap", tx, g, w, w == 0)
+    np.testing.assert_array_equal(total, np.full(N, w.sum(), np.float32))
+    keys = ("a",) if name == "sign" else ("a", "b")
+    for k in keys:
+        got = np.asarray(out[k][0], np.float32)
+        if case == "negative":
+            if name in ("flat_bf16", "sign"):  # a 16-bit wire / a prescaled sign
+                np.testing.assert_allclose(got, np.asarray(want[k], np.float32), rtol=2**-7)
+            else:
+                np.testing.assert_array_equal(bits(out[k][0]), bits(want[k]), err_msg=k)
+        else:  # not finite anywhere, so check_finite sees it
+            assert not np.isfinite(got).any(), (k, got)

@@ -3,16 +3,18 @@
 A transform made with ``weights=True`` (or ``"world"``) takes two extra
 arguments in ``update``: ``weight`` (this replica's scalar, e.g. its batch's
 sample count) and ``done`` (this replica has no data after this step). Its
-gradients are multiplied by the weight before the sum, and three float32
+gradients are multiplied by the weight before the sum, and four float32
 values ride with them as one more small leaf of the tree, in the same packed
-buffer (no extra collective): the weight, ``1 - done`` and ``1``. Their sums
-are the total weight ``W``, the replicas still training ``A`` and the replica
-count ``N``; the mean is ``sum(w g) / W`` (``weights=True``) or
-``sum(w g) / N`` (``"world"``: DDP's division by the initial world size; a
-replica of weight 0 adds zeros). ``A`` is kept in :class:`WeightedState`, the
+buffer (no extra collective): the weight, ``1 - done``, ``1`` and
+``w != 0``. Their sums are the total weight ``W``, the replicas still training
+``A``, the replica count ``N`` and the count of non-zero weights ``Z``; the
+mean is ``sum(w g) / W`` (``weights=True``: non-finite where ``W`` is NaN or 0
+with non-zero weights, so the finite checks see it; zeros only where ``Z`` is
+0, every weight 0) or ``sum(w g) / N`` (``"world"``: DDP's division by the
+initial world size; a replica of weight 0 adds zeros). ``A`` is kept in :class:`WeightedState`, the
 same on every replica, so every replica leaves its loop at the same step
 (:func:`all_done`). Double buffering keeps the extra leaf with the delayed
-gradients; ``sharded`` sums the three values in one small allreduce of its own
+gradients; ``sharded`` sums the four values in one small allreduce of its own
 (its reduce-scatter gives each replica a slice, not the whole buffer), and so
 does every mean with a lossy wire (``comm_dtype``: 16-bit or ``Quantized``,
 which would round them) but double buffering. The
@@ -123,7 +125,7 @@ def all_done(state: Any) -> jax.Array:
 
 def extras(weight, done, axes=()):
     """``(w, extra)``: this replica's weight as float32 (1 when not given) and
-    the float32 ``[w, 1 - done, 1]`` that travels with the gradients (typed
+    the float32 ``[w, 1 - done, 1, w != 0]`` that travels with the gradients (typed
     varying over ``axes``, so each replica counts once)."""
     w = jnp.asarray(1.0 if weight is None else weight)
     d = jnp.asarray(False if done is None else done)
@@ -138,7 +140,7 @@ def extras(weight, done, axes=()):
     if axes:  # an axis index: varying under shard_map, batched under vmap
         one = (lax.axis_index(axes) * 0 + 1).astype(jnp.float32)
     w = w.astype(jnp.float32) * one
-    return w, jnp.stack([w, jnp.where(d, 0.0, one), one])
+    return w, jnp.stack([w, jnp.where(d, 0.0, one), one, jnp.where(w != 0, one, 0.0)])
 
 
 def scale(tree, w, pre=lambda dtype: 1.0):
@@ -174,7 +176,9 @@ def finish(tree, weights, reduce: str, summed, pre, n: int):
             return x if p == 1.0 else x * jnp.asarray(p, x.dtype)
         if isinstance(d, float) and d == p:
             return x
-        return divide(x, jnp.asarray(d, jnp.float32) / p).astype(x.dtype)
+        if isinstance(d, float):
+            return divide(x, jnp.asarray(d / p, jnp.float32)).astype(x.dtype)
+        return divide(x, (jnp.asarray(d[0], jnp.float32) / p, d[1])).astype(x.dtype)
 
     if reduce != "mean":
         return jax.tree.map(lambda x: each(x, None), tree)
@@ -182,25 +186,32 @@ def finish(tree, weights, reduce: str, summed, pre, n: int):
         return jax.tree.map(lambda x: each(x, float(n)), tree)
     # Divided in every step: a cond that skips it where W == n copies every leaf
     # (XLA's conditional), where the division fuses into the optimizer's pass.
-    return jax.tree.map(lambda x: each(x, summed[0]), tree)
+    return jax.tree.map(lambda x: each(x, divisor(weights, reduce, summed)), tree)
 
 
 def divisor(weights, reduce: str, summed):
-    """What the summed gradients are divided by: ``W``, ``N`` or None (a sum)."""
+    """What the summed gradients are divided by: ``(W, some)`` (``some``: a
+    weight is non-zero), ``(N, True)`` or None (a sum)."""
     if reduce != "mean":
         return None
-    return summed[0] if weights is True else summed[2]
+    if weights is True:
+        return summed[0], summed[3] > 0
+    return summed[2], jnp.bool_(True)
 
 
 def divide(piece, div):
-    """``piece / div`` (float32 for 16-bit data; 0 where ``div`` is 0), or
-    ``piece`` as it is where ``div`` is None."""
+    """``piece / d`` for ``div = (d, some)`` (float32 for 16-bit data), 0 where
+    ``some`` is False (every weight 0), or ``piece`` as it is where ``div`` is
+    None. A ``d`` of NaN, or 0 with non-zero weights, gives non-finite values
+    (``sum(w g) / W`` as IEEE has it), which the finite checks see; a scalar
+    ``d`` is used as it is."""
     if div is None:
         return piece
+    d, some = div if isinstance(div, tuple) else (div, jnp.bool_(True))
     wide = jnp.float32 if str(piece.dtype) in ("float16", "bfloat16") else piece.dtype
-    d = div.astype(wide)
-    out = piece.astype(wide) / jnp.where(d > 0, d, jnp.ones_like(d))
-    return jnp.where(d > 0, out, jnp.zeros_like(out))
+    d = jnp.asarray(d).astype(wide)
+    out = piece.astype(wide) / jnp.where(some, d, jnp.ones_like(d))
+    return jnp.where(some, out, jnp.zeros_like(out))
 
 
 # sharded's divisor while its update runs (``zero/_transform.py`` reads it).
@@ -253,7 +264,7 @@ def transform(fn: str, cfg, weights, make_fns, allsum=None):
 
     def init_fn(params):
         # double buffering's pending extra leaf: weight 0, not done, one replica.
-        x = jnp.array([0.0, 1.0, 1.0], jnp.float32)
+        x = jnp.array([0.0, 1.0, 1.0, 0.0], jnp.float32)
         inner = init_inner(params) if allsum else init_inner((params, x))
         if hasattr(inner, "pending"):  # DoubleBufferState: it keeps zeros of the tree
             inner = inner._replace(pending=(inner.pending[0], x))
@@ -292,13 +303,15 @@ def transform(fn: str, cfg, weights, make_fns, allsum=None):
 def prescaled(fn: str, cfg, weights, init_inner, update_inner):
     """``weights=`` for a mean that cannot carry the extra leaf (a compressor).
 
-    The replicas' ``[w, 1 - done, 1]`` are summed first (one small lossless sync
+    The replicas' ``[w, 1 - done, 1, w != 0]`` are summed first (one small lossless sync
     over ``cfg``'s axes and processes), then each replica's gradients are scaled
     by ``w N / W`` (``"world"``: by ``w``) and given to the unweighted
     ``update_inner``, whose mean over the ``N`` replicas is then ``sum(w g) / W``
     up to the compressor's own error (and the rounding of ``w N / W``). In a step
     where every weight is 0 the result is zeros and the inner state (residuals,
-    step count) is kept as it was.
+    step count) is kept as it was; a NaN weight, or weights summing to 0 that are
+    not all 0, give non-finite factors (``w N / W`` as IEEE has it), so the
+    result is non-finite where the finite checks see it.
     """
     check_weights(fn, weights, cfg.reduce)
     axes = tuple(cfg.axes) + tuple(getattr(cfg.backend, "mesh_axes", ()))
@@ -320,7 +333,7 @@ def prescaled(fn: str, cfg, weights, init_inner, update_inner):
         w, x = extras(weight, done, axes)
         summed, _ = _sync.sync(x, counts)
         total = summed[0]
-        some = total > 0
+        some = summed[3] > 0  # a weight is non-zero (or NaN)
         f = w if weights == "world" else w * summed[2] / jnp.where(some, total, 1.0)
         out, inner = update_inner(scale(updates, f), state.inner, params)
         keep = lambda a, b: jnp.where(some, a, b)
