@@ -299,3 +299,49 @@ def test_bad_weights_give_the_quotient_not_zeros(name, case):
                 np.testing.assert_array_equal(bits(out[k][0]), bits(want[k]), err_msg=k)
         else:  # not finite anywhere, so check_finite sees it
             assert not np.isfinite(got).any(), (k, got)
+
+
+@pytest.mark.parametrize("name", ["flat", "hierarchical_bf16", "sharded"])
+def test_early_termination_raise_stops_every_replica(name):
+    """``early_termination="raise"`` (Horovod's ``throw_on_early_termination``):
+    a step where some but not all replicas pass ``done=True`` raises, naming how
+    many; one where none or all are done runs as the join does."""
+    if name == "sharded":
+        tx = jaxsync.sharded(optax.sgd(1.0), axis_name="i", comm=None, weights=True,
+                             early_termination="raise")  # fmt: skip
+    elif name == "hierarchical_bf16":  # the counts' own float32 sync
+        tx = _tx("hierarchical", weights=True, comm_dtype=jnp.bfloat16, early_termination="raise")
+    else:
+        tx = _tx(name, weights=True, early_termination="raise")
+    g = {"w": jnp.ones((N, 4), jnp.float32)}
+    params = {"w": jnp.zeros((4,), jnp.float32)}
+    state = jax.vmap(lambda _: tx.init(params), axis_name="i")(jnp.arange(N))
+
+    @jax.jit
+    def step(g, state, done):
+        f = lambda g, s, d: tx.update(g, s, params, weight=1.0, done=d)
+        return jax.vmap(f, axis_name="i", in_axes=(0, 0, 0))(g, state, done)
+
+    for done in (np.zeros(N, bool), np.ones(N, bool)):  # none / all done: no error
+        out, s = jax.block_until_ready(step(g, state, done))
+        assert s.active.tolist() == [0 if done[0] else N] * N
+    done = np.zeros(N, bool)
+    done[[1, 6]] = True
+    with pytest.raises(RuntimeError, match=r"early termination: 2 of 8 replicas passed done=True"):
+        jax.block_until_ready(step(g, state, done))
+    jax.effects_barrier()
+    # the default joins: the same step runs, with the count of replicas left
+    join = _tx("flat", weights=True)
+    s = jax.vmap(lambda g, d: join.update(g, join.init(g), weight=1.0, done=d)[1],
+                 axis_name="i")(g, done)  # fmt: skip
+    assert s.active.tolist() == [6] * N
+
+
+def test_early_termination_is_validated_in_the_factory():
+    with pytest.raises(ValueError, match=r"early_termination must be 'join' or 'raise', got True"):
+        _tx("flat", weights=True, early_termination=True)
+    with pytest.raises(ValueError, match=r"early_termination='raise' .* weights=False\. Fix"):
+        _tx("naive", early_termination="raise")
+    with pytest.raises(ValueError, match=r"sharded: early_termination must be"):
+        jaxsync.sharded(optax.sgd(1.0), axis_name="i", comm=None, weights=True,
+                        early_termination="throw")  # fmt: skip

@@ -33,6 +33,7 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -45,6 +46,10 @@ from ._plan import REDUCED_DTYPES
 #: (divide by the replica count).
 Weights = bool | Literal["world"]
 _WEIGHTS = (False, True, "world")
+#: What a step does where some replicas are done and others are not:
+#: ``"join"`` (the done ones contribute zeros at weight 0) or ``"raise"``.
+EarlyTermination = Literal["join", "raise"]
+_EARLY = ("join", "raise")
 
 
 class WeightedState(NamedTuple):
@@ -80,6 +85,49 @@ def check_weights(fn: str, weights, reduce: str) -> None:
             f"but reduce={reduce!r}. Fix: reduce='mean', or weights=True (with "
             "reduce='sum' the result is the weighted sum)."
         )
+
+
+def check_early_termination(fn: str, early_termination, weights) -> None:
+    """Validate ``early_termination=`` when a factory is called."""
+    if not (isinstance(early_termination, str) and early_termination in _EARLY):
+        raise ValueError(
+            f"{fn}: early_termination must be 'join' or 'raise', got {early_termination!r}. "
+            "Fix: early_termination='join' (replicas out of data join with zeros at "
+            "weight 0) or 'raise' (every replica raises once one is out of data)."
+        )
+    if early_termination == "raise" and weights is False:
+        raise ValueError(
+            f"{fn}: early_termination='raise' reads the replicas' done= flags, which "
+            "only a transform made with weights= takes, but weights=False. Fix: "
+            "weights=True (or 'world') and pass done= to update."
+        )
+
+
+def early_termination_error(done: int, n: int) -> RuntimeError:
+    """The error of a step where ``done`` of ``n`` replicas have no more data."""
+    return RuntimeError(
+        f"jaxsync: early termination: {done} of {n} replicas passed done=True (no data "
+        f"after this step) while {n - done} still have data, and the transform was made "
+        "with early_termination='raise' (Horovod's throw_on_early_termination): every "
+        "replica raises here instead of continuing with the finished replicas' zeros. "
+        "Fix: give every replica the same number of batches (drop the uneven last "
+        "ones), or early_termination='join' (the default) to let the finished replicas "
+        "join at weight 0 until jaxsync.all_done."
+    )
+
+
+def _raise_if_early(active, count) -> None:
+    """Raise :func:`early_termination_error` on every replica where some but not
+    all replicas are done (``0 < active < count``: the same on every replica)."""
+
+    def check(active, count):
+        a, c = np.round(np.asarray(active)).ravel(), np.round(np.asarray(count)).ravel()
+        bad = (a > 0) & (a < c)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise early_termination_error(int(c[i] - a[i]), int(c[i]))
+
+    jax.debug.callback(check, active, count)
 
 
 def all_done(state: Any) -> jax.Array:
@@ -227,15 +275,17 @@ def _check_state(fn: str, state) -> None:
         )
 
 
-def transform(fn: str, cfg, weights, make_fns, allsum=None):
+def transform(fn: str, cfg, weights, make_fns, allsum=None, early_termination="join"):
     """The weighted ``GradientTransformationExtraArgs`` of a transform.
 
     ``make_fns(cfg)`` gives the unweighted ``(init, update)``. Without
     ``allsum`` the extra leaf rides in the tree, whose sum (``reduce="sum"``)
     this divides; with it (``sharded``), ``allsum`` sums the extra leaf and the
-    transform divides by :data:`DIVISOR`.
+    transform divides by :data:`DIVISOR`. ``early_termination="raise"``: a step
+    where some but not all replicas pass ``done=True`` raises on every replica.
     """
     check_weights(fn, weights, cfg.reduce)
+    check_early_termination(fn, early_termination, weights)
     if cfg.quant is not None and cfg.double_buffering:
         raise ValueError(
             f"{fn}: weights={weights!r} with double_buffering=True keeps the weights and "
@@ -295,6 +345,8 @@ def transform(fn: str, cfg, weights, make_fns, allsum=None):
             (out, summed), inner = update_inner((scale(updates, w, pre), x), state.inner, params)
             out = finish(out, weights, cfg.reduce, summed, pre, n)
         active = jnp.round(summed[1]).astype(jnp.int32)
+        if early_termination == "raise":
+            _raise_if_early(summed[1], summed[2])
         return out, WeightedState(inner, active, summed[0])
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -35,6 +35,10 @@ _ARGS = """      overlap: ``True`` sends the gradients in buckets, in the order 
       weights: ``True``: ``update`` takes ``weight=`` (a scalar per replica; 1 by default) and
         ``done=`` (no data after this step) and returns ``sum(w g) / sum(w)`` (0 if all are 0);
         ``"world"``: ``sum(w g) / n``. See :func:`jaxsync.all_done`, docs/strategies.md.
+      early_termination: ``"join"`` (default): replicas out of data join (zeros at weight 0)
+        until every replica is done; ``"raise"`` (with ``weights=``; Horovod's
+        ``throw_on_early_termination``): a step where some but not all replicas pass
+        ``done=True`` raises ``RuntimeError`` on every replica.
 
 """
 
@@ -59,6 +63,8 @@ def document_overlap(factory):
     doc, takes = factory.__doc__, inspect.signature(factory).parameters
     at = doc.index("\n    Returns:")
     args = _ARGS.rstrip("\n") if "weights" in takes else _ARGS[: _ARGS.index("      weights:")]
+    if "weights" in takes and "early_termination" not in takes:
+        args = args[: args.index("      early_termination:")]
     args = (_HOST_TIER_ARG if "host_tier" in takes else "") + args.rstrip("\n")
     doc = doc[:at] + "\n" + args + doc[at:]
     doc = doc.replace(

@@ -23,12 +23,20 @@ if TYPE_CHECKING:  # annotations only: the core does not import jaxsync.sparse
 
 
 def _transform(
-    fn: str, strategy: str, axis_name, comm=None, weights=False, **options
+    fn: str,
+    strategy: str,
+    axis_name,
+    comm=None,
+    weights=False,
+    early_termination="join",
+    **options,
 ) -> optax.GradientTransformation:
     # ``**locals()``: the factory's own (typed, documented) parameters, all validated.
     cfg = make_config(fn, strategy, axis_name, comm, **options)
+    _join.check_early_termination(fn, early_termination, weights)
     if weights is not False:  # per-replica weights and the join (_join)
-        return _join.transform(fn, cfg, weights, lambda c: transform_fns(fn, c))
+        fns = lambda c: transform_fns(fn, c)
+        return _join.transform(fn, cfg, weights, fns, early_termination=early_termination)
     return optax.GradientTransformation(*transform_fns(fn, cfg))
 
 
@@ -51,6 +59,7 @@ def naive_mean(
     overlap_bucket_bytes: int | Literal["auto"] = AUTO,
     double_buffering: bool = False,
     weights: _join.Weights = False,
+    early_termination: _join.EarlyTermination = "join",
 ) -> optax.GradientTransformation:
     """Average gradients leaf by leaf.
 
@@ -130,6 +139,7 @@ def flat_mean(
     overlap_bucket_bytes: int | Literal["auto"] = AUTO,
     double_buffering: bool = False,
     weights: _join.Weights = False,
+    early_termination: _join.EarlyTermination = "join",
     host_tier: bool | Literal["auto"] = AUTO,
 ) -> optax.GradientTransformation:
     """Average gradients packed into a few buffers.
@@ -215,6 +225,7 @@ def hierarchical_mean(
     overlap_bucket_bytes: int | Literal["auto"] = AUTO,
     double_buffering: bool = False,
     weights: _join.Weights = False,
+    early_termination: _join.EarlyTermination = "join",
     host_tier: bool | Literal["auto"] = AUTO,
 ) -> optax.GradientTransformation:
     """Average gradients hierarchically.
@@ -298,6 +309,7 @@ def two_dimensional_mean(
     overlap_bucket_bytes: int | Literal["auto"] = AUTO,
     double_buffering: bool = False,
     weights: _join.Weights = False,
+    early_termination: _join.EarlyTermination = "join",
     host_tier: bool | Literal["auto"] = AUTO,
 ) -> optax.GradientTransformation:
     """Average gradients two-dimensionally.
@@ -373,6 +385,7 @@ def single_node_mean(
     check_finite: CheckFinite = False,
     sparse: SparseOptions | None = None,
     weights: _join.Weights = False,
+    early_termination: _join.EarlyTermination = "join",
 ) -> optax.GradientTransformation:
     """Average gradients over the local axes only.
 
@@ -404,6 +417,7 @@ def single_node_mean(
       sparse: how :class:`jaxsync.RowSparse` leaves are synchronised (a
         :class:`jaxsync.SparseOptions`; ``None``: automatic).
       weights: as for :func:`jaxsync.hierarchical_mean`.
+      early_termination: as for :func:`jaxsync.hierarchical_mean`.
     Returns:
       an ``optax.GradientTransformation`` whose ``update`` returns the reduced
       gradients, the same on every replica. Its state is

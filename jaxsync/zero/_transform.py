@@ -50,6 +50,7 @@ def sharded(
     on_timeout: OnTimeout = "report",
     accumulate: int = 1,
     weights: _join.Weights = False,
+    early_termination: _join.EarlyTermination = "join",
 ) -> optax.GradientTransformation:
     """Synchronise gradients and run ``inner`` on a 1/N slice of them (ZeRO).
 
@@ -103,6 +104,7 @@ def sharded(
         take ``accumulate=1`` states only.
       weights: as for :func:`jaxsync.hierarchical_mean`; a replica whose weight is 0
         still updates its slice. The weights' sums travel in one small allreduce.
+      early_termination: as for :func:`jaxsync.hierarchical_mean`.
 
     Returns:
       an optax ``GradientTransformation`` whose state is a
@@ -173,9 +175,11 @@ def sharded(
         quant=None,
     )  # fmt: skip (the small sums exact: the norm, the finite check, the weights)
     inner = optax.with_extra_args_support(inner)  # value=... reaches reduce_on_plateau
+    _join.check_early_termination(fn, early_termination, weights)
     if weights is not False:  # per-replica weights and the join (jaxsync._core._join)
         fns = lambda c: _fns(fn, inner, c, sums, accumulate)
-        return _join.transform(fn, cfg, weights, fns, lambda x: _sharded.allsum(sums, x))
+        allsum = lambda x: _sharded.allsum(sums, x)
+        return _join.transform(fn, cfg, weights, fns, allsum, early_termination)
     return optax.GradientTransformationExtraArgs(*_fns(fn, inner, cfg, sums, accumulate))
 
 
