@@ -189,3 +189,36 @@ def test_stochastic_noise_is_uniform_and_unbiased():
         sd = (hi - lo) * np.sqrt(p * (1 - p) / y.size)
         assert set(np.unique(y)) <= {np.float32(lo), np.float32(hi)}, np.unique(y)
         assert abs(y.mean() - 0.3) < 6 * sd, (q, y.mean())
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("bits, kind", FORMATS)
+def test_tiny_blocks_quantize_as_their_scaled_copy(bits, kind, rounding):
+    """A block whose largest value is below ``2**-100`` (here down to ``2**-124``,
+    where ``amax / qmax`` is below float32's normal range and XLA flushed the
+    scale to 0: the block decoded to zeros, up to 6x (e2m1) to 254x (int8)
+    the bound) has the codes of the same block times ``2**64`` and decodes to its
+    values times ``2**-64``, bit for bit, so within the same bound."""
+    q = Quantized(bits=bits, kind=kind, block=8, rounding=rounding)
+    rng = np.random.default_rng(bits + len(kind))
+    key = jax.random.PRNGKey(3)
+    for e in (-60, -50, -37, -36):  # x 2**-64: 2**-124 .. 2**-100 (the boundary)
+        mag = rng.uniform(0.5, 1.0, 32) * np.where(rng.random(32) < 0.5, -1, 1)
+        big = (mag * 2.0**e).astype(np.float32)
+        big[8:16] = 0.0  # an all-zero block: scale 0 as before
+        big[20] = 0.0
+        tiny = big * np.float32(2.0**-64)  # exact: a power of two, normal floats
+        cb, sb = encode(jnp.asarray(big)[None], q, key)
+        ct, st = encode(jnp.asarray(tiny)[None], q, key)
+        np.testing.assert_array_equal(np.asarray(ct), np.asarray(cb), err_msg=str(e))
+        yb = np.asarray(decode(cb, sb, 32, q))[0]
+        yt = np.asarray(decode(ct, st, 32, q))[0]
+        np.testing.assert_array_equal(bits_of(yt), bits_of(yb * np.float32(2.0**-64)))
+        bound = half_step(tiny, q) * (1 if rounding == "nearest" else 2) * (1 + 2.0**-18)
+        err = np.abs(yt.astype(np.float64) - tiny.astype(np.float64))
+        assert (err <= bound).all(), (e, float((err / np.maximum(bound, 1e-300)).max()))
+        assert (yt[8:16] == 0).all() and np.asarray(st)[0, 1] == 0
+
+
+def bits_of(a):
+    return np.asarray(a, np.float32).view(np.uint32)

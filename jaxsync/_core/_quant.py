@@ -18,7 +18,15 @@ bits    kind           qmax   codes
 array: each row is cut into blocks of ``block`` values (the last one may be
 shorter), every block gets its scale (0 for an all-zero block, whose values
 decode to exact zeros; NaN or inf for a block holding a non-finite value,
-whose values all decode to NaN, so a finite check still sees them).
+whose values all decode to NaN, so a finite check still sees them). A tiny
+block (``0 < max |x| < 2**-100``) would have a scale below float32's normal
+range, which XLA flushes to zero (the block decoding to zeros): its values and
+scale are taken times ``2**64`` (exact) and the scale goes on the wire negated,
+its sign bit (free: scales are >= 0) telling :func:`decode` to multiply by
+``2**-64`` after decoding. Its codes are those of the same block times
+``2**64``, and its decoded values that block's times ``2**-64``, bit for bit,
+where they are normal floats (``>= 2**-126``); smaller ones are flushed to 0
+(an error below ``2**-126``). The wire keeps its size.
 
 May import: JAX only.
 """
@@ -34,6 +42,10 @@ import numpy as np
 from jax import lax
 
 _KINDS = ("int", "float")
+# A block whose largest magnitude is below _TINY travels scaled by _BOOST (its
+# scale negated on the wire): amax / qmax would be subnormal, flushed to 0.
+_TINY = 2.0**-100
+_BOOST = 2.0**64
 _ROUNDINGS = ("nearest", "stochastic")
 
 # The non-negative values of each float format, in code order (the code of a
@@ -253,9 +265,12 @@ def encode(x, spec: Quantized, key=None):
         raise ValueError(f"encode: 4-bit rows need an even length, got {m}")
     xb, nb = _blocks(x, spec.block)
     amax = jnp.max(jnp.abs(xb), axis=2) if nb else jnp.zeros((rows, 0), jnp.float32)
-    scales = amax / jnp.float32(spec.qmax)
+    tiny = (amax > 0) & (amax < jnp.float32(_TINY))  # its scale would underflow
+    boost = jnp.where(tiny, jnp.float32(_BOOST), jnp.float32(1))
+    scales = (amax * boost) / jnp.float32(spec.qmax)  # exact: boost is a power of two
     safe = jnp.where(scales == 0, jnp.float32(1), scales)
-    y = (xb / safe[:, :, None]).reshape(rows, -1)[:, :m]
+    y = ((xb * boost[:, :, None]) / safe[:, :, None]).reshape(rows, -1)[:, :m]
+    scales = jnp.where(tiny, -scales, scales)  # the sign bit: decode unboosts
     u = None
     if spec.rounding == "stochastic":
         if key is None:
@@ -294,7 +309,10 @@ def decode(codes, scales, m: int, spec: Quantized):
             v = jnp.asarray(table)[nib]
     nb = scales.shape[1]
     v = jnp.pad(v[:, :m], ((0, 0), (0, nb * spec.block - m))).reshape(rows, nb, spec.block)
-    return (v * scales[:, :, None]).reshape(rows, -1)[:, :m]
+    tiny = (scales < 0)[:, :, None]  # a tiny block's boosted scale (NaN is never < 0)
+    out = v * jnp.abs(scales)[:, :, None]
+    out = jnp.where(tiny, out * jnp.float32(1 / _BOOST), out)
+    return out.reshape(rows, -1)[:, :m]
 
 
 def roundtrip(x, spec: Quantized, key=None):
