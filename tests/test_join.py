@@ -301,12 +301,16 @@ def test_bad_weights_give_the_quotient_not_zeros(name, case):
             assert not np.isfinite(got).any(), (k, got)
 
 
-@pytest.mark.parametrize("name", ["flat", "hierarchical_bf16", "sharded"])
+@pytest.mark.parametrize("name", ["flat", "hierarchical_bf16", "sharded", "double_buffering"])
 def test_early_termination_raise_stops_every_replica(name):
     """``early_termination="raise"`` (Horovod's ``throw_on_early_termination``):
     a step where some but not all replicas pass ``done=True`` raises, naming how
-    many; one where none or all are done runs as the join does."""
-    if name == "sharded":
+    many (with double buffering: the step after, with the delayed count); one
+    where none or all are done runs as the join does."""
+    if name == "double_buffering":
+        with pytest.warns(UserWarning):  # one process: nothing to overlap
+            tx = _tx("flat", weights=True, double_buffering=True, early_termination="raise")
+    elif name == "sharded":
         tx = jaxsync.sharded(optax.sgd(1.0), axis_name="i", comm=None, weights=True,
                              early_termination="raise")  # fmt: skip
     elif name == "hierarchical_bf16":  # the counts' own float32 sync
@@ -324,16 +328,20 @@ def test_early_termination_raise_stops_every_replica(name):
 
     for done in (np.zeros(N, bool), np.ones(N, bool)):  # none / all done: no error
         out, s = jax.block_until_ready(step(g, state, done))
-        assert s.active.tolist() == [0 if done[0] else N] * N
-    done = np.zeros(N, bool)
+        delayed = name == "double_buffering"  # the count of init's pending step
+        assert s.active.tolist() == [N if delayed or not done[0] else 0] * N
+    done = mixed = np.zeros(N, bool)
     done[[1, 6]] = True
+    if name == "double_buffering":  # this step applies the last one's mean: no error yet
+        _, state = jax.block_until_ready(step(g, state, done))
+        done = np.ones(N, bool)
     with pytest.raises(RuntimeError, match=r"early termination: 2 of 8 replicas passed done=True"):
         jax.block_until_ready(step(g, state, done))
     jax.effects_barrier()
     # the default joins: the same step runs, with the count of replicas left
     join = _tx("flat", weights=True)
     s = jax.vmap(lambda g, d: join.update(g, join.init(g), weight=1.0, done=d)[1],
-                 axis_name="i")(g, done)  # fmt: skip
+                 axis_name="i")(g, mixed)  # fmt: skip
     assert s.active.tolist() == [6] * N
 
 
