@@ -5,7 +5,8 @@ The replicas have different batch counts (rank 1's run out first); every case
 buffering, ``sharded``) ends at the same step on every rank with parameters
 equal bit for bit to the closed-form SGD run. A rank that stops without
 joining is reported by the stall watchdog (``timeout=``), and the run ends
-once it comes back.
+once it comes back. With ``early_termination="raise"`` (``worker_join_raise.py``)
+both ranks raise at the step where one runs out.
 """
 
 from __future__ import annotations
@@ -62,3 +63,14 @@ def test_a_rank_that_stops_without_joining_is_reported(run):
     assert "jaxsync watchdog: rank 0 has waited" in reports[0], reports[0]
     assert "ranks not arrived: 1" in reports[0], reports[0]
     assert run.results[1]["reports"] == []
+
+
+def test_early_termination_raise_stops_every_rank():
+    """``early_termination="raise"``: rank 1 runs out after its first batch and
+    both ranks raise at that step with the same explanation (no rank hangs)."""
+    run = run_mpi("worker_join_raise.py", n=2, devices=1, timeout=120, args=("--watchdog", 100))
+    assert run.returncode == 0 and all(run.results), run.describe()
+    for r in range(2):
+        msg, t = run.results[r]["raise"]
+        assert t == 0, (r, msg)
+        assert "early termination: 1 of 2 replicas passed done=True" in msg, (r, msg)
