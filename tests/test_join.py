@@ -353,3 +353,23 @@ def test_early_termination_is_validated_in_the_factory():
     with pytest.raises(ValueError, match=r"sharded: early_termination must be"):
         jaxsync.sharded(optax.sgd(1.0), axis_name="i", comm=None, weights=True,
                         early_termination="throw")  # fmt: skip
+
+
+def test_early_termination_is_in_the_agreed_text():
+    """Ranks made with another ``early_termination`` are told that it differs
+    (one would raise while the other waits in its next sync); the default's
+    text is as it was."""
+    import dataclasses
+
+    from jaxsync._comm._agree import _option_difference
+    from jaxsync._core._config import make_config
+
+    cfg = make_config("flat_mean", "flat", "i", None)
+    text = {
+        e: dataclasses.replace(cfg, weights=(True, "mean", None, e)).describe()
+        for e in ("join", "raise")
+    }
+    assert "early_termination" not in text["join"] and text["join"].endswith("weights True")
+    assert _option_difference(text["join"], text["raise"]) == [
+        ("early_termination <unset>", "early_termination raise")
+    ]

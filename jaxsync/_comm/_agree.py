@@ -190,7 +190,8 @@ _FIXES = {
 # pairs, and flags without a value.
 _OPTION_KEYS = (
     "strategy", "reduce", "comm_dtype", "predivide", "check_finite", "backend",
-    "staging", "timeout", "on_timeout", "overlap", "host_tier", "weights", "accumulate",
+    "staging", "timeout", "on_timeout", "overlap", "host_tier", "weights",
+    "early_termination", "accumulate",
 )  # fmt: skip
 _FLAGS = ("double_buffering",)
 

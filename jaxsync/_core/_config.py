@@ -196,16 +196,16 @@ class SyncConfig:
     double_buffering: bool = False  # apply step t-1's mean at step t
     host_tier: Any = AUTO  # True, False or "auto" (_host_tier.chosen)
     quant: Any = None  # comm_dtype=Quantized(...): the wire format (_quantsum)
-    # weights=: (weights, reduce, predivide) as the user gave them (_join sums
-    # with reduce="sum"); the agreed text shows these, so a rank without weights
-    # is told that weights differs, not reduce
+    # weights=: (weights, reduce, predivide[, early_termination]) as the user gave
+    # them (_join sums with reduce="sum"); the agreed text shows these, so a rank
+    # without weights is told that weights differs, not reduce
     weights: Any = None
 
     def describe(self, accumulate: int = 1) -> str:
         """The agreed text (``accumulate``: sharded's k; else ACCUMULATE's)."""
         forced = _host_tier.override()
         accumulate = max(accumulate, ACCUMULATE.get())
-        weights, reduce, predivide = self.weights or (None, self.reduce, self.predivide)
+        weights, reduce, predivide, *early = self.weights or (None, self.reduce, self.predivide)
         # one word per value (_agree names the option that differs)
         wire = self.comm_dtype if self.quant is None else repr(self.quant).replace(" ", "")
         return (
@@ -225,6 +225,7 @@ class SyncConfig:
             # the path every synchronisation takes across hosts (its option)
             + f" host_tier {self.host_tier}"
             + (f" weights {weights}" if weights is not None else "")
+            + ("" if early in ([], ["join"]) else f" early_termination {early[0]}")
             + (f" accumulate {accumulate}" if accumulate > 1 else "")
             + ("" if forced is None else f" {_host_tier.HOST_TIER_ENV}={int(forced)}")
         )

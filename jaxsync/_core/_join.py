@@ -294,7 +294,10 @@ def transform(fn: str, cfg, weights, make_fns, allsum=None, early_termination="j
             "comm_dtype=jnp.bfloat16 (or None) with it."
         )
     inner_cfg = dataclasses.replace(  # both here; the agreed text shows the user's
-        cfg, reduce="sum", predivide=None, weights=(weights, cfg.reduce, cfg.predivide)
+        cfg,
+        reduce="sum",
+        predivide=None,
+        weights=(weights, cfg.reduce, cfg.predivide, early_termination),
     )
     init_inner, update_inner = make_fns(inner_cfg)
     axes = tuple(cfg.axes) + tuple(getattr(cfg.backend, "mesh_axes", ()))
