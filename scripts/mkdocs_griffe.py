@@ -43,8 +43,13 @@ class JaxsyncDocstrings(griffe.Extension):
                 for dec in obj.decorators:
                     if dec.callable_path.rsplit(".", 1)[-1] == "document_overlap":
                         text = _add_overlap_args(text, dec.callable_path, loader)
-                        if "weights" not in [p.name for p in obj.parameters]:  # auto_mean
+                        names = [p.name for p in obj.parameters]
+                        if "weights" not in names:  # auto_mean: neither of the last two
                             text = re.sub(r"\n *weights: .*?(?=\nReturns:)", "", text, flags=re.S)
+                        elif "early_termination" not in names:  # auto_mean with weights
+                            text = re.sub(
+                                r"\n *early_termination: .*?(?=\nReturns:)", "", text, flags=re.S
+                            )
             doc.value = _split_shared_args(text)
 
 

@@ -397,27 +397,8 @@ def single_node_mean(
       axis_name: the mesh axis name, or tuple of names, of the replicas inside
         this process (bound by ``shard_map``, ``pmap`` or ``vmap``); ``None``
         when each process has a single device and no mapped axis.
-      reduce: ``"mean"`` (divide by devices x processes) or ``"sum"``.
-      bucket_bytes: cap on one packed buffer (``None``: no cap; ``"auto"``:
-        64 MiB).
-      pack_threshold: leaves of at least this many bytes travel in their own
-        buffer without a copy (``None``: pack everything; ``"auto"``:
-        256 KiB).
-      comm_dtype: dtype on the wire (``None``: each buffer's own dtype; or
-        ``jnp.bfloat16``/``jnp.float16``, lossy, or a :class:`jaxsync.Quantized`:
-        8/4 bits). Always summed in float32 (16-bit: rounded once).
-      predivide: divide by this before the sum and by ``n / predivide`` after
-        (Horovod's ``gradient_predivide_factor``). ``None``: with
-        ``reduce="mean"``, the replica count ``n`` if a power of two (exact,
-        fused into packing); float16: the largest power of two <= ``n`` (exact;
-        overflows only near float16's limit); else 1 (divided at unpacking).
-      check_finite: ``True`` keeps ``all_finite`` in the state
-        (:class:`jaxsync.SyncState`); ``"raise"`` also raises
-        ``FloatingPointError`` naming the non-finite leaves.
-      sparse: how :class:`jaxsync.RowSparse` leaves are synchronised (a
-        :class:`jaxsync.SparseOptions`; ``None``: automatic).
-      weights: as for :func:`jaxsync.hierarchical_mean`.
-      early_termination: as for :func:`jaxsync.hierarchical_mean`.
+      reduce, bucket_bytes, pack_threshold, comm_dtype, predivide, check_finite,
+        sparse, weights, early_termination: as for :func:`jaxsync.hierarchical_mean`.
     Returns:
       an ``optax.GradientTransformation`` whose ``update`` returns the reduced
       gradients, the same on every replica. Its state is
