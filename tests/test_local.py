@@ -137,6 +137,28 @@ def test_bmuf_is_caffe2s_recurrence(nesterov):
         np.testing.assert_array_equal(anchors[:, block * h + h - 1], np.broadcast_to(start, (8, 2)))
 
 
+def test_bmuf_warmup_is_data_parallel_then_blocks():
+    """warmup=w: w synchronous steps (the gradient's mean over every island),
+    then Caffe2's block recurrence from the point they reached."""
+    h, lr, n, w = 2, 0.5, 2, 3
+    eta = 1.0 - 1.0 / n
+    tx = jaxsync.bmuf(_inner(lr), every=h, warmup=w, islands=_isl())
+    ps, anchors, _ = run(tx, n, w + 2 * h)
+    x = X0.copy()
+    for t in range(w):
+        x = x - lr * (x - C.mean(axis=0))
+        np.testing.assert_array_equal(ps[:, t], np.broadcast_to(x, (8, 2)))
+        np.testing.assert_array_equal(anchors[:, t], np.broadcast_to(x, (8, 2)))
+    ci = islands_c(n)
+    theta_g, v = x.copy(), np.zeros(2)
+    for block in range(2):
+        avg = np.mean([local_steps(theta_g, ci[i], lr, h) for i in range(n)], axis=0)
+        v = eta * v + (avg - theta_g)
+        theta_g = theta_g + v
+        got = ps[:, w + block * h + h - 1]
+        np.testing.assert_array_equal(got, np.broadcast_to(theta_g, (8, 2)))
+
+
 def test_anchor_follows_the_quadratics_linear_recurrence():
     # Inner sgd(eta) for H steps on island i's 1/2|x - cbar_i|^2 ends at
     # cbar_i + q (a - cbar_i), q = (1 - eta)^H; so the pseudo-gradient mean is
@@ -597,3 +619,88 @@ def test_a_sliced_anchor_skips_the_outer_step_on_every_replica():
     np.testing.assert_array_equal(anchors[:, 3], anchors[:, 1])
     np.testing.assert_array_equal(ps, full)
     assert np.isfinite(ps).all()
+
+
+_MAKERS = {
+    "diloco": lambda **kw: jaxsync.diloco(_inner(0.5), optax.sgd(1.0), islands=_isl(), **kw),
+    "local_sgd": lambda **kw: jaxsync.local_sgd(_inner(0.5), islands=_isl(), **kw),
+    "bmuf": lambda **kw: jaxsync.bmuf(_inner(0.5), islands=_isl(), **kw),
+}
+
+
+@pytest.mark.parametrize("make", sorted(_MAKERS))
+def test_an_island_that_diverges_between_outer_steps_goes_back_to_the_anchor(make):
+    """A NaN gradient at inner step 1 of 4 on island 1: its parameters never
+    turn NaN (the island idles at its last finite point), the outer step at 3
+    is skipped on every island, every island restarts from the anchor, and the
+    next block runs as a clean first block does (bit for bit)."""
+    tx = _MAKERS[make](every=4)
+    ps, anchors, skipped = run(tx, 2, 8, bad=(1, 5))
+    clean, clean_anchors, _ = run(_MAKERS[make](every=4), 2, 4)
+    assert np.isfinite(ps).all() and np.isfinite(anchors).all()
+    island1 = slice(4, 8)
+    np.testing.assert_array_equal(ps[island1, 1], ps[island1, 0])  # idles at step 0's
+    np.testing.assert_array_equal(ps[island1, 2], ps[island1, 0])
+    np.testing.assert_array_equal(ps[:, 3], np.broadcast_to(X0, (8, 2)))  # the anchor
+    np.testing.assert_array_equal(anchors[:, 3], np.broadcast_to(X0, (8, 2)))
+    np.testing.assert_array_equal(skipped[:, 3], np.ones(8))
+    np.testing.assert_array_equal(ps[:, 4:], clean)  # the flag is down again
+    np.testing.assert_array_equal(anchors[:, 7], clean_anchors[:, 3])
+    np.testing.assert_array_equal(skipped[:, 7], np.ones(8))
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_mix_takes_the_anchor_at_a_skipped_step_and_into_a_diverged_island(delay):
+    """mix=0.5. delay=0: NaN at the outer step (t=3) on island 1, so the step is
+    skipped: every island takes the old anchor, no mix of its own parameters.
+    delay=1: NaN at t=4, after the (finite) mean was sent at t=3: the outer
+    step applies; the healthy island takes the mix, the diverged one the new
+    anchor alone."""
+    tx = jaxsync.diloco(_inner(0.5), optax.sgd(0.5), every=4, islands=_isl(), delay=delay, mix=0.5)
+    ps, anchors, skipped = run(tx, 2, 6, bad=(3 + delay, 5))
+    clean, _, _ = run(
+        jaxsync.diloco(_inner(0.5), optax.sgd(0.5), every=4, islands=_isl(), delay=delay, mix=0.5),
+        2,
+        6,
+    )
+    t = 3 + delay
+    assert np.isfinite(ps).all()
+    if delay == 0:
+        np.testing.assert_array_equal(skipped[:, t], np.ones(8))
+        np.testing.assert_array_equal(ps[:, t], np.broadcast_to(X0, (8, 2)))
+    else:
+        np.testing.assert_array_equal(skipped[:, t], np.zeros(8))
+        np.testing.assert_array_equal(ps[:4, t], clean[:4, t])  # island 0: the mix
+        np.testing.assert_array_equal(ps[4:, t], anchors[4:, t])  # island 1: the anchor
+        assert not np.array_equal(ps[4:, t], clean[4:, t])
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_islands_whose_anchors_differ_fail_the_first_outer_step(warmup):
+    """Island 1 starts 1.0 off (as parameters changed outside the transform
+    during the warm-up would be, where the anchor follows them): the first
+    outer step raises on every island, naming the cause, instead of averaging
+    two models. Islands that start alike pass the same step."""
+    tx = jaxsync.local_sgd(_inner(0.5), every=2, warmup=warmup, islands=_isl())
+
+    def body(c, off):
+        me = jax.lax.axis_index(AX)
+        p = {"x": jnp.asarray(X0, jnp.float32) + off[0] * (me >= 4).astype(jnp.float32)}
+
+        def step(carry, _):
+            p, s = carry
+            u, s = tx.update({"x": p["x"] - c[0]}, s, p)
+            return (optax.apply_updates(p, u), s), None
+
+        (p, _), _ = jax.lax.scan(step, (p, tx.init(p)), None, length=warmup + 2)
+        return p["x"][None]
+
+    f = jax.jit(jax.shard_map(body, mesh=_mesh(2), in_specs=(P(AX), P()), out_specs=P(AX)))
+    c = jnp.asarray(C, jnp.float32)
+    jax.block_until_ready(f(c, jnp.zeros(1)))
+    try:
+        with pytest.raises(Exception, match=r"anchors differ at the first outer step \(step "):
+            jax.block_until_ready(f(c, jnp.ones(1)))
+    finally:  # the other devices' errors stay in JAX's effect tokens: clear them
+        jax.block_until_ready(f(c, jnp.zeros(1)))
+        jax.effects_barrier()

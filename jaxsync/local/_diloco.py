@@ -49,7 +49,11 @@ def diloco(
     If the averaged pseudo-gradient is not all finite (a diverged island), the
     outer step is skipped on every island (the decision is read from the synced
     mean, so it is the same everywhere): the anchor and outer state stay, the
-    parameters are reset to the old anchor, and ``state.skipped`` counts it.
+    parameters are reset to the old anchor, and ``state.skipped`` counts it. An
+    inner step that gives non-finite parameters between outer steps is not
+    taken: the island idles at its last finite point, flagged
+    (``state.diverged``), until an outer step (skipped: its pseudo-gradient
+    travels as NaN) sets it back to the anchor.
 
     Its updates *set* the parameters at an outer step: as with
     ``optax.lookahead``, chain nothing after it and do not wrap it in

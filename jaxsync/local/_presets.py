@@ -137,6 +137,7 @@ def bmuf(
     *,
     nesterov: bool = False,
     reset_momentum_sgd: bool = False,
+    warmup: int = 0,
     islands: Any = None,
     strategy: str = "hierarchical",
     comm_dtype: Any = None,
@@ -154,7 +155,10 @@ def bmuf(
     with ``N`` islands (the paper's rule). ``nesterov=True``: the islands
     restart from ``theta_g + eta * v`` (the paper's Nesterov block momentum).
     ``reset_momentum_sgd=True`` re-initialises the inner optimizer's state
-    (Caffe2: the SGD momentum) after every block.
+    (Caffe2: the SGD momentum) after every block. ``warmup=W`` runs the first
+    ``W`` steps synchronous data parallel, as :func:`jaxsync.local_sgd`'s warm-up
+    (the gradients averaged over every island before ``inner``); the anchor
+    follows the parameters, and the first block ends ``every`` steps later.
 
     Args:
       inner: the whole inner optimizer (its mean inside the island).
@@ -163,6 +167,7 @@ def bmuf(
       block_momentum: ``eta`` in ``[0, 1)``, or ``None`` (``1 - 1/N``).
       nesterov: the Nesterov form.
       reset_momentum_sgd: reset the inner state after each block.
+      warmup: synchronous data-parallel steps first (0: none).
       islands: as for :func:`jaxsync.diloco`.
       strategy: the block average's jaxsync strategy.
       comm_dtype: its wire dtype.
@@ -209,6 +214,7 @@ def bmuf(
         comm_dtype=comm_dtype,
         timeout=timeout,
         reset_inner=reset_momentum_sgd,
+        warmup=warmup,
     )
     outer = bmuf_outer(float(block_lr), block_momentum, nesterov, cfg.islands)
     cfg = make_local_config(
@@ -221,6 +227,7 @@ def bmuf(
         comm_dtype=comm_dtype,
         timeout=timeout,
         reset_inner=reset_momentum_sgd,
+        warmup=warmup,
         slice_anchor=slice_anchor,
     )
     return optax.GradientTransformation(init_fn(cfg), update_fn(cfg))

@@ -2,9 +2,9 @@
 
 What the islands share (the step count, the float32 anchor, the outer
 optimizer's state, the skip count, the held means) is the same on every island,
-checked bit for bit; what each island holds alone is its inner state. A new
-island takes the inner state of saved island ``i % N``; islands beyond the new
-count are merged away (their inner state is dropped).
+checked bit for bit; what each island holds alone is its inner state and its
+divergence flags. A new island takes those of saved island ``i % N``; islands
+beyond the new count are merged away (their inner state is dropped).
 
 May import: numpy, JAX, ``_state``.
 """
@@ -97,4 +97,7 @@ def regroup(states: Sequence[LocalUpdatesState], islands: int) -> list[LocalUpda
             "the fragment's apply step, or use the held form (overlap=False)."
         )
     n = len(states)
-    return [first._replace(inner_state=states[i % n].inner_state) for i in range(islands)]
+    return [
+        first._replace(inner_state=states[i % n].inner_state, diverged=states[i % n].diverged)
+        for i in range(islands)
+    ]

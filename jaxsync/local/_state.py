@@ -38,6 +38,11 @@ class LocalUpdatesState(NamedTuple):
         finite (the same count on every island).
       held: streaming with ``delay``: each fragment's outer mean, taken at its
         send step and applied ``delay`` steps later (``()`` without delay).
+      diverged: this island's flag per fragment (bool, shape ``(fragments,)``):
+        an inner step gave non-finite parameters, which were kept from the
+        parameters; set until the fragment's next outer step sends it back to
+        the anchor (the island idles while any is set). ``()`` in states made
+        before it existed.
     """
 
     step: jax.Array
@@ -46,6 +51,7 @@ class LocalUpdatesState(NamedTuple):
     inner_state: Any
     skipped: jax.Array
     held: Any = ()
+    diverged: Any = ()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -25,6 +25,7 @@ from jaxsync._comm import _invariance, _mpi_backend
 from jaxsync._core._sync import sync
 from jaxsync.compress._phase import _select_phase
 
+from . import _digest
 from ._islands import guard
 from ._state import LocalConfig, LocalUpdatesState, leaf_labels
 
@@ -64,6 +65,21 @@ def _gather(cfg: LocalConfig, sl, ks, slices) -> list:
     return sub.unpack_rows(_sharded.gather(place.intra, backend, sub.join(slices)))
 
 
+def _flags(leaves, value):
+    """A flag per fragment, typed varying as the union of ``leaves``' types."""
+    vma = tuple(sorted({a for x in leaves for a in _invariance._vma(x)}, key=str))
+    return _invariance._varying(value, vma)
+
+
+def _held(hold, old, new):
+    """``old`` where ``hold``, else ``new``; a value typed invariant over an axis
+    that ``hold`` varies over (Adam's count, say: the same on every island) keeps
+    ``new``, so the state keeps its type (a scan's carry)."""
+    if not set(_invariance._vma(hold)) <= set(_invariance._vma(new)):
+        return new
+    return jnp.where(hold, old, new)
+
+
 def _fragments(cfg: LocalConfig, tree) -> list[list[int]]:
     labels = leaf_labels(cfg, tree)
     return [[k for k, lab in enumerate(labels) if lab == f] for f in range(cfg.fragments)]
@@ -99,6 +115,7 @@ def init_fn(cfg: LocalConfig):
             inner_state=cfg.inner.init(params),
             skipped=jnp.zeros((), jnp.int32),
             held=held,
+            diverged=_flags(leaves, jnp.zeros((len(frags),), bool)),
         )
 
     return init
@@ -225,21 +242,40 @@ def update_fn(cfg: LocalConfig):
         p_leaves, tdef = jax.tree.flatten(params)
         u_leaves = tdef.flatten_up_to(u)
         l_leaves = tdef.flatten_up_to(local)
+        frags = _fragments(cfg, params)
+        # A non-finite inner step never reaches the parameters (p + u cannot turn
+        # a NaN back): the island keeps its parameters and inner state and idles;
+        # after the warm-up it is flagged, its pseudo-gradient travels as NaN (so
+        # the outer step is skipped everywhere), and each fragment's outer step
+        # sets it back to the anchor and lowers the fragment's flag.
+        ok = jnp.array(True)
+        for x in l_leaves:
+            ok = ok & jnp.all(jnp.isfinite(x))
+        flags = state.diverged
+        if isinstance(flags, tuple):  # a state made before the flags existed
+            flags = _flags(p_leaves, jnp.zeros((len(frags),), bool))
+        live = jnp.array([bool(ks) for ks in frags])
+        hold = ~ok | jnp.any(flags)
+        flags = flags | (~ok & (n > 0) & live)
+        u_leaves = [jnp.where(hold, jnp.zeros_like(x), x) for x in u_leaves]
+        l_leaves = [jnp.where(hold, p, x) for p, x in zip(p_leaves, l_leaves)]
+        inner_state = jax.tree.map(lambda a, b: _held(hold, a, b), state.inner_state, inner_state)
         anchor = tdef.flatten_up_to(state.anchor)
         sl = _slicing(cfg, params)
         l32 = [x.astype(jnp.float32) for x in l_leaves]
         l_mine = l32 if sl is None else sl[0].take(l32, sl[1].index)  # the anchor's part
         if cfg.warmup:  # the anchor follows the (identical) parameters until then
             anchor = [jnp.where(n <= 0, x, a) for x, a in zip(l_mine, anchor)]
+        _digest.check_at_first_outer_step(cfg, n, step, anchor)
         new = list(l_leaves)
         changed = [jnp.array(False)] * len(p_leaves)
         ostates, held = list(state.outer_state), list(state.held)
         skipped, applied = state.skipped, jnp.array(False)
-        for f, ks in enumerate(_fragments(cfg, params)):
+        for f, ks in enumerate(frags):
             if not ks:  # fewer leaves than fragments: this turn moves nothing
                 continue
             a_f = [anchor[k] for k in ks]
-            loc = [l_mine[k] for k in ks]
+            loc = [jnp.where(flags[f], jnp.nan, l_mine[k]) for k in ks]
             send = _turn(n, cfg, f)
 
             def mean_of(args, like=held[f][0] if cfg.delay and cfg.lane is None else None):
@@ -299,10 +335,12 @@ def update_fn(cfg: LocalConfig):
             for j, k in enumerate(ks):
                 anchor[k] = a_f[j]
                 target = whole[j]
-                if cfg.mix:
-                    target = (1.0 - cfg.mix) * whole[j] + cfg.mix * l32[k]
+                if cfg.mix:  # not at a skipped step, nor into a flagged island
+                    mixed = (1.0 - cfg.mix) * whole[j] + cfg.mix * l32[k]
+                    target = jnp.where(finite & ~flags[f], mixed, whole[j])
                 new[k] = jnp.where(apply, target.astype(p_leaves[k].dtype), new[k])
                 changed[k] = apply
+            flags = flags.at[f].set(flags[f] & ~apply)
         out = [
             jnp.where(c, (x - p).astype(uk.dtype), uk)
             for c, x, p, uk in zip(changed, new, p_leaves, u_leaves)
@@ -317,6 +355,7 @@ def update_fn(cfg: LocalConfig):
             inner_state=inner_state,
             skipped=skipped,
             held=tuple(held),
+            diverged=flags,
         )
 
     return update

@@ -139,6 +139,24 @@ def test_a_nonfinite_island_skips_the_outer_step_on_both(local_run):
     np.testing.assert_array_equal(r0[3][1], r1[3][1])
 
 
+def test_an_island_nan_between_outer_steps_goes_back_to_the_anchor_on_both(local_run):
+    r0, r1 = (res["nan-inner"] for res in local_run.results)
+    for rows in (r0, r1):
+        assert all(np.isfinite(x).all() for x, _, _ in rows)
+        np.testing.assert_array_equal(rows[3][0], X0)  # the (kept) anchor
+        np.testing.assert_array_equal(rows[3][1], X0)
+        assert [s for _, _, s in rows] == [0, 0, 0, 1, 1, 1]
+    np.testing.assert_array_equal(r1[1][0], r1[0][0])  # rank 1 idles after its NaN
+    assert not np.array_equal(r0[5][0], r1[5][0])  # both train again, apart
+
+
+def test_islands_whose_anchors_differ_fail_alike(local_run):
+    got = [res["anchors"] for res in local_run.results]
+    assert got[0] == got[1], got
+    kind, msg = got[0]
+    assert kind != "OK" and "anchors differ at the first outer step (step 2)" in msg, got
+
+
 def test_host_islands_on_one_machine_are_one_island_of_both(local_run):
     # Lookahead with the two processes' mean as the inner step: x runs to the
     # mean target; every 2 steps anchor <- anchor + 0.5 (x - anchor), x <- anchor.

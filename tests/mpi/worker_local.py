@@ -33,11 +33,11 @@ def main():
     mesh = Mesh(np.array(jax.local_devices()), ("d",))
     c_all = np.asarray(C, np.float32)
 
-    def run(make, mode, steps, bad=None, split=False, kind="process"):
+    def run(make, mode, steps, bad=None, split=False, kind="process", off=0.0):
         axis = "d" if mode == "smap" else None
         isl = jaxsync.islands(kind, axis_name=axis, comm=comm)
         tx = make(isl)
-        p = {"x": jnp.asarray(X0, jnp.float32)}
+        p = {"x": jnp.asarray(X0, jnp.float32) + jnp.float32(off)}
         if mode == "smap":
             c = jnp.asarray(c_all[rank * dev : (rank + 1) * dev])
 
@@ -155,6 +155,11 @@ def main():
         "skip",
         run(lambda isl: jaxsync.diloco(inner(isl, 0.5), every=2, islands=isl), "smap", 4, (3, 1)),
     )
+    # a NaN gradient at inner step 1 of 4 on rank 1: back to the anchor at step 3
+    res.add(
+        "nan-inner",
+        run(lambda isl: jaxsync.diloco(inner(isl, 0.5), every=4, islands=isl), "jit", 6, (1, 1)),
+    )
 
     # islands="host": both processes share this machine: one island of two, whose
     # inner mean may span the world (it is the island); the outer mean has no peer.
@@ -184,6 +189,16 @@ def main():
         "disagree",
         lambda: run(
             lambda isl: jaxsync.diloco(inner(isl, 0.5), every=2 + 2 * rank, islands=isl), "jit", 2
+        ),
+    )
+    # Rank 1 starts elsewhere: the first outer step after the warm-up fails on both.
+    attempt(
+        "anchors",
+        lambda: run(
+            lambda isl: jaxsync.local_sgd(inner(isl, 0.5), 2, warmup=1, islands=isl),
+            "jit",
+            3,
+            off=float(rank),
         ),
     )
     res.write()
