@@ -16,6 +16,8 @@
 #   JAXSYNC_SETUP_EXTRA_PACKAGES
 #                   more pip requirements (space separated), installed first; also
 #                   the hook the tests use to make a step fail.
+#   JAXSYNC_JAX     the jax requirement (default: jax[cpu]>=0.10,<0.13, or
+#                   jax[cudaNN]>=0.10,<0.13 with JAXSYNC_CUDA)
 #   PYTHON          the interpreter that creates the environment (default: python3)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -34,7 +36,7 @@ stamp="$venv/.jaxsync-setup"
 inputs=(pyproject.toml setup.py scripts/setup.sh scripts/_setup_steps.sh scripts/verify_install.py jaxsync/_cli/_toolkit.py
         jaxsync/_comm/_native/*.cc jaxsync/_comm/_native/*.h)
 want="$(for f in "${inputs[@]}"; do if [ -f "$f" ]; then cat "$f"; fi; done | sha256sum | cut -c1-16)"
-want="$want cuda=$cuda extra=$extra"
+want="$want cuda=$cuda extra=$extra jax=${JAXSYNC_JAX:-}"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
   exit 0
 fi
@@ -53,8 +55,11 @@ if [ -n "$extra" ]; then
   step "install JAXSYNC_SETUP_EXTRA_PACKAGES ($extra)" pip install $extra
 fi
 
-jax_req="jax[cpu]>=0.10,<0.11"
-[ -n "$cuda" ] && jax_req="jax[cuda$cuda]>=0.10,<0.11"
+jax_req="jax[cpu]>=0.10,<0.13"
+[ -n "$cuda" ] && jax_req="jax[cuda$cuda]>=0.10,<0.13"
+# JAXSYNC_JAX: one requirement in its place (e.g. 'jax[cpu]==0.12.*'); scripts/test_jax12.sh
+# uses it for the Python 3.12 + jax 0.12 environment.
+jax_req="${JAXSYNC_JAX:-$jax_req}"
 step "install $jax_req, MPI (mpich wheel) and mpi4py" \
   pip install "$jax_req" "mpich>=4" "mpi4py>=4.0"
 

@@ -38,4 +38,11 @@ echo "[test] pytest: in-process tests, $workers workers"
   "${multi[@]/#/--ignore=}" || rc=$?
 echo "[test] pytest: multi-process tests, one at a time"
 "$venv/bin/python" -m pytest -q "${multi[@]}" || rc=$?
+# The matrix job: current JAX (jax 0.12 on Python 3.12 or 3.13, its own environment
+# .venv-jax12), the core in-process tests and a few mpirun ones. JAXSYNC_SKIP_JAX12=1
+# leaves it out; a machine with no Python 3.12/3.13 fails it, saying what is missing.
+if [ "${JAXSYNC_SKIP_JAX12:-0}" != 1 ]; then
+  echo "[test] the jax 0.12 job (scripts/test_jax12.sh)"
+  bash "$root/scripts/test_jax12.sh" || rc=$?
+fi
 exit "$rc"

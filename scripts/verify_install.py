@@ -54,8 +54,8 @@ def main(checkout: str) -> int:
         except Exception as e:  # noqa: BLE001 - report every failure
             problems.append(f"import {name} failed: {type(e).__name__}: {e}")
     jax = mods.get("jax")
-    if jax is not None and not jax.__version__.startswith("0.10."):
-        problems.append(f"jax {jax.__version__} installed; jaxsync pins jax 0.10.*")
+    if jax is not None and not jax.__version__.startswith(("0.10.", "0.11.", "0.12.")):
+        problems.append(f"jax {jax.__version__} installed; jaxsync supports jax 0.10-0.12")
     m4j = mods.get("mpi4jax")
     if m4j is not None and not m4j.__version__.startswith("0.9."):
         problems.append(f"mpi4jax {m4j.__version__} installed; jaxsync pins 0.9.*")

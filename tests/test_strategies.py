@@ -399,3 +399,25 @@ def test_training_steps_deterministic_and_replicas_identical(layout, strategies)
             for r in range(1, N):
                 assert np.array_equal(bits(a[r]), bits(a[0])), f"{s}/{k}: replica {r} diverged"
             assert not np.array_equal(a[0], np.asarray(args["params"][k][0])), "no update happened"
+
+
+def test_the_intra_all_gather_is_typed_replicated_on_this_jax():
+    """The all-gather that ends two_dimensional's intra stage is typed replicated
+    under shard_map's check_vma, so an out_specs of P() takes its result (jax
+    0.11-0.12 renamed JAX's invariant all-gather; the plain one is typed varying,
+    and every two_dimensional sync across processes failed to trace there)."""
+    from jax.sharding import Mesh
+
+    from jaxsync._comm import _intra
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+    ops = _intra.AxisOps(("d",))
+
+    def f(x):
+        return ops.allgather_tiled(x), ops.allgather(x)
+
+    tiled, stacked = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("d"), out_specs=P()))(
+        jnp.arange(4.0)
+    )
+    np.testing.assert_array_equal(tiled, np.arange(4.0))
+    np.testing.assert_array_equal(stacked, np.arange(4.0).reshape(2, 2))

@@ -19,10 +19,18 @@ from jax._src.interpreters import batching as _batching
 
 Axes = tuple
 
-try:  # typed as replicated over the axes (shard_map check_vma); jax >= 0.7
-    from jax._src.lax.parallel import all_gather_invariant as _all_gather_invariant
-except ImportError:  # pragma: no cover
-    _all_gather_invariant = None  # type: ignore[assignment]
+# The all-gather typed as replicated over its axes (shard_map's check_vma): jax 0.7 to
+# 0.10 name it all_gather_invariant, jax 0.11-0.12 _all_gather_invariant (the plain
+# lax.all_gather's result is typed varying, which an out_specs of P() refuses).
+_all_gather_invariant = None
+for _name in ("all_gather_invariant", "_all_gather_invariant"):
+    try:
+        from jax._src.lax import parallel as _parallel
+
+        _all_gather_invariant = getattr(_parallel, _name)
+        break
+    except (ImportError, AttributeError):  # pragma: no cover
+        continue
 
 
 def _is_batched(x) -> bool:

@@ -17,6 +17,7 @@ import ctypes
 import functools
 import itertools
 import os
+import sysconfig
 from pathlib import Path
 
 import jax
@@ -24,7 +25,7 @@ import jax
 from . import _quiet
 
 SUPPORTED_MPI4JAX = ("0.9",)
-SUPPORTED_JAX = ("0.10",)
+SUPPORTED_JAX = ("0.10", "0.11", "0.12")
 
 _NATIVE_KINDS = (
     "allreduce",
@@ -64,6 +65,11 @@ def native_path() -> Path:
     env = os.environ.get(NATIVE_ENV)
     if env:
         return Path(env)
+    # One checkout may serve several environments (.venv, .venv-jax12: one build each,
+    # named by the interpreter's suffix); this interpreter's own build comes first.
+    own = NATIVE_DIR / f"_jaxsync_mpi{sysconfig.get_config_var('EXT_SUFFIX')}"
+    if own.is_file():
+        return own
     found = sorted(NATIVE_DIR.glob(_NATIVE_GLOB))
     return found[0] if found else NATIVE_DIR / "_jaxsync_mpi.<python ext suffix>.so"
 
@@ -196,7 +202,7 @@ def _load():
         raise MPIUnavailableError(
             f"jaxsync's MPI backend supports jax {SUPPORTED_JAX}; found jax "
             f"{jax.__version__}. Install a matching version (pip install "
-            f"'jax==0.10.*') or use comm=None / a mesh axis."
+            f"'jax>=0.10,<0.13') or use comm=None / a mesh axis."
         )
     import atexit
 
