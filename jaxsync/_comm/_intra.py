@@ -16,21 +16,16 @@ from jax import lax
 from jax._src import core as _core
 from jax._src import mesh as _mesh
 from jax._src.interpreters import batching as _batching
+from jax._src.lax import parallel as _parallel
 
 Axes = tuple
 
 # The all-gather typed as replicated over its axes (shard_map's check_vma): jax 0.7 to
 # 0.10 name it all_gather_invariant, jax 0.11-0.12 _all_gather_invariant (the plain
 # lax.all_gather's result is typed varying, which an out_specs of P() refuses).
-_all_gather_invariant = None
-for _name in ("all_gather_invariant", "_all_gather_invariant"):
-    try:
-        from jax._src.lax import parallel as _parallel
-
-        _all_gather_invariant = getattr(_parallel, _name)
-        break
-    except (ImportError, AttributeError):  # pragma: no cover
-        continue
+_all_gather_invariant = getattr(_parallel, "all_gather_invariant", None) or getattr(
+    _parallel, "_all_gather_invariant", None
+)
 
 
 def _is_batched(x) -> bool:

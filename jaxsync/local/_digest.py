@@ -7,7 +7,8 @@ exactly when every island holds the same digest, and any other value is read
 the same on every island (the decision comes from the synced mean), so every
 island raises the same error at the same step.
 
-May import: ``_core`` (``_sync.sync``), ``_comm._invariance``, ``_state``; JAX, numpy.
+May import: ``_core`` (``_sync.sync``), ``_comm._invariance``, ``compress._phase``
+(the cond with the token chain), ``_state``; JAX, numpy.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from jax import lax
 
 from jaxsync._comm import _invariance
 from jaxsync._core._sync import sync
+from jaxsync.compress._phase import _select_phase
 
 from ._state import LocalConfig
 
@@ -55,8 +57,6 @@ def anchors_differ(cfg: LocalConfig, anchor, axes) -> jax.Array:
 def check_at_first_outer_step(cfg: LocalConfig, n, step, anchor) -> None:
     """At local step ``n == every / fragments`` (the run's first outer step):
     compare the anchors, in a cond (the other steps send nothing)."""
-    from jaxsync.compress._phase import _select_phase
-
     c = cfg.outer_mean
     axes = tuple(c.axes) + tuple(c.backend.mesh_axes)
     if cfg.slices is not None:
