@@ -1,7 +1,9 @@
 """The mpi4jax primitive: tokened MPI collectives through mpi4jax's FFI targets.
 
-The lowering on platforms other than CPU (``cuda``, untested here), one buffer
-at a time; on CPU jaxsync uses its own targets (``_native_prim``).
+The lowering on platforms other than CPU (``cuda``), one buffer at a time; on
+CPU jaxsync uses its own targets (``_native_prim``), except in tests of the GPU
+path (``JAXSYNC_TESTING_MPI4JAX=1``), which lower here to mpi4jax's CPU bridge
+(the same target names, the same attributes).
 
 Imports: jax and ``_mpi_load`` only.
 """
@@ -73,9 +75,10 @@ def _setup_cuda() -> None:
     decorators.setup_cuda_mpi()
 
 
-def _lowering(ctx, x, token, *, kind, comm, root):
+def _lowering(ctx, x, token, *, kind, comm, root, cuda=True):
     MPI, to_mpi_handle, to_dtype_handle = _load_mpi4jax()
-    _setup_cuda()
+    if cuda:
+        _setup_cuda()
     x_aval = ctx.avals_in[0]
     n = np.int64(np.prod(x_aval.shape, dtype=np.int64))
     dtype = np.int64(to_dtype_handle(x_aval.dtype))
@@ -96,6 +99,7 @@ def _lowering(ctx, x, token, *, kind, comm, root):
 
 
 mlir.register_lowering(mpi_p, _lowering, platform="cuda")
+mlir.register_lowering(mpi_p, functools.partial(_lowering, cuda=False), platform="cpu")
 
 
 def _batching(args, dims, **params):

@@ -95,11 +95,16 @@ class MPIBackend:
         on_timeout: str = "report",
         name: str = "MPI",
     ):
-        self.native = staging == "device" and jax.default_backend() == "cpu"
+        self.native = staging == "device" and not _mpi_load.uses_mpi4jax()
         if self.native:
             _mpi_load.require_native()  # a clear error now, never a slow fallback
         elif staging == "device":
             _mpi_load._load_mpi4jax()
+            if jax.default_backend() == "cpu":
+                # The GPU path tested on CPU: ``_tie.tie``, which orders its calls
+                # through control flow, needs the native no-op there (XLA:CPU
+                # drops optimization barriers).
+                _mpi_load.require_native()
         else:
             _check_host_mpi()
         self.comm = comm
@@ -258,8 +263,10 @@ class MPIBackend:
         idx = lax.axis_index(intra.axes)
         if _is_batched(idx):
             return self._watched(program, True, None, entered)(self._ops(comms.world), bufs)
-        # Tokens (and the chain inside a branch) cannot leave lax.cond: the
-        # previous synchronisation of this trace is tied to this one by data.
+        if self.staging == "device":  # mpi4jax: the chain crosses the cond (_ordering)
+            return self._run_cond(program, bufs, intra, leader_only, idx, entered)
+        # Host staging's chain cannot leave lax.cond: the previous
+        # synchronisation of this trace is tied to this one by data.
         prev = _ordering.chain_value("cond", lambda: None)
         if prev is not None:
             bufs = [_after(bufs[0], prev), *bufs[1:]]

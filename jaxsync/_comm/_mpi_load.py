@@ -52,6 +52,18 @@ _BUILD_FIX = (
 )
 
 
+# Testing only: take the GPU path (mpi4jax's targets, ``_mpi4jax_prim``) on CPU
+# too, through mpi4jax's CPU bridge, so CI checks what runs on GPUs.
+MPI4JAX_ON_CPU_ENV = "JAXSYNC_TESTING_MPI4JAX"
+
+
+def uses_mpi4jax() -> bool:
+    """Whether a device-staged MPI stage calls mpi4jax's targets (every platform
+    but CPU; on CPU too with ``JAXSYNC_TESTING_MPI4JAX=1``) rather than
+    jaxsync's native ones."""
+    return jax.default_backend() != "cpu" or os.environ.get(MPI4JAX_ON_CPU_ENV) == "1"
+
+
 class MPIUnavailableError(ImportError):
     """mpi4py, a supported mpi4jax or jaxsync's native MPI library is missing."""
 

@@ -6,8 +6,8 @@
 takes the token (or host dependency) of the previous one (``_ordering``), so
 every process issues them in one order. Made by ``_mpi_backend.MPIBackend``.
 
-Imports: ``_native_prim``, ``_mpi4jax_prim``, ``_ordering``, ``_async``; none of
-them imports it.
+Imports: ``_native_prim``, ``_mpi4jax_prim``, ``_ordering``, ``_async``, ``_tie``;
+none of them imports it.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from . import _async, _mpi4jax_prim, _native_prim, _ordering
+from ._tie import tie
 
 # How a native call over a communicator that spans hosts waits for its MPI
 # requests (the communication thread's sums, and since the blocking calls too:
@@ -210,8 +211,13 @@ class _MPIOps:
         self.size = comm.Get_size()
 
     def _call(self, kind, x):
+        # Inside control flow, the chain crosses by data (``_ordering.chain_after``).
+        after = _ordering.chain_after()
+        if after:
+            x = tie(x, after=after)
         y, token = _mpi4jax_prim.call(kind, x, _ordering.chain_token(), self.comm)
         _ordering.set_chain_token(token)
+        _ordering.set_chain_head(y)
         return y
 
     def allreduce(self, bufs):

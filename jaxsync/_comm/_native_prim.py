@@ -281,4 +281,12 @@ def tier_available() -> bool:
     return True
 
 
-_ordering.register_native(native_call, native_loaded)
+def _threads_chains() -> bool:
+    """Whether the native calls thread the chains through control flow (not
+    where mpi4jax's targets make the calls: ``_ordering`` ties those by data)."""
+    from . import _mpi_load
+
+    return native_loaded() and not _mpi_load.uses_mpi4jax()
+
+
+_ordering.register_native(native_call, _threads_chains)

@@ -26,9 +26,13 @@ the enclosing trace's next call waits for the control-flow operation itself (a
 no-op native call on one element of its outputs: every output of an XLA
 conditional or loop exists only once the whole operation has run). The token
 crosses as data because a token cannot cross ``lax.cond`` under ``shard_map``.
-Only the native target's chain (CPU, ``staging="device"``) is threaded: the
-mpi4jax chain (GPUs) and the host-staging chains inside control flow keep a
-chain of their own (see docs/sharp-bits.md).
+mpi4jax's calls (GPUs) have no call that turns a token into data, so their
+chain crosses by the data the calls return (``chain_after``): a body's first
+call waits, through ``_tie.tie``, for the last result of the enclosing trace's
+chain (the value enters the control-flow operation as an operand), and the
+enclosing trace's next call waits for the control-flow operation's outputs, as
+on the native path. No host callback, no copy. The host-staging chains inside
+control flow keep a chain of their own (see docs/sharp-bits.md).
 
 Imports: jax and ``_invariance`` only (``_native_prim`` registers the native call).
 """
@@ -91,6 +95,10 @@ _BODIES = frozenset(("cond", "switch", "scan", "while_body", "while_cond", "fori
 # The primitives that issue inter-process calls in a chain.
 _CALLS = frozenset(("jaxsync_native", "jaxsync_mpi"))
 _PENDING = "__pending_bodies"  # an entry's key: tracing_eqns index of the first body call
+# mpi4jax's chain: what the trace's next call waits for (outputs of control flow
+# whose bodies made calls), the last call's result (one element) and whether
+# the trace's first call took the enclosing chain's.
+_AFTER, _HEAD, _JOINED = "__after", "__head", "__joined"
 
 
 def _enclosing(trace):
@@ -172,7 +180,7 @@ def _join_bodies(trace, entry) -> None:
     """The chain of ``trace`` waits for each control-flow operation recorded in it
     since one of its bodies made a call (their outputs exist once they ran)."""
     mark = entry.pop(_PENDING, None)
-    if mark is None or not _native():
+    if mark is None:
         return
     deps = []
     for ref in trace.frame.tracing_eqns[mark:]:
@@ -186,6 +194,9 @@ def _join_bodies(trace, entry) -> None:
                 deps.append(trace.var_to_tracer(var, source_info_util.current(), eqn))
                 break
     if not deps:
+        return
+    if not _native():  # mpi4jax's chain: the next call's input waits for them
+        entry.setdefault(_AFTER, []).extend(deps)
         return
     with _core.set_current_trace(trace):
         token = entry.get("token")
@@ -225,6 +236,45 @@ def _token_of(trace):
         if token is not None:
             entry["token"] = token
     return token
+
+
+def _inherited_after(trace) -> list:
+    """What a control-flow body's first mpi4jax call waits for: the enclosing
+    traces' last results and the control flow pending in them (values of those
+    traces, closed over by the body)."""
+    parent = _enclosing(trace)
+    if parent is None:
+        return []
+    entry = _entry(parent, prune=False)
+    got = list(entry.get(_AFTER, ())) + ([entry[_HEAD]] if _HEAD in entry else [])
+    if _HEAD not in entry and _JOINED not in entry:
+        got += _inherited_after(parent)  # no call of its own yet: its parent's
+    return got
+
+
+def chain_after() -> list:
+    """The values the next mpi4jax call's input must wait for (``_tie.tie``), taken
+    once: control flow of this trace whose bodies made calls and, for a body's
+    first call, the enclosing chain's last results. Empty eagerly and on the
+    native path (its tokens cross as data, ``_to_data``)."""
+    trace = _owner()
+    if isinstance(trace, _core.EvalTrace) or _native():
+        return []
+    _table(trace)
+    entry = _entry(trace, prune=False)
+    after = entry.pop(_AFTER, [])
+    if _JOINED not in entry:
+        entry[_JOINED] = True
+        after = after + _inherited_after(trace)
+    return after
+
+
+def set_chain_head(y) -> None:
+    """Record an mpi4jax call's result ``y``: a body's first call after it waits for it."""
+    trace = _owner()
+    if isinstance(trace, _core.EvalTrace) or y.size == 0:
+        return
+    _table(trace).setdefault(trace, {})[_HEAD] = y.reshape(-1)[:1]
 
 
 def chain_value(key: str, first):

@@ -65,11 +65,11 @@ def _check_phase_backend(fn, cfg, start_step):
     if (
         start_step > 0
         and isinstance(cfg.backend, _mpi_backend.MPIBackend)
-        and not cfg.backend.native
+        and cfg.backend.staging == "host"
     ):
         raise ValueError(
             f"{fn}: start_step={start_step} chooses between two sets of collectives "
-            "at run time (lax.cond), which jaxsync orders only on its native MPI path "
-            "(CPU, staging='device'); this backend is "
-            f"{cfg.backend!r}. Fix: start_step=0, or staging='device' on CPU."
+            "at run time (lax.cond), which jaxsync orders only with staging='device' "
+            "(its native target on CPU, mpi4jax's on GPU); this backend is "
+            f"{cfg.backend!r}. Fix: start_step=0, or staging='device'."
         )

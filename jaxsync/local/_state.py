@@ -165,14 +165,14 @@ def make_local_config(
         check_finite=True,
         timeout=timeout,
     )
-    if isinstance(sync.backend, _mpi_backend.MPIBackend) and not sync.backend.native:
+    if isinstance(sync.backend, _mpi_backend.MPIBackend) and sync.backend.staging == "host":
         # The outer mean sits in a lax.cond on the step count, whose MPI calls
-        # jaxsync orders only on its native path.
+        # jaxsync orders on its device-staged paths only (native, mpi4jax).
         raise ValueError(
             f"{fn}: the outer mean runs every {every} steps inside a lax.cond, which "
-            "jaxsync orders only on its native MPI path (CPU, staging='device'); this "
-            f"backend is {sync.backend!r}. Fix: run on CPU with the native target "
-            "(python -m jaxsync info), or islands as a mesh axis (jaxsync.AxisComm)."
+            "jaxsync orders only with staging='device' (its native target on CPU, "
+            f"mpi4jax's on GPU); this backend is {sync.backend!r}. Fix: "
+            "staging='device', or islands as a mesh axis (jaxsync.AxisComm)."
         )
     slices, outer_sync = _sliced(fn, islands_, slice_anchor, strategy, comm_dtype, timeout)
     lane = None
@@ -190,6 +190,14 @@ def make_local_config(
             f"{fn}: overlap=True with slice_anchor=True is not supported yet (the "
             "skip decision of a sliced mean in flight needs the island's replicas). "
             "Fix: overlap=False (the held form) or slice_anchor=False."
+        )
+    if overlap and isinstance(sync.backend, _mpi_backend.MPIBackend) and not sync.backend.native:
+        raise ValueError(
+            f"{fn}: overlap=True keeps the outer mean in flight across steps in "
+            "jaxsync's native library, which runs on CPU only; this backend is "
+            f"{sync.backend!r} (mpi4jax's targets, which block: nothing would "
+            "overlap). Fix: overlap=False (the held form, which delay= still "
+            "staggers), or islands as a mesh axis (jaxsync.AxisComm: NCCL on GPU)."
         )
     if overlap:
         outer_comm = islands_.outer_comm
@@ -226,12 +234,11 @@ def make_local_config(
 
 def _world(fn, isl: Islands, timeout):
     """The backend over every process of the job that the configuration is
-    agreed on, or None: one process, islands as a mesh axis, or not jaxsync's
-    native target (the outer mean across processes needs it, see above).
+    agreed on, or None: one process, or islands as a mesh axis.
 
     Made now, on every process (collective over the world): never while tracing."""
     world = isl.world
-    if world is None or world.Get_size() < 2 or jax.default_backend() != "cpu":
+    if world is None or world.Get_size() < 2:
         return None
     timeout = None if timeout is None else float(timeout)
     return _mpi_backend.MPIBackend(world, timeout=timeout, name=f"{fn} agreement")

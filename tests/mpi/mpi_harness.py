@@ -122,8 +122,9 @@ def run_command(cmd: list, timeout: float, env: dict | None = None) -> tuple[int
         return proc.returncode, output, True
 
 
-def run_mpi(script, n=2, devices=2, args=(), timeout=120, out=None) -> MPIRun:
-    """Run ``tests/mpi/SCRIPT`` under ``mpirun -n N``; never blocks past ``timeout``."""
+def run_mpi(script, n=2, devices=2, args=(), timeout=120, out=None, env=None) -> MPIRun:
+    """Run ``tests/mpi/SCRIPT`` under ``mpirun -n N``; never blocks past ``timeout``.
+    ``env``: variables set for the ranks on top of the test's environment."""
     own = out is None
     out = Path(tempfile.mkdtemp(prefix="jaxsync-mpi-")) if own else Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -140,7 +141,9 @@ def run_mpi(script, n=2, devices=2, args=(), timeout=120, out=None) -> MPIRun:
         *map(str, args),
     ]
     t0 = time.monotonic()
-    returncode, output, timed_out = run_command(cmd, timeout)
+    returncode, output, timed_out = run_command(
+        cmd, timeout, None if env is None else {**_env(), **env}
+    )
     elapsed = time.monotonic() - t0
     results = []
     for r in range(n):

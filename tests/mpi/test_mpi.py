@@ -104,6 +104,30 @@ def test_exact_mpi(exact_run, case):
         assert_bitwise(result_of(exact_run, rank, case), want, f"rank {rank} {case}")
 
 
+# The GPU path (mpi4jax's targets, one call per buffer, the leader chosen by
+# lax.cond) taken on CPU through mpi4jax's CPU bridge: every device-staged case.
+MPI4JAX_CASES = [c for c in EXACT_CASES if "staging_host" not in c]
+
+
+@pytest.fixture(scope="module")
+def exact_mpi4jax_run():
+    env = {"JAXSYNC_TESTING_MPI4JAX": "1"}
+    return run_mpi("worker_exact.py", n=2, devices=EXACT_DEVICES, timeout=150, env=env).check()
+
+
+@pytest.mark.parametrize("case", MPI4JAX_CASES)
+def test_exact_mpi4jax_path(exact_mpi4jax_run, case):
+    reduce = "sum" if "-sum" in case else "mean"
+    want = stacked_expected(2 * EXACT_DEVICES, EXACT_DEVICES, reduce)
+    for rank in range(2):
+        assert_bitwise(result_of(exact_mpi4jax_run, rank, case), want, f"rank {rank} {case}")
+        calls = exact_mpi4jax_run.results[rank].get(f"calls:{case}")
+        if calls is not None and case.startswith("shard_map"):
+            targets = {t for t, _ in calls}
+            assert "mpi_allreduce_ffi" in targets or "mpi_alltoall_ffi" in targets, targets
+            assert not any(t.startswith("jaxsync_") for t in targets), targets
+
+
 TIER_TARGETS = {"jaxsync_reduce", "jaxsync_bcast", "jaxsync_reduce_scatter", "jaxsync_tier"}
 """The host tier's native targets (processes of one host; see _mpi_backend._host_tier):
 its three calls, or its one pipelined call above one chunk."""

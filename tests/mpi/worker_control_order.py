@@ -25,14 +25,30 @@ LEAVES = 3
 STEPS = 4
 
 
+CALLS = ("jaxsync_native", "jaxsync_mpi")  # the native target's calls, mpi4jax's
+
+
 def _calls(jaxprs) -> bool:
     from jax._src import core
 
     return any(
-        e.primitive.name == "jaxsync_native" or _calls(core.jaxprs_in_params(e.params))
+        e.primitive.name in CALLS or _calls(core.jaxprs_in_params(e.params))
         for j in jaxprs
         for e in j.eqns
     )
+
+
+def call_names(jaxprs) -> set:
+    """The names of the inter-process calls the step makes (at any depth)."""
+    from jax._src import core
+
+    out = set()
+    for j in jaxprs:
+        for e in j.eqns:
+            if e.primitive.name in CALLS:
+                out.add(e.primitive.name)
+            out |= call_names(core.jaxprs_in_params(e.params))
+    return out
 
 
 def unordered(closed):
@@ -42,14 +58,19 @@ def unordered(closed):
     from jax._src import core
 
     jaxpr = closed.jaxpr
-    while not any(e.primitive.name == "jaxsync_native" for e in jaxpr.eqns):
-        (jaxpr,) = [j for e in jaxpr.eqns for j in core.jaxprs_in_params(e.params) if _calls([j])]
+    # Down to the step's body (past jit, shard_map): the first level with a call
+    # or more than one operation holding calls (mpi4jax's leader conds).
+    while True:
+        holding = [e for e in jaxpr.eqns if _calls(core.jaxprs_in_params(e.params))]
+        if any(e.primitive.name in CALLS for e in jaxpr.eqns) or len(holding) != 1:
+            break
+        (jaxpr,) = [j for j in core.jaxprs_in_params(holding[0].params) if _calls([j])]
     deps, ops = {}, []
     for i, e in enumerate(jaxpr.eqns):
         d = {i}.union(*(deps.get(v, set()) for v in e.invars if isinstance(v, core.Var)))
         for v in e.outvars:
             deps[v] = d
-        if e.primitive.name == "jaxsync_native" or _calls(core.jaxprs_in_params(e.params)):
+        if e.primitive.name in CALLS or _calls(core.jaxprs_in_params(e.params)):
             ops.append((i, e.primitive.name, d))
     return [(a[1], b[1]) for k, a in enumerate(ops) for b in ops[k + 1 :] if a[0] not in b[2]]
 
@@ -137,6 +158,7 @@ def main():
         try:
             fn, jaxpr = make(mode)
             res.add("chain:" + mode, unordered(jaxpr))
+            res.add("calls:" + mode, sorted(call_names([jaxpr.jaxpr])))
             outs = [to_numpy(jax.block_until_ready(fn(jnp.float32(s)))) for s in range(STEPS)]
             res.add(mode, outs)
         except Exception as e:  # recorded; pytest fails the case with the message
