@@ -167,11 +167,14 @@ def test_auto_is_on_where_the_sync_spans_hosts():
     from jaxsync._comm import _axis_backend
     from jaxsync._core._overlap import resolve_overlap
 
-    def mpi(hosts):
-        return SimpleNamespace(comms=SimpleNamespace(hosts=hosts))
+    def mpi(hosts, native=True):
+        return SimpleNamespace(comms=SimpleNamespace(hosts=hosts), native=native)
 
     assert resolve_overlap("auto", mpi(2)) and resolve_overlap("auto", mpi(4))
     assert not resolve_overlap("auto", mpi(1))
+    # mpi4jax (GPU) and host staging block: nothing would overlap, auto stays off
+    assert not resolve_overlap("auto", mpi(2, native=False))
+    assert resolve_overlap(True, mpi(2, native=False))
     assert not resolve_overlap("auto", _axis_backend.LocalBackend())
     assert not resolve_overlap("auto", _axis_backend.AxisBackend(jaxsync.AxisComm("h")))
     assert resolve_overlap(True, mpi(1)) and not resolve_overlap(False, mpi(2))

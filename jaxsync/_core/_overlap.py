@@ -44,11 +44,14 @@ def resolve_overlap(overlap, backend) -> bool:
     processes the topology counts on several hosts, ``Comms.hosts``: there the
     wire sets the time; on the emulated cluster at 100 Mb/s overlap took the step
     to 0.72-0.76x the blocking one, docs/benchmarks.md), off within one host (shared memory:
-    nothing to hide, the lowered step unchanged) and without MPI (one process,
-    ``AxisComm``); ``True`` / ``False`` force it."""
+    nothing to hide, the lowered step unchanged), without MPI (one process,
+    ``AxisComm``), and where MPI calls block the device stream (mpi4jax on GPU,
+    ``staging="host"``: only jaxsync's native CPU target runs asynchronously, so
+    elsewhere buckets would only add calls); ``True`` / ``False`` force it."""
     if not (isinstance(overlap, str) and overlap == _AUTO):
         return bool(overlap)
-    return getattr(getattr(backend, "comms", None), "hosts", 0) > 1
+    hosts = getattr(getattr(backend, "comms", None), "hosts", 0)
+    return hosts > 1 and bool(getattr(backend, "native", False))
 
 
 def overlap_groups(nbytes: list, bucket_bytes: int, first_bytes: int | None = None) -> list:

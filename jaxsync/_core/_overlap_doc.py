@@ -15,8 +15,9 @@ _ARGS = """      overlap: ``True`` sends the gradients in buckets, in the order 
         the step computes on (see "Overlap" in docs/strategies.md). The same bits as
         ``False``. The buckets' order assumes the tree lists the model's layers
         first to last. ``"auto"`` (default): on where the inter-process stage
-        spans more than one host (MPI, the topology's host count), off within
-        one host and without MPI. ``True`` without an inter-process stage (one
+        spans more than one host (MPI, the topology's host count) on jaxsync's
+        native CPU target, off within one host, without MPI, and where MPI
+        blocks (mpi4jax on GPU, ``staging="host"``). ``True`` without an inter-process stage (one
         process) hides nothing, and the factory warns.
       overlap_bucket_bytes: with ``overlap``, about this many bytes per bucket
         (``"auto"``: 4 MiB; the first bucket 1 MiB).
