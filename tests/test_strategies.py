@@ -421,3 +421,33 @@ def test_the_intra_all_gather_is_typed_replicated_on_this_jax():
     )
     np.testing.assert_array_equal(tiled, np.arange(4.0))
     np.testing.assert_array_equal(stacked, np.arange(4.0).reshape(2, 2))
+
+
+@pytest.mark.parametrize(
+    "factory", ["naive_mean", "flat_mean", "hierarchical_mean", "two_dimensional_mean"]
+)
+def test_nested_vmap_with_a_tuple_of_axes(factory):
+    """vmap(vmap(...)) with axis_name=("a", "b"): JAX's vmap rules refuse a
+    psum_scatter / all_gather over two axes at once ("axis size doesn't match";
+    two_dimensional_mean raised it); jaxsync then runs them one axis at a time.
+    Exact: integer values, the mean over 6 replicas a multiple of 1/2; the same
+    bits as one vmap over the 6 replicas."""
+    tx = getattr(jaxsync, factory)(axis_name=("a", "b"), comm=None, bucket_bytes=None)
+    g = {
+        "w": jnp.arange(2 * 3 * 7, dtype=jnp.float32).reshape(2, 3, 7),
+        "h": (jnp.arange(6, dtype=jnp.float32).reshape(2, 3, 1) * jnp.ones(5)).astype(jnp.bfloat16),
+    }
+    step = lambda t: tx.update(t, tx.init(t))[0]
+    out = jax.vmap(jax.vmap(step, axis_name="b"), axis_name="a")(g)
+    one = getattr(jaxsync, factory)(axis_name="r", comm=None, bucket_bytes=None)
+    ref = jax.vmap(lambda t: one.update(t, one.init(t))[0], axis_name="r")(
+        jax.tree.map(lambda x: x.reshape(6, *x.shape[2:]), g)
+    )
+    for k in g:
+        want = np.asarray(g[k], np.float64).reshape(6, -1).mean(0)
+        got = np.asarray(out[k], np.float64).reshape(6, -1)
+        assert (got == want).all(), (k, got[0], want)
+        assert (
+            np.asarray(out[k]).reshape(6, -1).tobytes()
+            == np.asarray(ref[k]).reshape(6, -1).tobytes()
+        )

@@ -61,6 +61,30 @@ def check_axes(axes: Axes, what: str = "axis_name") -> None:
         )
 
 
+def _vmap_safe(together, each, axes: Axes):
+    """``together(axes)``: one collective over every axis. JAX's vmap rules for
+    ``psum_scatter`` and ``all_gather`` refuse several axes at once ("axis size
+    doesn't match", nested ``vmap`` with a tuple ``axis_name``): there, ``each()``,
+    the same collective one axis at a time, in the same layout (the first axis
+    major). ``shard_map`` and ``pmap`` take the single collective."""
+    if len(axes) < 2:
+        return together(axes)
+    try:
+        return together(axes)
+    except AssertionError as e:
+        if "axis size doesn't match" not in str(e):
+            raise
+        return each()
+
+
+def _gather_each(x, axes: Axes):
+    """``all_gather`` over ``axes`` one at a time, the last first: shape
+    ``(*sizes, *x.shape)``, the first axis major."""
+    for a in reversed(axes):
+        x = lax.all_gather(x, a, axis=0, tiled=False)
+    return x
+
+
 def axes_size(axes: Axes) -> int:
     n = 1
     for a in axes:
@@ -105,12 +129,25 @@ class AxisOps:
             return x[None]
         if _invariant_gather(x, self.axes):
             return _all_gather_invariant(x, self.axes, axis=0, tiled=False)
-        return lax.all_gather(x, self.axes, axis=0, tiled=False)
+        return _vmap_safe(
+            lambda a: lax.all_gather(x, a, axis=0, tiled=False),
+            lambda: _gather_each(x, self.axes).reshape(-1, *x.shape),
+            self.axes,
+        )
 
     def reduce_scatter(self, x):
         if not self.axes:
             return x
-        return lax.psum_scatter(x, self.axes, scatter_dimension=0, tiled=True)
+
+        def each():  # the first axis major, as one psum_scatter over them all
+            y = x
+            for a in self.axes:
+                y = lax.psum_scatter(y, a, scatter_dimension=0, tiled=True)
+            return y
+
+        return _vmap_safe(
+            lambda a: lax.psum_scatter(x, a, scatter_dimension=0, tiled=True), each, self.axes
+        )
 
     def allgather_tiled(self, x):
         """Concatenate the slices of all members; the result is replicated."""
@@ -118,7 +155,11 @@ class AxisOps:
             return x
         if _invariant_gather(x, self.axes):
             return _all_gather_invariant(x, self.axes, axis=0, tiled=True)
-        return lax.all_gather(x, self.axes, axis=0, tiled=True)
+        return _vmap_safe(
+            lambda a: lax.all_gather(x, a, axis=0, tiled=True),
+            lambda: _gather_each(x, self.axes).reshape(-1, *x.shape[1:]),
+            self.axes,
+        )
 
     def broadcast(self, bufs: list, root: int = 0) -> list:
         if not self.axes:
