@@ -17,6 +17,7 @@ from jaxsync._core._batch import local_batch
 from jaxsync._core._broadcast import broadcast_params
 from jaxsync._core._finite import apply_if_finite, skip_not_finite
 from jaxsync._core._join import WeightedState, all_done
+from jaxsync._core._options import SyncOptions
 from jaxsync._core._plan import Bucket, LeafSpec, Plan, make_plan
 from jaxsync._core._quant import Quantized
 from jaxsync._core._quantsum import QuantState
@@ -29,6 +30,7 @@ from jaxsync._core._transforms import (
     single_node_mean,
     two_dimensional_mean,
 )
+from jaxsync._core._wire import WireFormat, wire_formats
 
 # The optional areas (each registers with the core when imported).
 from jaxsync.auto import auto_mean, save_tree_spec
@@ -89,6 +91,9 @@ __all__ = [
     "DoubleBufferState",
     "WeightedState",
     "all_done",
+    "SyncOptions",
+    "WireFormat",
+    "wire_formats",
     "SyncState",
     "Timeline",
     "Topology",

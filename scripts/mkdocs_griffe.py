@@ -1,22 +1,21 @@
 """A griffe extension for the docs' API page (mkdocs.yml loads it; static analysis only).
 
-Two things the docstrings do that griffe's Google parser does not read as they are:
+Three things the docstrings do that griffe's Google parser does not read as they are:
 
 - ``Example:`` opens the doctests of every public function (the doctest runner does
   not care about the title); griffe renders code only under ``Examples:``, so the
   title is read as that.
 - ``a, b, c: as for ...`` documents several arguments in one entry (its names may
-  run onto a second line); griffe reads one name per entry, so the entry is given
+  run onto more lines); griffe reads one name per entry, so the entry is given
   to each name.
-- ``document_overlap`` adds the ``overlap``, ``overlap_bucket_bytes`` and
-  ``double_buffering`` arguments to the MPI factories' docstrings at import time;
-  without importing jaxsync, the same text (the decorator's module's ``_ARGS``) is
-  added here, before ``Returns:``, as the decorator does.
+- ``@takes(SomeKeywords)`` gives a factory its options as keywords at import time
+  (``help()`` shows them); static analysis sees ``**overrides``, so the options
+  the factory takes (the TypedDict's keys, in ``SyncOptions``' order) are named
+  here in its docstring.
 """
 
 from __future__ import annotations
 
-import ast
 import re
 from typing import Any
 
@@ -40,36 +39,47 @@ class JaxsyncDocstrings(griffe.Extension):
             if text.startswith("Example:\n"):
                 text = "Examples:\n" + text[len("Example:\n") :]
             if isinstance(obj, griffe.Function):
-                for dec in obj.decorators:
-                    if dec.callable_path.rsplit(".", 1)[-1] == "document_overlap":
-                        text = _add_overlap_args(text, dec.callable_path, loader)
-                        names = [p.name for p in obj.parameters]
-                        if "weights" not in names:  # auto_mean: neither of the last two
-                            text = re.sub(r"\n *weights: .*?(?=\nReturns:)", "", text, flags=re.S)
-                        elif "early_termination" not in names:  # auto_mean with weights
-                            text = re.sub(
-                                r"\n *early_termination: .*?(?=\nReturns:)", "", text, flags=re.S
-                            )
+                text = _add_option_names(obj, text, loader)
             doc.value = _split_shared_args(text)
 
 
-def _add_overlap_args(text: str, path: str, loader: griffe.GriffeLoader) -> str:
-    module = loader.modules_collection[path.rsplit(".", 1)[0]]
-    args = ast.literal_eval(str(module.members["_ARGS"].value))
-    # The docstring is dedented here: the decorator's text is indented for the
-    # raw __doc__ (4 spaces of the function body), so take those off.
-    args = "\n".join(line[4:] for line in args.rstrip("\n").splitlines())
-    at = text.index("\nReturns:")
-    text = text[:at] + "\n" + args + text[at:]
-    return text.replace(
-        "  ``check_finite``.\n",
-        "  ``check_finite``; with ``double_buffering``,\n  :class:`jaxsync.DoubleBufferState`.\n",
-        1,
-    )
+def _typed_dict_keys(cls: griffe.Class) -> list[str]:
+    # the keys of a TypedDict of _options: its bases' first (same module), then its own
+    keys: list[str] = []
+    for base in cls.bases:
+        parent = cls.parent.members.get(str(base)) if cls.parent else None
+        if isinstance(parent, griffe.Class):
+            keys += [k for k in _typed_dict_keys(parent) if k not in keys]
+    keys += [n for n, m in cls.members.items() if m.is_attribute and n not in keys]
+    return keys
 
 
-_NAMES_CONT = re.compile(r"^(\s+)(\w+(?:,\s*\w+)*),\s*$")  # "  a, b," (more names below)
-_NAMES = re.compile(r"^(\s+)(\w+(?:,\s*\w+)+):(.*)$")  # "  a, b, c: description"
+def _add_option_names(fn: griffe.Function, text: str, loader: griffe.GriffeLoader) -> str:
+    """``@takes(SomeKeywords)``: name the options the factory takes (``help()``
+    shows them as its signature; static analysis sees ``**overrides`` only)."""
+    for dec in fn.decorators:
+        m = re.fullmatch(r"(?:_options\.)?takes\((?:_options\.)?(\w+)\)", str(dec.value))
+        if not m:
+            continue
+        cls = loader.modules_collection["jaxsync._core._options"].members[m.group(1)]
+        taken = set(_typed_dict_keys(cls))  # type: ignore[arg-type]
+        keys = [k for k in _fields(loader) if k in taken]  # SyncOptions' order
+        names = ", ".join(f"``{k}``" for k in keys)
+        at = text.index("\nReturns:") if "\nReturns:" in text else len(text)
+        note = f"\n\nOptions as keywords (each over ``options``): {names}.\n"
+        return text[:at].rstrip("\n") + note + text[at:]
+    return text
+
+
+def _fields(loader: griffe.GriffeLoader) -> list[str]:
+    opts = loader.modules_collection["jaxsync._core._options"].members["SyncOptions"]
+    return [n for n, m in opts.members.items() if m.is_attribute]
+
+
+_NAMES_CONT = re.compile(
+    r"^(\s+)(\*{0,2}\w+(?:,\s*\*{0,2}\w+)*),\s*$"
+)  # "  a, b," (more names below)
+_NAMES = re.compile(r"^(\s+)(\*{0,2}\w+(?:,\s*\*{0,2}\w+)+):(.*)$")
 
 
 def _split_shared_args(text: str) -> str:
@@ -78,8 +88,8 @@ def _split_shared_args(text: str) -> str:
     i = 0
     while i < len(lines):
         line = lines[i]
-        m = _NAMES_CONT.match(line)
-        if m and i + 1 < len(lines) and ":" in lines[i + 1]:
+        # names running onto more lines: "  a, b," / "    c, d: description"
+        while _NAMES_CONT.match(line) and i + 1 < len(lines):
             line = f"{line.rstrip()} {lines[i + 1].strip()}"
             i += 1
         m = _NAMES.match(line)

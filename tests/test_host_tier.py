@@ -59,7 +59,8 @@ def test_only_the_factories_that_can_take_the_tier_have_the_option():
         assert ("host_tier" in params) == (name in TIERED), name
         if name in TIERED:
             assert params["host_tier"].default == "auto"
-            assert "host_tier: the host tier" in getattr(jaxsync, name).__doc__
+            assert "host_tier" in getattr(jaxsync, name).takes
+    assert "host_tier: the host tier" in jaxsync.SyncOptions.__doc__
 
 
 def test_a_bad_environment_override_fails_at_the_factory(monkeypatch):

@@ -202,6 +202,10 @@ def main(argv: list[str]) -> int:
     for kind in ("cpu", "cuda"):
         state = ("built, links " + bridges[kind]) if kind in bridges else "not built"
         con.print(f"{'mpi4jax ' + kind.upper() + ' bridge':>19}: {state}", soft_wrap=True)
+    from jaxsync import wire_formats
+
+    wires = ", ".join(f"{f.name} ({f.bytes_per_value():.4g} B)" for f in wire_formats())
+    con.print(f"{'wire formats':>19}: {wires}", soft_wrap=True)
     t = Table(title="topology")
     for col in (
         "rank",

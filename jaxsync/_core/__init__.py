@@ -1,6 +1,7 @@
 """The core: one synchronisation of a dense gradient tree, from options to optax.
 
-Data flow: ``_config`` (the factories' options, validated once) → ``_plan`` (the
+Data flow: ``_options`` (``SyncOptions``: each shared option's one text) and
+``_config`` (the factories' options, validated once) → ``_plan`` (the
 packing plan: buffers per dtype, buckets) → ``_strategies`` (the intra and inter
 stages of each strategy, over ``jaxsync._comm``'s collectives and backends) →
 ``_sync`` (pack, reduce, unpack; ``sync_gradients``) → ``_transforms`` (the optax

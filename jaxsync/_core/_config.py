@@ -71,6 +71,7 @@ __all__ = [
     "Reduce",
     "Staging",
     "SyncConfig",
+    "check_options",
     "make_config",
 ]
 _REDUCES = ("mean", "sum")
@@ -231,73 +232,35 @@ class SyncConfig:
         )
 
 
-def make_config(
+def check_options(
     fn,
-    strategy,
-    axis_name,
-    comm,
     *,
-    reduce="mean",
-    bucket_bytes=AUTO,
-    pack_threshold=AUTO,
-    comm_dtype=None,
-    predivide=None,
-    check_finite=False,
-    staging="device",
-    timeout=None,
-    on_timeout="report",
-    sparse=None,
-    profile=None,
-    overlap=AUTO,
-    overlap_bucket_bytes=AUTO,
-    double_buffering=False,
-    host_tier=AUTO,
-) -> SyncConfig:
-    """Validate every static option; raise TypeError/ValueError naming it."""
-    chosen = _plugins.strategy(strategy) if isinstance(strategy, str) else None
-    quant = comm_dtype if isinstance(comm_dtype, Quantized) else None
-    if chosen is not None:  # "auto": chosen at trace time (jaxsync.auto, _sync.sync)
-        return chosen.make_config(
-            fn,
-            axis_name,
-            comm,
-            profile=profile,
-            reduce=reduce,
-            bucket_bytes=bucket_bytes,
-            pack_threshold=pack_threshold,
-            comm_dtype=comm_dtype,
-            predivide=predivide,
-            check_finite=check_finite,
-            staging=staging,
-            timeout=timeout,
-            on_timeout=on_timeout,
-            sparse=sparse,
-            overlap=overlap,
-            overlap_bucket_bytes=overlap_bucket_bytes,
-            double_buffering=double_buffering,
-            host_tier=host_tier,
-        )
-    if profile is not None:
-        raise ValueError(
-            f"{fn}: profile is used by strategy='auto' only, got strategy="
-            f"{strategy!r}. Fix: strategy='auto', or drop profile."
-        )
-    if strategy not in _strategies.STRATEGIES:
-        raise ValueError(
-            f"{fn}: strategy must be one of {_strategies.STRATEGIES} or 'auto', got {strategy!r}."
-        )
-    axes = _normalize_axes(fn, axis_name)
+    reduce,
+    bucket_bytes,
+    pack_threshold,
+    comm_dtype,
+    predivide,
+    check_finite,
+    staging,
+    timeout,
+    on_timeout,
+    sparse,
+    overlap,
+    overlap_bucket_bytes,
+    double_buffering,
+    host_tier,
+) -> dict:
+    """Check the shared options (the text of each is ``_options.SyncOptions``'):
+    TypeError/ValueError naming the option. Returns the normalised wire dtype
+    (``comm_dtype``), ``sparse`` and ``overlap_bucket_bytes``."""
     if not isinstance(reduce, str) or reduce not in _REDUCES:
         raise ValueError(
             f"{fn}: reduce must be one of {_REDUCES}, got {reduce!r}. "
             "Fix: reduce='mean' (default) or reduce='sum'."
         )
-    if isinstance(bucket_bytes, str) and bucket_bytes == AUTO:
-        bucket_bytes = FLAT_BUCKET_BYTES if strategy == "flat" else DEFAULT_BUCKET_BYTES
-    _check_bytes("bucket_bytes", bucket_bytes, allow_none=True)
-    if isinstance(pack_threshold, str) and pack_threshold == AUTO:
-        pack_threshold = None if strategy == "flat" else DEFAULT_PACK_THRESHOLD
-    _check_bytes("pack_threshold", pack_threshold, allow_none=True)
+    for name, value in (("bucket_bytes", bucket_bytes), ("pack_threshold", pack_threshold)):
+        if not (isinstance(value, str) and value == AUTO):
+            _check_bytes(name, value, allow_none=True)
     dt = _check_dtype(fn, comm_dtype)
     if predivide is not None and (
         isinstance(predivide, bool) or not isinstance(predivide, (int, float))
@@ -363,6 +326,58 @@ def make_config(
     sparse = _plugins.check_option("sparse", fn, sparse)
     overlap_bucket_bytes = check_overlap(fn, overlap, overlap_bucket_bytes, double_buffering)
     _host_tier.check(fn, host_tier)
+    return {"comm_dtype": dt, "sparse": sparse, "overlap_bucket_bytes": overlap_bucket_bytes}
+
+
+_NOT_OPTIONS = ("fn", "strategy", "axis_name", "comm", "profile")
+
+
+def make_config(
+    fn,
+    strategy,
+    axis_name,
+    comm,
+    *,
+    reduce="mean",
+    bucket_bytes=AUTO,
+    pack_threshold=AUTO,
+    comm_dtype=None,
+    predivide=None,
+    check_finite=False,
+    staging="device",
+    timeout=None,
+    on_timeout="report",
+    sparse=None,
+    profile=None,
+    overlap=AUTO,
+    overlap_bucket_bytes=AUTO,
+    double_buffering=False,
+    host_tier=AUTO,
+) -> SyncConfig:
+    """Validate every static option; raise TypeError/ValueError naming it."""
+    # every option but the strategy's own, as given (checked below or by "auto")
+    opts = {k: v for k, v in locals().items() if k not in _NOT_OPTIONS}
+    chosen = _plugins.strategy(strategy) if isinstance(strategy, str) else None
+    quant = comm_dtype if isinstance(comm_dtype, Quantized) else None
+    if chosen is not None:  # "auto": chosen at trace time (jaxsync.auto, _sync.sync)
+        return chosen.make_config(fn, axis_name, comm, profile=profile, **opts)
+    if profile is not None:
+        raise ValueError(
+            f"{fn}: profile is used by strategy='auto' only, got strategy="
+            f"{strategy!r}. Fix: strategy='auto', or drop profile."
+        )
+    if strategy not in _strategies.STRATEGIES:
+        raise ValueError(
+            f"{fn}: strategy must be one of {_strategies.STRATEGIES} or 'auto', got {strategy!r}."
+        )
+    axes = _normalize_axes(fn, axis_name)
+    checked = check_options(fn, **opts)
+    dt, sparse = checked["comm_dtype"], checked["sparse"]
+    overlap_bucket_bytes = checked["overlap_bucket_bytes"]
+    if isinstance(bucket_bytes, str) and bucket_bytes == AUTO:
+        bucket_bytes = FLAT_BUCKET_BYTES if strategy == "flat" else DEFAULT_BUCKET_BYTES
+    if isinstance(pack_threshold, str) and pack_threshold == AUTO:
+        pack_threshold = None if strategy == "flat" else DEFAULT_PACK_THRESHOLD
     if strategy == "single_node":
         # No inter-process stage: a communicator would be silently ignored.
         _check_comm_type(fn, comm)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,16 +40,13 @@ from jax import lax
 from jaxsync._comm import _intra
 
 from . import _sync
+from ._options import (  # noqa: F401 (the options' checks, used here and re-exported)
+    EarlyTermination,
+    Weights,
+    check_early_termination,
+    check_weights,
+)
 from ._plan import REDUCED_DTYPES
-
-#: ``False`` (no weights), ``True`` (divide by the total weight) or ``"world"``
-#: (divide by the replica count).
-Weights = bool | Literal["world"]
-_WEIGHTS = (False, True, "world")
-#: What a step does where some replicas are done and others are not:
-#: ``"join"`` (the done ones contribute zeros at weight 0) or ``"raise"``.
-EarlyTermination = Literal["join", "raise"]
-_EARLY = ("join", "raise")
 
 
 class WeightedState(NamedTuple):
@@ -69,38 +66,6 @@ class WeightedState(NamedTuple):
     inner: Any
     active: jax.Array
     weight: jax.Array
-
-
-def check_weights(fn: str, weights, reduce: str) -> None:
-    """Validate ``weights=`` when a factory is called."""
-    if not any(weights is w or (isinstance(weights, str) and weights == w) for w in _WEIGHTS):
-        raise ValueError(
-            f"{fn}: weights must be one of (False, True, 'world'), got {weights!r}. Fix: "
-            "weights=True (the mean divides by the sum of the weights) or weights='world' "
-            "(by the replica count, DDP's division by the initial world size)."
-        )
-    if weights == "world" and reduce != "mean":
-        raise ValueError(
-            f"{fn}: weights='world' divides the weighted sum by the replica count, "
-            f"but reduce={reduce!r}. Fix: reduce='mean', or weights=True (with "
-            "reduce='sum' the result is the weighted sum)."
-        )
-
-
-def check_early_termination(fn: str, early_termination, weights) -> None:
-    """Validate ``early_termination=`` when a factory is called."""
-    if not (isinstance(early_termination, str) and early_termination in _EARLY):
-        raise ValueError(
-            f"{fn}: early_termination must be 'join' or 'raise', got {early_termination!r}. "
-            "Fix: early_termination='join' (replicas out of data join with zeros at "
-            "weight 0) or 'raise' (every replica raises once one is out of data)."
-        )
-    if early_termination == "raise" and weights is False:
-        raise ValueError(
-            f"{fn}: early_termination='raise' reads the replicas' done= flags, which "
-            "only a transform made with weights= takes, but weights=False. Fix: "
-            "weights=True (or 'world') and pass done= to update."
-        )
 
 
 def early_termination_error(done: int, n: int) -> RuntimeError:

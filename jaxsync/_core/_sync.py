@@ -16,26 +16,21 @@ import optax
 
 from jaxsync._comm import _host_tier, _intra, _invariance, _mpi_backend
 
-from . import _overlap, _plugins, _quantsum, _strategies
+from . import _options, _overlap, _plugins, _quantsum, _strategies
 from ._config import (
     AUTO,
     AxisName,
-    Bytes,
-    CheckFinite,
     Comm,
-    DTypeLike,
-    OnTimeout,
     ProfileLike,
-    Reduce,
-    Staging,
     SyncConfig,
     make_config,
 )
 from ._overlap import DoubleBufferState, overlap_groups  # noqa: F401 (re-exported)
 from ._plan import REDUCED_DTYPES, make_plan
 
-if TYPE_CHECKING:  # annotations only: the core does not import jaxsync.sparse
-    from jaxsync.sparse._rows import SparseOptions
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 
 PyTree = Any
 
@@ -241,23 +236,16 @@ def nonfinite_error(bad: list) -> FloatingPointError:
     )
 
 
+@_options.takes(_options.SyncKeywords)
 def sync_gradients(
     tree: PyTree,
     *,
     axis_name: AxisName,
     strategy: str = "hierarchical",
     comm: Comm = AUTO,
-    reduce: Reduce = "mean",
-    bucket_bytes: Bytes = AUTO,
-    pack_threshold: Bytes = AUTO,
-    comm_dtype: DTypeLike | None = None,
-    predivide: float | None = None,
-    check_finite: CheckFinite = False,
-    staging: Staging = "device",
-    timeout: float | None = None,
-    on_timeout: OnTimeout = "report",
-    sparse: SparseOptions | None = None,
+    options: _options.SyncOptions | None = None,
     profile: ProfileLike = None,
+    **overrides: Unpack[_options.SyncKeywords],
 ) -> PyTree:
     """Reduce a gradient pytree over every replica; a pure function.
 
@@ -282,18 +270,9 @@ def sync_gradients(
         ``None`` or ``"auto"``), or ``"auto"``: chosen from the cost model when
         the step is traced (see :func:`jaxsync.auto_mean`).
       comm: as for :func:`jaxsync.hierarchical_mean`.
-      reduce: as for :func:`jaxsync.hierarchical_mean`.
-      bucket_bytes: as for :func:`jaxsync.hierarchical_mean` (``flat``: as for
-        :func:`jaxsync.flat_mean`).
-      pack_threshold: as for :func:`jaxsync.hierarchical_mean` (``flat``: as
-        for :func:`jaxsync.flat_mean`).
-      comm_dtype: as for :func:`jaxsync.hierarchical_mean`.
-      predivide: as for :func:`jaxsync.hierarchical_mean`.
-      check_finite: as for :func:`jaxsync.hierarchical_mean`.
-      staging: as for :func:`jaxsync.hierarchical_mean`.
-      timeout: as for :func:`jaxsync.hierarchical_mean`.
-      on_timeout: as for :func:`jaxsync.hierarchical_mean`.
-      sparse: as for :func:`jaxsync.hierarchical_mean`.
+      options, **overrides: as for :func:`jaxsync.hierarchical_mean`; the options
+        of a transform's state (``overlap``, ``double_buffering``, ``host_tier``,
+        ``weights``, ``early_termination``) are the factories' only.
       profile: ``strategy="auto"`` only: as for :func:`jaxsync.auto_mean`.
 
     Returns:
@@ -314,23 +293,8 @@ def sync_gradients(
       >>> bool(ok.all())
       True
     """
-    cfg = make_config(
-        "sync_gradients",
-        strategy,
-        axis_name,
-        comm,
-        reduce=reduce,
-        bucket_bytes=bucket_bytes,
-        pack_threshold=pack_threshold,
-        comm_dtype=comm_dtype,
-        predivide=predivide,
-        check_finite=check_finite,
-        staging=staging,
-        timeout=timeout,
-        on_timeout=on_timeout,
-        sparse=sparse,
-        profile=profile,
-    )
+    kw = _options.merge("sync_gradients", options, overrides, sync_gradients.takes)  # type: ignore[attr-defined]
+    cfg = make_config("sync_gradients", strategy, axis_name, comm, profile=profile, **kw)
     _quantsum.check_stateless(cfg)
     out, finite = sync(tree, cfg)
     return (out, finite) if cfg.check_finite else out

@@ -1,38 +1,39 @@
 """The public optax factories: one per strategy, each a thin typed front of
-``_config.make_config`` (validation when the factory is called) and
-``_sync.transform_fns`` (the init/update pair).
+``_options.merge`` (``options=`` and the keywords), ``_config.make_config``
+(validation when the factory is called) and ``_sync.transform_fns`` (the
+init/update pair). The options' text and types are ``_options``'.
 
-Imports: ``_config``, ``_sync`` and ``_join`` (weights=) only (``_sparse`` for a type).
+Imports: ``_config``, ``_options``, ``_sync`` and ``_join`` (weights=) only.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import optax
 
 from . import _join
 from ._config import AUTO, make_config
-from ._overlap_doc import document_overlap
+from ._options import (
+    MeanKeywords,
+    NaiveKeywords,
+    SingleNodeKeywords,
+    SyncOptions,
+    merge,
+    takes,
+)
 from ._sync import transform_fns
 
-if TYPE_CHECKING:  # annotations only: the core does not import jaxsync.sparse
-    from jaxsync.sparse._rows import SparseOptions
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
-    from ._config import AxisName, Bytes, CheckFinite, Comm, DTypeLike, OnTimeout, Reduce, Staging
+    from ._config import AxisName, Comm
 
 
-def _transform(
-    fn: str,
-    strategy: str,
-    axis_name,
-    comm=None,
-    weights=False,
-    early_termination="join",
-    **options,
-) -> optax.GradientTransformation:
-    # ``**locals()``: the factory's own (typed, documented) parameters, all validated.
-    cfg = make_config(fn, strategy, axis_name, comm, **options)
+def _transform(fn: str, strategy: str, axis_name, comm, options, overrides):
+    kw = merge(fn, options, overrides, takes=globals()[fn].takes)
+    weights, early_termination = kw.pop("weights"), kw.pop("early_termination")
+    cfg = make_config(fn, strategy, axis_name, comm, **kw)
     _join.check_early_termination(fn, early_termination, weights)
     if weights is not False:  # per-replica weights and the join (_join)
         fns = lambda c: transform_fns(fn, c)
@@ -40,26 +41,13 @@ def _transform(
     return optax.GradientTransformation(*transform_fns(fn, cfg))
 
 
-@document_overlap
+@takes(NaiveKeywords)
 def naive_mean(
     axis_name: AxisName,
     comm: Comm = AUTO,
     *,
-    reduce: Reduce = "mean",
-    bucket_bytes: Bytes = AUTO,
-    pack_threshold: Bytes = AUTO,
-    comm_dtype: DTypeLike | None = None,
-    predivide: float | None = None,
-    check_finite: CheckFinite = False,
-    staging: Staging = "device",
-    timeout: float | None = None,
-    on_timeout: OnTimeout = "report",
-    sparse: SparseOptions | None = None,
-    overlap: bool | Literal["auto"] = AUTO,
-    overlap_bucket_bytes: int | Literal["auto"] = AUTO,
-    double_buffering: bool = False,
-    weights: _join.Weights = False,
-    early_termination: _join.EarlyTermination = "join",
+    options: SyncOptions | None = None,
+    **overrides: Unpack[NaiveKeywords],
 ) -> optax.GradientTransformation:
     """Average gradients leaf by leaf.
 
@@ -67,48 +55,11 @@ def naive_mean(
     per leaf (ChainerMN ``naive``). Simple and the slowest with many small leaves.
 
     Args:
-      axis_name: the mesh axis name, or tuple of names, of the replicas inside
-        this process (bound by ``shard_map``, ``pmap`` or ``vmap``); ``None``
-        when each process has a single device and no mapped axis.
-      comm: the inter-process stage: an mpi4py communicator, a
-        :class:`jaxsync.AxisComm` (a mesh axis), ``None`` (one process) or
-        ``"auto"`` (``MPI.COMM_WORLD`` when launched by MPI with several
-        processes, else ``None``).
-      reduce: ``"mean"`` (divide by devices x processes) or ``"sum"``.
-      bucket_bytes: cap on one packed buffer (``None``: no cap; ``"auto"``:
-        64 MiB).
-      pack_threshold: leaves of at least this many bytes travel in their own
-        buffer without a copy (``None``: pack everything; ``"auto"``:
-        256 KiB).
-      comm_dtype: dtype on the wire (``None``: each buffer's own dtype; or
-        ``jnp.bfloat16``/``jnp.float16``, lossy, or a :class:`jaxsync.Quantized`:
-        8/4 bits). Always summed in float32 (16-bit: rounded once).
-      predivide: divide by this before the sum and by ``n / predivide`` after
-        (Horovod's ``gradient_predivide_factor``). ``None``: with
-        ``reduce="mean"``, the replica count ``n`` if a power of two (exact,
-        fused into packing); float16: the largest power of two <= ``n`` (exact;
-        overflows only near float16's limit); else 1 (divided at unpacking).
-      check_finite: ``True`` keeps ``all_finite`` in the state
-        (:class:`jaxsync.SyncState`); ``"raise"`` also raises
-        ``FloatingPointError`` naming the non-finite leaves.
-      staging: ``"device"``, or ``"host"`` (MPI through host memory, for an MPI
-        without GPU support).
-      timeout: seconds (MPI only; ``None``: off): when this process has waited
-        longer than this in one inter-process stage (the first execution's
-        agreement included), a watchdog thread prints which ranks have not
-        arrived, which synchronisation and which step.
-      on_timeout: what the watchdog does then: ``"report"`` (default) keeps
-        waiting (the result is unchanged when the straggler arrives);
-        ``"abort"`` makes every process that can still answer print the same
-        diagnosis once and ends the job with ``MPI_Abort`` (a non-zero exit),
-        also when a peer is dead or unreachable. Needs ``timeout``.
-      sparse: how :class:`jaxsync.RowSparse` leaves are synchronised (a
-        :class:`jaxsync.SparseOptions`; ``None``: automatic).
+      axis_name, comm, options, **overrides: as for
+        :func:`jaxsync.hierarchical_mean` (the options this one takes: ``help()``).
+
     Returns:
-      an ``optax.GradientTransformation`` whose ``update`` returns the reduced
-      gradients, the same on every replica. Its state is
-      ``optax.EmptyState()``, or :class:`jaxsync.SyncState` with
-      ``check_finite``.
+      an ``optax.GradientTransformation``, as :func:`jaxsync.hierarchical_mean`'s.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxsync
@@ -117,30 +68,16 @@ def naive_mean(
       >>> jax.vmap(f, axis_name="i")({"w": jnp.arange(4.0)})["w"]
       Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
     """
-    return _transform("naive_mean", "naive", **locals())
+    return _transform("naive_mean", "naive", axis_name, comm, options, overrides)
 
 
-@document_overlap
+@takes(MeanKeywords)
 def flat_mean(
     axis_name: AxisName,
     comm: Comm = AUTO,
     *,
-    reduce: Reduce = "mean",
-    bucket_bytes: Bytes = AUTO,
-    pack_threshold: Bytes = AUTO,
-    comm_dtype: DTypeLike | None = None,
-    predivide: float | None = None,
-    check_finite: CheckFinite = False,
-    staging: Staging = "device",
-    timeout: float | None = None,
-    on_timeout: OnTimeout = "report",
-    sparse: SparseOptions | None = None,
-    overlap: bool | Literal["auto"] = AUTO,
-    overlap_bucket_bytes: int | Literal["auto"] = AUTO,
-    double_buffering: bool = False,
-    weights: _join.Weights = False,
-    early_termination: _join.EarlyTermination = "join",
-    host_tier: bool | Literal["auto"] = AUTO,
+    options: SyncOptions | None = None,
+    **overrides: Unpack[MeanKeywords],
 ) -> optax.GradientTransformation:
     """Average gradients packed into a few buffers.
 
@@ -150,83 +87,30 @@ def flat_mean(
     (ChainerMN ``flat``).
 
     Args:
-      axis_name: the mesh axis name, or tuple of names, of the replicas inside
-        this process (bound by ``shard_map``, ``pmap`` or ``vmap``); ``None``
-        when each process has a single device and no mapped axis.
-      comm: the inter-process stage: an mpi4py communicator, a
-        :class:`jaxsync.AxisComm` (a mesh axis), ``None`` (one process) or
-        ``"auto"`` (``MPI.COMM_WORLD`` when launched by MPI with several
-        processes, else ``None``).
-      reduce: ``"mean"`` (divide by devices x processes) or ``"sum"``.
-      bucket_bytes: cap on one packed buffer (``None``: no cap; ``"auto"``:
-        4 MiB: on CPU larger packed buffers cost more in copies and fresh
-        pages than they save in messages - with 8 devices of one process 16 MiB
-        buckets took 4x longer on a ResNet-18-sized tree; a leaf larger than
-        the cap travels alone, without a copy).
-      pack_threshold: leaves of at least this many bytes travel in their own
-        buffer without a copy (``None``: pack everything; ``"auto"``:
-        ``None``).
-      comm_dtype: dtype on the wire (``None``: each buffer's own dtype; or
-        ``jnp.bfloat16``/``jnp.float16``, lossy, or a :class:`jaxsync.Quantized`:
-        8/4 bits). Always summed in float32 (16-bit: rounded once).
-      predivide: divide by this before the sum and by ``n / predivide`` after
-        (Horovod's ``gradient_predivide_factor``). ``None``: with
-        ``reduce="mean"``, the replica count ``n`` if a power of two (exact,
-        fused into packing); float16: the largest power of two <= ``n`` (exact;
-        overflows only near float16's limit); else 1 (divided at unpacking).
-      check_finite: ``True`` keeps ``all_finite`` in the state
-        (:class:`jaxsync.SyncState`); ``"raise"`` also raises
-        ``FloatingPointError`` naming the non-finite leaves.
-      staging: ``"device"``, or ``"host"`` (MPI through host memory, for an MPI
-        without GPU support).
-      timeout: seconds (MPI only; ``None``: off): when this process has waited
-        longer than this in one inter-process stage (the first execution's
-        agreement included), a watchdog thread prints which ranks have not
-        arrived, which synchronisation and which step.
-      on_timeout: what the watchdog does then: ``"report"`` (default) keeps
-        waiting (the result is unchanged when the straggler arrives);
-        ``"abort"`` makes every process that can still answer print the same
-        diagnosis once and ends the job with ``MPI_Abort`` (a non-zero exit),
-        also when a peer is dead or unreachable. Needs ``timeout``.
-      sparse: how :class:`jaxsync.RowSparse` leaves are synchronised (a
-        :class:`jaxsync.SparseOptions`; ``None``: automatic).
+      axis_name, comm, options, **overrides: as for
+        :func:`jaxsync.hierarchical_mean` (the options this one takes: ``help()``).
+
     Returns:
-      an ``optax.GradientTransformation`` whose ``update`` returns the reduced
-      gradients, the same on every replica. Its state is
-      ``optax.EmptyState()``, or :class:`jaxsync.SyncState` with
-      ``check_finite``.
+      an ``optax.GradientTransformation``, as :func:`jaxsync.hierarchical_mean`'s.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxsync
-      >>> tx = jaxsync.flat_mean(axis_name="i", comm=None)
-      >>> f = lambda g: tx.update(g, tx.init(g))[0]
-      >>> jax.vmap(f, axis_name="i")({"w": jnp.arange(4.0)})["w"]
-      Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
+      >>> tx = jaxsync.flat_mean(axis_name="i", comm=None, reduce="sum")
+      >>> g = {"b": jnp.ones(4), "w": jnp.arange(8.0).reshape(4, 2)}
+      >>> out = jax.vmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="i")(g)
+      >>> out["b"], out["w"][0]  # one buffer on the wire, both leaves summed
+      (Array([4., 4., 4., 4.], dtype=float32), Array([12., 16.], dtype=float32))
     """
-    return _transform("flat_mean", "flat", **locals())
+    return _transform("flat_mean", "flat", axis_name, comm, options, overrides)
 
 
-@document_overlap
+@takes(MeanKeywords)
 def hierarchical_mean(
     axis_name: AxisName,
     comm: Comm = AUTO,
     *,
-    reduce: Reduce = "mean",
-    bucket_bytes: Bytes = AUTO,
-    pack_threshold: Bytes = AUTO,
-    comm_dtype: DTypeLike | None = None,
-    predivide: float | None = None,
-    check_finite: CheckFinite = False,
-    staging: Staging = "device",
-    timeout: float | None = None,
-    on_timeout: OnTimeout = "report",
-    sparse: SparseOptions | None = None,
-    overlap: bool | Literal["auto"] = AUTO,
-    overlap_bucket_bytes: int | Literal["auto"] = AUTO,
-    double_buffering: bool = False,
-    weights: _join.Weights = False,
-    early_termination: _join.EarlyTermination = "join",
-    host_tier: bool | Literal["auto"] = AUTO,
+    options: SyncOptions | None = None,
+    **overrides: Unpack[MeanKeywords],
 ) -> optax.GradientTransformation:
     """Average gradients hierarchically.
 
@@ -243,41 +127,17 @@ def hierarchical_mean(
         :class:`jaxsync.AxisComm` (a mesh axis), ``None`` (one process) or
         ``"auto"`` (``MPI.COMM_WORLD`` when launched by MPI with several
         processes, else ``None``).
-      reduce: ``"mean"`` (divide by devices x processes) or ``"sum"``.
-      bucket_bytes: cap on one packed buffer (``None``: no cap; ``"auto"``:
-        64 MiB).
-      pack_threshold: leaves of at least this many bytes travel in their own
-        buffer without a copy (``None``: pack everything; ``"auto"``:
-        256 KiB).
-      comm_dtype: dtype on the wire (``None``: each buffer's own dtype; or
-        ``jnp.bfloat16``/``jnp.float16``, lossy, or a :class:`jaxsync.Quantized`:
-        8/4 bits). Always summed in float32 (16-bit: rounded once).
-      predivide: divide by this before the sum and by ``n / predivide`` after
-        (Horovod's ``gradient_predivide_factor``). ``None``: with
-        ``reduce="mean"``, the replica count ``n`` if a power of two (exact,
-        fused into packing); float16: the largest power of two <= ``n`` (exact;
-        overflows only near float16's limit); else 1 (divided at unpacking).
-      check_finite: ``True`` keeps ``all_finite`` in the state
-        (:class:`jaxsync.SyncState`); ``"raise"`` also raises
-        ``FloatingPointError`` naming the non-finite leaves.
-      staging: ``"device"``, or ``"host"`` (MPI through host memory, for an MPI
-        without GPU support).
-      timeout: seconds (MPI only; ``None``: off): when this process has waited
-        longer than this in one inter-process stage (the first execution's
-        agreement included), a watchdog thread prints which ranks have not
-        arrived, which synchronisation and which step.
-      on_timeout: what the watchdog does then: ``"report"`` (default) keeps
-        waiting (the result is unchanged when the straggler arrives);
-        ``"abort"`` makes every process that can still answer print the same
-        diagnosis once and ends the job with ``MPI_Abort`` (a non-zero exit),
-        also when a peer is dead or unreachable. Needs ``timeout``.
-      sparse: how :class:`jaxsync.RowSparse` leaves are synchronised (a
-        :class:`jaxsync.SparseOptions`; ``None``: automatic).
+      options: the shared options, a :class:`jaxsync.SyncOptions` (``None``: its
+        defaults); each option is documented there, once.
+      **overrides: the same options as keywords (``reduce="sum"``, ...), each over
+        ``options``; ``help()`` lists the ones this factory takes.
+
     Returns:
       an ``optax.GradientTransformation`` whose ``update`` returns the reduced
       gradients, the same on every replica. Its state is
       ``optax.EmptyState()``, or :class:`jaxsync.SyncState` with
-      ``check_finite``.
+      ``check_finite``, :class:`jaxsync.DoubleBufferState` with
+      ``double_buffering``, :class:`jaxsync.WeightedState` with ``weights``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jaxsync
@@ -287,30 +147,16 @@ def hierarchical_mean(
       >>> jax.vmap(f, axis_name="i")({"w": jnp.arange(4.0)})["w"]
       Array([-1.5, -1.5, -1.5, -1.5], dtype=float32)
     """
-    return _transform("hierarchical_mean", "hierarchical", **locals())
+    return _transform("hierarchical_mean", "hierarchical", axis_name, comm, options, overrides)
 
 
-@document_overlap
+@takes(MeanKeywords)
 def two_dimensional_mean(
     axis_name: AxisName,
     comm: Comm = AUTO,
     *,
-    reduce: Reduce = "mean",
-    bucket_bytes: Bytes = AUTO,
-    pack_threshold: Bytes = AUTO,
-    comm_dtype: DTypeLike | None = None,
-    predivide: float | None = None,
-    check_finite: CheckFinite = False,
-    staging: Staging = "device",
-    timeout: float | None = None,
-    on_timeout: OnTimeout = "report",
-    sparse: SparseOptions | None = None,
-    overlap: bool | Literal["auto"] = AUTO,
-    overlap_bucket_bytes: int | Literal["auto"] = AUTO,
-    double_buffering: bool = False,
-    weights: _join.Weights = False,
-    early_termination: _join.EarlyTermination = "join",
-    host_tier: bool | Literal["auto"] = AUTO,
+    options: SyncOptions | None = None,
+    **overrides: Unpack[MeanKeywords],
 ) -> optax.GradientTransformation:
     """Average gradients two-dimensionally.
 
@@ -321,71 +167,33 @@ def two_dimensional_mean(
     local devices.
 
     Args:
-      axis_name: the mesh axis name, or tuple of names, of the replicas inside
-        this process (bound by ``shard_map``, ``pmap`` or ``vmap``); ``None``
-        when each process has a single device and no mapped axis.
-      comm: the inter-process stage: an mpi4py communicator, a
-        :class:`jaxsync.AxisComm` (a mesh axis), ``None`` (one process) or
-        ``"auto"`` (``MPI.COMM_WORLD`` when launched by MPI with several
-        processes, else ``None``).
-      reduce: ``"mean"`` (divide by devices x processes) or ``"sum"``.
-      bucket_bytes: cap on one packed buffer (``None``: no cap; ``"auto"``:
-        64 MiB).
-      pack_threshold: leaves of at least this many bytes travel in their own
-        buffer without a copy (``None``: pack everything; ``"auto"``:
-        256 KiB).
-      comm_dtype: dtype on the wire (``None``: each buffer's own dtype; or
-        ``jnp.bfloat16``/``jnp.float16``, lossy, or a :class:`jaxsync.Quantized`:
-        8/4 bits). Always summed in float32 (16-bit: rounded once).
-      predivide: divide by this before the sum and by ``n / predivide`` after
-        (Horovod's ``gradient_predivide_factor``). ``None``: with
-        ``reduce="mean"``, the replica count ``n`` if a power of two (exact,
-        fused into packing); float16: the largest power of two <= ``n`` (exact;
-        overflows only near float16's limit); else 1 (divided at unpacking).
-      check_finite: ``True`` keeps ``all_finite`` in the state
-        (:class:`jaxsync.SyncState`); ``"raise"`` also raises
-        ``FloatingPointError`` naming the non-finite leaves.
-      staging: ``"device"``, or ``"host"`` (MPI through host memory, for an MPI
-        without GPU support).
-      timeout: seconds (MPI only; ``None``: off): when this process has waited
-        longer than this in one inter-process stage (the first execution's
-        agreement included), a watchdog thread prints which ranks have not
-        arrived, which synchronisation and which step.
-      on_timeout: what the watchdog does then: ``"report"`` (default) keeps
-        waiting (the result is unchanged when the straggler arrives);
-        ``"abort"`` makes every process that can still answer print the same
-        diagnosis once and ends the job with ``MPI_Abort`` (a non-zero exit),
-        also when a peer is dead or unreachable. Needs ``timeout``.
-      sparse: how :class:`jaxsync.RowSparse` leaves are synchronised (a
-        :class:`jaxsync.SparseOptions`; ``None``: automatic).
+      axis_name, comm, options, **overrides: as for
+        :func:`jaxsync.hierarchical_mean` (the options this one takes: ``help()``).
+
     Returns:
-      an ``optax.GradientTransformation`` whose ``update`` returns the reduced
-      gradients, the same on every replica. Its state is
-      ``optax.EmptyState()``, or :class:`jaxsync.SyncState` with
-      ``check_finite``.
+      an ``optax.GradientTransformation``, as :func:`jaxsync.hierarchical_mean`'s.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxsync
       >>> tx = jaxsync.two_dimensional_mean(axis_name="i", comm=None)
-      >>> f = lambda g: tx.update(g, tx.init(g))[0]
-      >>> jax.vmap(f, axis_name="i")({"w": jnp.arange(4.0)})["w"]
-      Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
+      >>> step = jax.vmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="i")
+      >>> g = {"w": jnp.arange(6.0).reshape(3, 2)}  # 3 replicas: slices padded to 3
+      >>> step(g)["w"]
+      Array([[2., 3.],
+             [2., 3.],
+             [2., 3.]], dtype=float32)
     """
-    return _transform("two_dimensional_mean", "two_dimensional", **locals())
+    return _transform(
+        "two_dimensional_mean", "two_dimensional", axis_name, comm, options, overrides
+    )
 
 
+@takes(SingleNodeKeywords)
 def single_node_mean(
     axis_name: AxisName,
     *,
-    reduce: Reduce = "mean",
-    bucket_bytes: Bytes = AUTO,
-    pack_threshold: Bytes = AUTO,
-    comm_dtype: DTypeLike | None = None,
-    predivide: float | None = None,
-    check_finite: CheckFinite = False,
-    sparse: SparseOptions | None = None,
-    weights: _join.Weights = False,
-    early_termination: _join.EarlyTermination = "join",
+    options: SyncOptions | None = None,
+    **overrides: Unpack[SingleNodeKeywords],
 ) -> optax.GradientTransformation:
     """Average gradients over the local axes only.
 
@@ -394,16 +202,12 @@ def single_node_mean(
     no ``comm``; use :func:`jaxsync.hierarchical_mean` across processes.
 
     Args:
-      axis_name: the mesh axis name, or tuple of names, of the replicas inside
-        this process (bound by ``shard_map``, ``pmap`` or ``vmap``); ``None``
-        when each process has a single device and no mapped axis.
-      reduce, bucket_bytes, pack_threshold, comm_dtype, predivide, check_finite,
-        sparse, weights, early_termination: as for :func:`jaxsync.hierarchical_mean`.
+      axis_name: as for :func:`jaxsync.hierarchical_mean`.
+      options, **overrides: as for :func:`jaxsync.hierarchical_mean` (the
+        options this factory takes: ``help()``).
+
     Returns:
-      an ``optax.GradientTransformation`` whose ``update`` returns the reduced
-      gradients, the same on every replica. Its state is
-      ``optax.EmptyState()``, or :class:`jaxsync.SyncState` with
-      ``check_finite``.
+      an ``optax.GradientTransformation``, as :func:`jaxsync.hierarchical_mean`'s.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxsync
@@ -412,4 +216,4 @@ def single_node_mean(
       >>> jax.vmap(f, axis_name="i")({"w": jnp.arange(4.0)})["w"]
       Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
     """
-    return _transform("single_node_mean", "single_node", **locals())
+    return _transform("single_node_mean", "single_node", axis_name, None, options, overrides)

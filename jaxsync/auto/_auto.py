@@ -23,11 +23,12 @@ import logging
 import os
 import threading
 import warnings
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import optax
 
-from jaxsync._core._overlap_doc import document_overlap
+from jaxsync._core import _wire
+from jaxsync._core._options import AutoKeywords, SyncOptions, merge, takes
 
 from ._choose import (
     AUTO,
@@ -51,17 +52,9 @@ from ._profiles import (  # noqa: F401 (re-exported: tune, info, bench read prof
 )
 
 if TYPE_CHECKING:
-    from jaxsync._core._config import (
-        AxisName,
-        Bytes,
-        CheckFinite,
-        Comm,
-        DTypeLike,
-        OnTimeout,
-        Reduce,
-        Staging,
-    )
-    from jaxsync.sparse._rows import SparseOptions
+    from typing_extensions import Unpack
+
+    from jaxsync._core._config import AxisName, Comm
 
 __all__ = [
     "AUTO",
@@ -216,8 +209,9 @@ def resolve(tree, cfg):
     import jax.numpy as jnp
 
     itemsize = jnp.dtype(cfg.comm_dtype).itemsize if cfg.comm_dtype else None
-    if cfg.quant is not None:  # a block-quantized wire: its codes and scales per value
-        itemsize = cfg.quant.bits / 8 + 4 / cfg.quant.block
+    if cfg.quant is not None or cfg.comm_dtype in _wire.names(lossy=True):
+        # a registered lossy wire: its bytes per value (codes and scales if quantized)
+        itemsize = _wire.of(cfg.quant or cfg.comm_dtype).bytes_per_value()
     choice = choose(
         tree,
         topo,
@@ -288,28 +282,15 @@ def _describe(tx) -> str:
     return "\n".join(c.describe() for c in got)
 
 
-@document_overlap
+@takes(AutoKeywords)
 def auto_mean(
     axis_name: AxisName,
     comm: Comm = AUTO,
     *,
+    options: SyncOptions | None = None,
     profile: str | os.PathLike | dict | Profile | None = None,
-    reduce: Reduce = "mean",
-    bucket_bytes: Bytes = AUTO,
-    pack_threshold: Bytes = AUTO,
-    comm_dtype: DTypeLike | None = None,
-    predivide: float | None = None,
-    check_finite: CheckFinite = False,
-    staging: Staging = "device",
-    timeout: float | None = None,
-    on_timeout: OnTimeout = "report",
-    sparse: SparseOptions | None = None,
     allow_lossy: bool | tuple[str, ...] = False,
-    overlap: bool | Literal["auto"] = AUTO,
-    overlap_bucket_bytes: Bytes = AUTO,
-    double_buffering: bool = False,
-    host_tier: bool | str = AUTO,
-    weights: bool | Literal["world"] = False,
+    **overrides: Unpack[AutoKeywords],
 ) -> AutoTransformation | WeightedAutoTransformation:
     """Average gradients with the strategy the cost model predicts fastest.
 
@@ -334,10 +315,9 @@ def auto_mean(
         ``~/.cache/jaxsync/profile.json`` (where ``tune`` writes by default),
         else the built-in default parameters (see docs/choosing.md), with a
         ``UserWarning`` once per process (on rank 0 with MPI) naming the fix.
-      reduce, comm_dtype, predivide, check_finite, staging, timeout, on_timeout,
-        sparse: as for :func:`jaxsync.hierarchical_mean`.
-      bucket_bytes: ``"auto"`` (chosen) or a fixed value.
-      pack_threshold: ``"auto"`` (chosen) or a fixed value (``None``: pack all).
+      options, **overrides: as for :func:`jaxsync.hierarchical_mean` (the
+        options this one takes: ``help()``); ``bucket_bytes`` and
+        ``pack_threshold`` are chosen where ``"auto"`` (the default).
       allow_lossy: ``False`` (default: lossless only), ``True`` (bfloat16 on
         the wire may be chosen) or a tuple of wire dtypes from
         ``("bfloat16", "float16")``. ``powersgd_mean`` and ``sign_mean`` are
@@ -360,27 +340,9 @@ def auto_mean(
     from jaxsync._core._sync import transform_fns
 
     fn = "auto_mean"
-    cfg = make_auto_config(
-        fn,
-        axis_name,
-        comm,
-        profile=profile,
-        reduce=reduce,
-        bucket_bytes=bucket_bytes,
-        pack_threshold=pack_threshold,
-        comm_dtype=comm_dtype,
-        predivide=predivide,
-        check_finite=check_finite,
-        staging=staging,
-        timeout=timeout,
-        on_timeout=on_timeout,
-        sparse=sparse,
-        allow_lossy=allow_lossy,
-        overlap=overlap,
-        overlap_bucket_bytes=overlap_bucket_bytes,
-        double_buffering=double_buffering,
-        host_tier=host_tier,
-    )
+    kw = merge(fn, options, overrides, takes=auto_mean.takes)  # type: ignore[attr-defined]
+    weights = kw.pop("weights")
+    cfg = make_auto_config(fn, axis_name, comm, profile=profile, allow_lossy=allow_lossy, **kw)
     if weights is not False:  # per-replica weights and the join, as the named strategies
         from jaxsync._core import _join
 

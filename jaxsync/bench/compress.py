@@ -42,6 +42,8 @@ import sys
 import time
 from pathlib import Path
 
+from jaxsync import wire_formats
+
 # Ring alpha-beta model: a collective over P members in a ring takes
 # ``steps * ALPHA + bytes_sent_per_member / bandwidth``.
 ALPHA_S = 5e-6  # per message latency (a typical TCP/RoCE figure)
@@ -89,7 +91,7 @@ def payloads(name: str, tree) -> list[tuple[str, int]]:
         q = sum(4 * m * r for lay in layout if lay for n, m, r in [lay])
         return [("allreduce", p + exact), ("allreduce", q)]
     if name in QUANT:  # quantized all-to-all + all-gather: a ring allreduce's bytes
-        q = QUANT[name]()
+        q = QUANT[name]
         floating = [math.prod(x.shape) for x in leaves if np.dtype(x.dtype).kind == "f"]
         exact = sum(b for b, x in zip(nbytes, leaves) if np.dtype(x.dtype).kind != "f")
         return [("allreduce", q.wire_bytes(sum(floating)) + exact)]
@@ -101,20 +103,9 @@ def payloads(name: str, tree) -> list[tuple[str, int]]:
     raise ValueError(name)
 
 
-def _int8():
-    import jaxsync
-
-    return jaxsync.Quantized(bits=8)
-
-
-def _int4():
-    import jaxsync
-
-    return jaxsync.Quantized(bits=4)
-
-
-# hierarchical_mean with comm_dtype=jaxsync.Quantized(...) (block 2048)
-QUANT = {"int8": _int8, "int4": _int4}
+# hierarchical_mean with comm_dtype=jaxsync.Quantized(...) (block 2048): the
+# registry's integer block formats
+QUANT = {f.name: f.comm_dtype for f in wire_formats(quantized=True) if f.name.startswith("int")}
 SYNCS = ("hierarchical", "powersgd r4", "powersgd r1", "sign", *QUANT)
 
 
@@ -124,7 +115,7 @@ def make_sync(name: str, comm):
     if name == "hierarchical":
         return jaxsync.hierarchical_mean(axis_name="local", comm=comm)
     if name in QUANT:
-        return jaxsync.hierarchical_mean(axis_name="local", comm=comm, comm_dtype=QUANT[name]())
+        return jaxsync.hierarchical_mean(axis_name="local", comm=comm, comm_dtype=QUANT[name])
     if name.startswith("powersgd"):
         return jaxsync.powersgd_mean(axis_name="local", comm=comm, rank=int(name.split("r")[-1]))
     return jaxsync.sign_mean(axis_name="local", comm=comm)

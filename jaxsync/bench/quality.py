@@ -32,13 +32,17 @@ What it may import: numpy, jax, optax, ``jaxsync`` (public API) and the other
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
 from pathlib import Path
 
-FORMATS = ("float32", "bfloat16", "int8", "e4m3", "int4", "e2m1")
-BITS = {"int8": 8, "e4m3": 8, "int4": 4, "e2m1": 4}
+from jaxsync import wire_formats
+
+# every registered format but float16 (its range is the model's to manage)
+FORMATS = tuple(f.name for f in wire_formats() if f.name != "float16")
+BITS = {f.name: f.comm_dtype.bits for f in wire_formats(quantized=True)}
 TASKS = ("digits", "lm")
 
 
@@ -50,21 +54,14 @@ def wire(name: str, block: int = 2048):
       >>> wire("float32") is None, wire("e2m1")
       (True, Quantized(bits=4, kind='float', block=2048, rounding='nearest', error_feedback=True))
     """
-    import jax.numpy as jnp
-
-    import jaxsync
-
-    if name == "float32":
-        return None
-    if name == "bfloat16":
-        return jnp.bfloat16
-    if name not in BITS:
+    formats = {f.name: f.comm_dtype for f in wire_formats() if f.name in FORMATS}
+    if name not in formats:
         raise ValueError(
             f"--formats: unknown format {name!r}, expected one of {', '.join(FORMATS)}. "
             "Fix: pick from that list."
         )
-    kind = "int" if name.startswith("int") else "float"
-    return jaxsync.Quantized(bits=BITS[name], kind=kind, block=block)
+    q = formats[name]
+    return dataclasses.replace(q, block=block) if name in BITS else q
 
 
 def _sync(name: str, block: int):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +20,11 @@ from jax import lax
 
 from jaxsync._comm import _invariance
 from jaxsync._core import _config, _join, _sync
-from jaxsync._core._config import AxisName, Comm, OnTimeout, Staging
+from jaxsync._core._config import AxisName, Comm
+from jaxsync._core._options import CompressKeywords, SyncOptions, merge, takes
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 from ._common import (
     MATRIX_VIEWS,
@@ -70,6 +74,7 @@ def _mm(a, b):
     return jnp.matmul(a, b)
 
 
+@takes(CompressKeywords)
 def powersgd_mean(
     axis_name: AxisName,
     comm: Comm = AUTO,
@@ -81,10 +86,8 @@ def powersgd_mean(
     error_feedback: bool = True,
     warm_start: bool = True,
     seed: int = 0,
-    staging: Staging = "device",
-    timeout: float | None = None,
-    on_timeout: OnTimeout = "report",
-    weights: bool | Literal["world"] = False,
+    options: SyncOptions | None = None,
+    **overrides: Unpack[CompressKeywords],
 ) -> PowerSGDTransformation:
     """Average gradients with PowerSGD low-rank compression and error feedback.
 
@@ -145,15 +148,8 @@ def powersgd_mean(
         ``Q`` every step, from ``seed`` and the step count).
       seed: the seed of the initial (and, without warm start, every) ``Q``;
         the same on every replica.
-      staging: ``"device"`` or ``"host"``, as for ``hierarchical_mean``.
-      timeout, on_timeout: the stall watchdog, as for ``hierarchical_mean``.
-      weights: ``True`` or ``"world"``: ``update`` takes ``weight=`` and ``done=``
-        and returns the compressed mean of ``sum(w g) / sum(w)`` (``"world"``:
-        ``/ n``), as for ``hierarchical_mean`` (the state is a
-        :class:`jaxsync.WeightedState` around this one). The weights are summed
-        first, in one more small synchronisation, and each replica's gradients
-        scaled by ``w n / sum(w)`` before compression; a step where every weight is
-        0 returns zeros and leaves the residuals as they were.
+      options, **overrides: as for :func:`jaxsync.hierarchical_mean` (this one
+        takes ``staging``, ``timeout``, ``on_timeout`` and ``weights``).
 
     Returns:
       a :class:`PowerSGDTransformation` (an ``optax.GradientTransformation``
@@ -191,6 +187,8 @@ def powersgd_mean(
         instead of 4,608 (3.3x)
     """
     fn = "powersgd_mean"
+    opts = merge(fn, options, overrides, takes=powersgd_mean.takes)  # type: ignore[attr-defined]
+    weights = opts.pop("weights")
     rank = _check_int(fn, "rank", rank, 1, "pass e.g. rank=4")
     start_step = _check_int(fn, "start_step", start_step, 0, "pass e.g. start_step=0")
     min_rate = _check_float(
@@ -206,9 +204,7 @@ def powersgd_mean(
             "that saves more bytes), 'last' (flax's (in, out) layout) or 'first' (equinox's and "
             "PyTorch's (out, in))."
         )
-    cfg = _config.make_config(
-        fn, "hierarchical", axis_name, comm, staging=staging, timeout=timeout, on_timeout=on_timeout
-    )
+    cfg = _config.make_config(fn, "hierarchical", axis_name, comm, **opts)
     _check_phase_backend(fn, cfg, start_step)
     owner = _owner_of(cfg)
     key = jax.random.PRNGKey(seed)

@@ -8,7 +8,7 @@ not compressed) and ``_join`` (``weights=``).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +18,11 @@ from jax import lax
 
 from jaxsync._comm import _intra, _invariance, _mpi_backend
 from jaxsync._core import _config, _join, _sync
-from jaxsync._core._config import AxisName, Comm, OnTimeout, Staging
+from jaxsync._core._config import AxisName, Comm
+from jaxsync._core._options import CompressKeywords, SyncOptions, merge, takes
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 from ._common import (
     SignState,
@@ -87,16 +91,15 @@ def _gather_bytes(buf, cfg, text):
     return world.reshape(-1, buf.shape[0])
 
 
+@takes(CompressKeywords)
 def sign_mean(
     axis_name: AxisName,
     comm: Comm = AUTO,
     *,
     error_feedback: bool = True,
     min_size: int = 256,
-    staging: Staging = "device",
-    timeout: float | None = None,
-    on_timeout: OnTimeout = "report",
-    weights: bool | Literal["world"] = False,
+    options: SyncOptions | None = None,
+    **overrides: Unpack[CompressKeywords],
 ) -> optax.GradientTransformation:
     """Average gradients as scaled signs, 1 bit per value, with error feedback.
 
@@ -130,15 +133,8 @@ def sign_mean(
       error_feedback: keep the compression error and add it to the next
         gradient (``False``: plain scaled sign; the residual stays zero).
       min_size: compress floating leaves of at least this many values (>= 1).
-      staging: ``"device"`` or ``"host"``, as for ``hierarchical_mean``.
-      timeout, on_timeout: the stall watchdog, as for ``hierarchical_mean``.
-      weights: ``True`` or ``"world"``: ``update`` takes ``weight=`` and ``done=``
-        and returns the compressed mean of ``sum(w g) / sum(w)`` (``"world"``:
-        ``/ n``), as for ``hierarchical_mean`` (the state is a
-        :class:`jaxsync.WeightedState` around this one). The weights are summed
-        first, in one more small synchronisation, and each replica's gradients
-        scaled by ``w n / sum(w)`` before compression; a step where every weight is
-        0 returns zeros and leaves the residuals as they were.
+      options, **overrides: as for :func:`jaxsync.hierarchical_mean` (this one
+        takes ``staging``, ``timeout``, ``on_timeout`` and ``weights``).
 
     Returns:
       an ``optax.GradientTransformation``; with a named ``axis_name`` its
@@ -169,11 +165,11 @@ def sign_mean(
       Array([ 2., -2.], dtype=float32)
     """
     fn = "sign_mean"
+    opts = merge(fn, options, overrides, takes=sign_mean.takes)  # type: ignore[attr-defined]
+    weights = opts.pop("weights")
     error_feedback = _check_bool(fn, "error_feedback", error_feedback)
     min_size = _check_int(fn, "min_size", min_size, 1, "pass e.g. min_size=256")
-    cfg = _config.make_config(
-        fn, "hierarchical", axis_name, comm, staging=staging, timeout=timeout, on_timeout=on_timeout
-    )
+    cfg = _config.make_config(fn, "hierarchical", axis_name, comm, **opts)
     owner = _owner_of(cfg)
 
     def init_fn(params):

@@ -12,6 +12,7 @@ quantized wire's dtypes), ``_layout``, ``_elementwise``, ``_sharded``.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -22,35 +23,28 @@ from jaxsync._core import _join, _quantsum, _sync
 from jaxsync._core._config import (
     AUTO,
     AxisName,
-    CheckFinite,
     Comm,
-    DTypeLike,
-    OnTimeout,
-    Reduce,
-    Staging,
     make_config,
 )
+from jaxsync._core._options import ShardedKeywords, SyncOptions, merge, takes
 
 from . import _accumulate, _elementwise, _sharded
 from ._layout import Layout, make_layout
 from ._sharded import ShardedState
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
+
+@takes(ShardedKeywords)
 def sharded(
     inner: optax.GradientTransformation,
     *,
     axis_name: AxisName,
     comm: Comm = AUTO,
-    reduce: Reduce = "mean",
-    comm_dtype: DTypeLike | None = None,
-    predivide: float | None = None,
-    check_finite: CheckFinite = False,
-    staging: Staging = "device",
-    timeout: float | None = None,
-    on_timeout: OnTimeout = "report",
+    options: SyncOptions | None = None,
     accumulate: int = 1,
-    weights: _join.Weights = False,
-    early_termination: _join.EarlyTermination = "join",
+    **overrides: Unpack[ShardedKeywords],
 ) -> optax.GradientTransformation:
     """Synchronise gradients and run ``inner`` on a 1/N slice of them (ZeRO).
 
@@ -78,20 +72,17 @@ def sharded(
         device per process.
       comm: as for :func:`jaxsync.hierarchical_mean` (an mpi4py communicator,
         ``"auto"``, a :class:`jaxsync.AxisComm`, or None: one process).
-      reduce: ``"mean"`` or ``"sum"`` of the gradients.
-      comm_dtype: the dtype the gradients' reduce-scatter travels in (e.g.
-        ``jnp.bfloat16``; 16-bit data is summed in float32), or a
+      options, **overrides: as for :func:`jaxsync.hierarchical_mean`: ``sharded``
+        takes ``reduce``, ``comm_dtype``, ``predivide``, ``check_finite``,
+        ``staging``, ``timeout``, ``on_timeout``, ``weights`` and
+        ``early_termination``. Here ``comm_dtype`` is the dtype the gradients'
+        reduce-scatter travels in (16-bit data summed in float32), or a
         :class:`jaxsync.Quantized` format (across processes each replica's rows
         travel as block-quantized codes, all-to-all'd and summed in float32 by
         their owner; error feedback's residuals in the state); the updates are
-        gathered in their own dtype.
-      predivide: as for :func:`jaxsync.hierarchical_mean`.
-      check_finite: ``True`` keeps ``all_finite`` (over every replica's slice)
-        in the state; ``"raise"`` raises ``FloatingPointError`` when a reduced
-        gradient is not finite.
-      staging: as for :func:`jaxsync.hierarchical_mean`.
-      timeout: as for :func:`jaxsync.hierarchical_mean`.
-      on_timeout: as for :func:`jaxsync.hierarchical_mean`.
+        gathered in their own dtype. ``check_finite``'s ``all_finite`` covers
+        every replica's slice. A replica whose weight is 0 still updates its
+        slice; the weights' sums travel in one small allreduce.
       accumulate: micro-steps per update (ZeRO-2's accumulation, an int >= 1):
         every call reduce-scatters its gradients into this replica's ``1/N``
         accumulator; every ``accumulate``-th runs ``inner`` once on the
@@ -102,10 +93,6 @@ def sharded(
         accumulator beside the inner state (``ShardedState.inner`` is then
         ``(inner, acc, mini_step)``): ``gather_state`` and ``shard_state``
         take ``accumulate=1`` states only.
-      weights: as for :func:`jaxsync.hierarchical_mean`; a replica whose weight is 0
-        still updates its slice. The weights' sums travel in one small allreduce.
-      early_termination: as for :func:`jaxsync.hierarchical_mean`.
-
     Returns:
       an optax ``GradientTransformation`` whose state is a
       :class:`jaxsync.ShardedState`; lay it out under ``shard_map`` with
@@ -139,6 +126,8 @@ def sharded(
       True
     """
     fn = "sharded"
+    kw = merge(fn, options, overrides, takes=sharded.takes)  # type: ignore[attr-defined]
+    weights, early_termination = kw.pop("weights"), kw.pop("early_termination")
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         raise ValueError(
             f"{fn}: accumulate must be an int >= 1 (micro-steps per update), got "
@@ -155,13 +144,7 @@ def sharded(
         "two_dimensional",
         axis_name,
         comm,
-        reduce=reduce,
-        comm_dtype=comm_dtype,
-        predivide=predivide,
-        check_finite=check_finite,
-        staging=staging,
-        timeout=timeout,
-        on_timeout=on_timeout,
+        **kw,
         host_tier=False,
         overlap=False,  # one reduce-scatter and one all-gather, in the step's order
     )
