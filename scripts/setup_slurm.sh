@@ -10,11 +10,20 @@
 # to $JAXSYNC_SLURM_LOG (default: /tmp/jaxsync-setup-slurm.log); a failed step stops
 # set-up at once with a non-zero exit, the step's name and the last lines of its output.
 #
+# Environment (all optional):
+#   JAXSYNC_SLURM_LOG       the log file (default: /tmp/jaxsync-setup-slurm.log)
+#   JAXSYNC_SLURM_APT_GET   the apt-get command (default: apt-get; the tests' stand-in)
+#   JAXSYNC_SLURM_PROGRAMS  more programs to require, space separated (the tests' hook
+#                           to make a machine with Slurm look like one without)
+#
 # Use it:   bash scripts/setup_slurm.sh && .venv/bin/python -m pytest -q tests/slurm
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
-programs=(slurmctld slurmd srun sbatch salloc sinfo scontrol munged mungekey)
+# shellcheck disable=SC2206
+programs=(slurmctld slurmd srun sbatch salloc sinfo scontrol scancel munged mungekey
+          ${JAXSYNC_SLURM_PROGRAMS:-})
+apt_get="${JAXSYNC_SLURM_APT_GET:-apt-get}"
 missing() {
   local p
   for p in "${programs[@]}"; do
@@ -67,16 +76,16 @@ if [ "$(id -u)" -ne 0 ]; then
     exit 1
   fi
 fi
-if ! command -v apt-get > /dev/null 2>&1; then
+if ! command -v "$apt_get" > /dev/null 2>&1; then
   echo "[$tag] FAILED: apt-get not found; this script installs Debian's slurm-wlm and" \
     "munge. Install Slurm (slurmctld, slurmd, srun with the pmi2 plugin) and munge" \
     "by hand (missing: $(missing | tr '\n' ' '))." >&2
   exit 1
 fi
 export DEBIAN_FRONTEND=noninteractive
-step "apt-get update" "${sudo[@]}" apt-get update
+step "apt-get update" "${sudo[@]}" "$apt_get" update
 step "apt-get install slurm-wlm munge (slurmctld, slurmd, srun, munged)" \
-  "${sudo[@]}" apt-get install -y --no-install-recommends slurm-wlm munge
+  "${sudo[@]}" "$apt_get" install -y --no-install-recommends slurm-wlm munge
 check() {
   local left
   left="$(missing | tr '\n' ' ')"

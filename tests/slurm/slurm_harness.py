@@ -18,6 +18,7 @@ this process is not root the tests are skipped the same way.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -35,7 +36,17 @@ PYTHON = sys.executable
 NODE = "jaxsync0"
 CPUS = 4  # declared (SlurmdParameters=config_overrides): 2 ranks fit on a 2-core machine
 
-PROGRAMS = ("munged", "mungekey", "slurmctld", "slurmd", "srun", "salloc", "sinfo", "scontrol")
+PROGRAMS = (
+    "munged",
+    "mungekey",
+    "slurmctld",
+    "slurmd",
+    "srun",
+    "salloc",
+    "sinfo",
+    "scontrol",
+    "scancel",
+)
 
 
 def _in_ci() -> bool:
@@ -117,6 +128,10 @@ class Slurm:
 
     # -- set-up ----------------------------------------------------------------
     def _write_conf(self) -> None:
+        # FirstJobId: a fresh cluster would count its jobs from 1 again, and MPICH names
+        # its shared memory after the PMI job id ("JOB.STEP"): a rank killed by a test
+        # leaves its segment in /dev/shm, and a later cluster's job of the same id
+        # attached to it and failed in MPI_Init ("Message ... truncated").
         ctld, slurmd = _free_ports(2)
         for d in ("state", "spool", "run"):
             (self.dir / d).mkdir(parents=True, exist_ok=True)
@@ -126,6 +141,7 @@ class Slurm:
         self.conf.write_text(
             f"""\
 ClusterName=jaxsync
+FirstJobId={random.randint(1_000_000, 60_000_000)}
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ctld}
 SlurmdPort={slurmd}
@@ -202,7 +218,8 @@ PartitionName=debug Nodes={NODE} Default=YES MaxTime=INFINITE State=UP OverSubsc
 
     def _start_all(self, timeout: float) -> None:
         m = self.dir / "munge"
-        m.mkdir(mode=0o700)
+        m.mkdir()
+        os.chmod(m, 0o711)  # munged wants its socket folder reachable by all
         (self.dir / "log").mkdir()
         key = m / "munge.key"
         subprocess.run(

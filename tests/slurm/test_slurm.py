@@ -23,6 +23,8 @@ ENV = {
     "PATH": os.pathsep.join([os.path.dirname(PYTHON), os.environ.get("PATH", "")]),
 }
 STEPS, LR = 8, 0.5
+# --kill-on-bad-exit: a rank that fails ends the step, the other does not wait on it
+SRUN = ["srun", "-n", "2", "--kill-on-bad-exit=1", "--mpi=pmi2"]
 
 
 def _c(t):
@@ -40,7 +42,7 @@ def _reference(sizes):
 
 
 def test_jaxsync_info_sees_two_processes_from_srun(slurm):
-    r = slurm.run(["srun", "-n", "2", "--mpi=pmi2", PYTHON, "-m", "jaxsync", "info"], 120, ENV)
+    r = slurm.run([*SRUN, PYTHON, "-m", "jaxsync", "info"], 120, ENV)
     assert not r.timed_out and r.returncode == 0, r.describe()
     # one topology row per rank: "│ rank │ size │ host │ hosts │ local_rank │ local_size │"
     rows = [
@@ -56,7 +58,7 @@ def test_jaxsync_info_sees_two_processes_from_srun(slurm):
 
 
 def test_topology_matches_slurms_view_on_every_rank(slurm, tmp_path):
-    cmd = ["srun", "-n", "2", "--mpi=pmi2", PYTHON, HERE / "worker_topology.py", tmp_path]
+    cmd = [*SRUN, PYTHON, HERE / "worker_topology.py", tmp_path]
     r = slurm.run(cmd, 120, ENV)
     assert not r.timed_out and r.returncode == 0, r.describe()
     for rank in range(2):
@@ -73,7 +75,7 @@ def test_topology_matches_slurms_view_on_every_rank(slurm, tmp_path):
 
 
 def test_training_under_srun_is_exact_and_identical_on_both_ranks(slurm, tmp_path):
-    cmd = ["srun", "-n", "2", "--mpi=pmi2", PYTHON, HERE / "worker_train.py", tmp_path]
+    cmd = [*SRUN, PYTHON, HERE / "worker_train.py", tmp_path]
     r = slurm.run(cmd, 180, ENV)
     assert not r.timed_out and r.returncode == 0, r.describe()
     ref = _reference([2] * STEPS)
