@@ -4,12 +4,14 @@ One private Slurm for the module (conftest.py's ``slurm`` fixture: munged, slurm
 one slurmd, node ``jaxsync0``, under a temporary folder; see slurm_harness.py), then:
 ``python -m jaxsync info`` on 2 tasks, ``jaxsync.topology()`` against Slurm's own
 variables on every rank, a short exact training run, and the restarting supervisor
-(``python -m jaxsync elastic --mpirun srun`` inside ``salloc``) through a rank lost
-at a step. Every command runs with a timeout: a hang fails, it does not block.
+(``python -m jaxsync elastic --mpirun srun`` inside ``salloc`` and in an ``sbatch``
+script) through a rank lost at a step. Every command runs with a timeout: a hang fails,
+it does not block.
 """
 
 import json
 import os
+import shlex
 
 import numpy as np
 import pytest
@@ -88,17 +90,24 @@ def test_training_under_srun_is_exact_and_identical_on_both_ranks(slurm, tmp_pat
     assert runs == [{"restart": 0, "np": 2, "start": 0}], runs
 
 
-@pytest.mark.parametrize("kill_at", [3])
-def test_supervisor_under_salloc_restarts_a_lost_rank_from_the_checkpoint(slurm, tmp_path, kill_at):
-    cmd = [
-        "salloc", "-n", "2", "--time=5", "--quiet",
+@pytest.mark.parametrize("how", ["salloc", "sbatch"])
+def test_supervisor_in_an_allocation_restarts_a_lost_rank_from_the_checkpoint(slurm, tmp_path, how):
+    kill_at = 3
+    supervise = [
         PYTHON, "-m", "jaxsync", "elastic", "--min-np", "1", "--max-np", "2",
         "--max-restarts", "2", "--mpirun", "srun", "--",
         PYTHON, HERE / "worker_train.py", tmp_path, "--kill-at", str(kill_at),
     ]  # fmt: skip
-    r = slurm.run(cmd, 300, ENV)
-    assert not r.timed_out and r.returncode == 0, r.describe()
-    out = r.output
+    if how == "salloc":
+        r = slurm.run(["salloc", "-n", "2", "--time=5", "--quiet", *supervise], 300, ENV)
+        out = r.output
+    else:  # a batch script: the supervisor is its one command, srun makes the steps
+        job = tmp_path / "job.sh"
+        job.write_text("#!/bin/sh\n#SBATCH -n 2\nexec " + shlex.join(map(str, supervise)) + "\n")
+        log = tmp_path / "job.out"
+        r = slurm.run(["sbatch", "--wait", "--time=5", f"--output={log}", job], 300, ENV)
+        out = r.output + (log.read_text() if log.exists() else "(no job output)")
+    assert not r.timed_out and r.returncode == 0, r.describe() + out
     assert f"capacity from the Slurm allocation: {NODE}:2" in out, out
     assert "srun -n 2 --kill-on-bad-exit=1 --mpi=pmi2" in out, out
     assert f"srun: error: {NODE}: task 1: Killed" in out, out
