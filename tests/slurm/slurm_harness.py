@@ -6,7 +6,7 @@ log folders, ``SlurmUser=root``, ``ProctrackType=proctrack/linuxproc`` and
 ``munged``, ``slurmctld`` and one ``slurmd`` (one node, ``jaxsync0``, on this machine),
 waits (bounded) until ``sinfo`` shows the node idle, and stops every daemon it started
 on :meth:`Slurm.stop`. Its :meth:`Slurm.run` runs a client command (``srun``,
-``salloc``, ``python -m jaxsync elastic --launcher srun``, ...) with ``SLURM_CONF``
+``salloc``, ``python -m jaxsync elastic --mpirun srun``, ...) with ``SLURM_CONF``
 pointing at this cluster, in its own process group, killed whole past its timeout.
 
 Slurm's programs come from ``bash scripts/setup_slurm.sh`` (Debian's slurm-wlm and
