@@ -8,6 +8,9 @@ bash "$root/scripts/setup.sh"
 # The fault-tolerant MPI environment (.venv-ft: Open MPI 5 with ULFM) for the elastic
 # tests: a second venv, so the default mpich one stays as it is.
 bash "$root/scripts/setup_ft.sh"
+# Slurm (Debian's slurm-wlm and munge, apt-get) for tests/slurm, which start a private
+# munged + slurmctld + slurmd of their own; a no-op where it is installed.
+bash "$root/scripts/setup_slurm.sh"
 cd "$root"
 export PATH="$venv/bin:$PATH"
 echo "[test] ruff check, ruff format --check, mypy (config in pyproject.toml)"
@@ -24,14 +27,14 @@ NO_MKDOCS_2_WARNING=1 "$venv/bin/mkdocs" build --strict --site-dir "$site" \
 rm -rf "$site"
 # Extra args: one pytest run with them (e.g. a file, -k). Else the whole suite in two
 # runs: the in-process tests on 2 workers (pytest-xdist; each keeps about one core
-# busy), then the multi-process ones (mpirun, the emulated cluster, jax.distributed)
+# busy), then the multi-process ones (mpirun, the emulated cluster, jax.distributed, Slurm)
 # one at a time, alone on the machine as their ranks need. Both run; either failing
 # fails the suite.
 if [ "$#" -gt 0 ]; then
   exec "$venv/bin/python" -m pytest -q "$@"
 fi
 workers="${JAXSYNC_TEST_WORKERS:-2}"
-multi=(tests/mpi tests/cluster tests/distributed)
+multi=(tests/mpi tests/cluster tests/distributed tests/slurm)
 rc=0
 echo "[test] pytest: in-process tests, $workers workers"
 "$venv/bin/python" -m pytest -q -n "$workers" tests jaxsync notebooks \

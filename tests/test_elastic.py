@@ -236,3 +236,58 @@ def test_islands_given_as_a_communicator_are_revoked_by_a_recovery_too():
         assert not [w for w, _ in _islands._MADE.values() if w is world]
     finally:
         world.Free()
+
+
+FAKE_SRUN = r"""
+import json, os, sys
+args = sys.argv[1:]
+if args == ["--version"]:
+    print("slurm 23.11.4"); sys.exit(0)
+here = os.path.dirname(os.path.abspath(__file__))
+n = int(args[args.index("-n") + 1])
+with open(os.path.join(here, "launches.jsonl"), "a") as f:
+    f.write(json.dumps({"args": args[: args.index("python")],
+                        "np": os.environ["JAXSYNC_ELASTIC_NP"]}) + "\n")
+fails = int(open(os.path.join(here, "fails")).read())
+if fails > 0:  # the last task lost, the others torn down by srun, as srun reports it
+    open(os.path.join(here, "fails"), "w").write(str(fails - 1))
+    print(f"srun: error: n2: task {n - 1}: Killed")
+    print(f"srun: error: n1: tasks 0-{n - 2}: Terminated")
+    sys.exit(137)
+print("fake job done")
+"""
+
+
+def test_srun_launches_job_steps_on_the_allocation_and_a_killed_task_costs_its_slot(
+    tmp_path, capsys, monkeypatch
+):
+    (tmp_path / "srun.py").write_text(FAKE_SRUN)
+    (tmp_path / "fails").write_text("1")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2,1")
+    rc = _main(["--min-np", "1", "--max-np", "4"], f"{sys.executable} {tmp_path / 'srun.py'}")
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    got = [(x["args"], x["np"]) for x in _launches(tmp_path)]
+    # capacity n1:2,n2:1 from the allocation (not localhost:4); task 2 (on n2) lost
+    assert got == [
+        (
+            ["-n", "3", "--kill-on-bad-exit=1", "--nodelist=n1,n1,n2"]
+            + ["--distribution=arbitrary", "--mpi=pmi2"],
+            "3",
+        ),
+        (["-n", "2", "--kill-on-bad-exit=1", "--mpi=pmi2"], "2"),
+    ], err
+    assert "capacity from the Slurm allocation: n1:2,n2:1" in err, err
+    assert "run 0 failed with exit status 137 after" in err and "rank 2 on n2" in err, err
+    assert "rank 0" not in err and "rank 1 " not in err, err  # "Terminated" is not lost
+
+
+def test_slurm_allocation_errors_name_the_variable():
+    with pytest.raises(ValueError, match="SLURM_TASKS_PER_NODE='2' gives 1 count"):
+        _supervise.slurm_allocation({"SLURM_JOB_NODELIST": "a,b", "SLURM_TASKS_PER_NODE": "2"})
+    with pytest.raises(ValueError, match="SLURM_JOB_NODELIST: expected a Slurm host list"):
+        _supervise.expand_nodelist("n[1-x]")
+    with pytest.raises(ValueError, match="SLURM_TASKS_PER_NODE: expected counts"):
+        _supervise.expand_tasks_per_node("2(y3)")
+    assert _supervise.launcher_kind([sys.executable, "-c", "print('slurm 23.11.4')"]) == "slurm"

@@ -1,5 +1,10 @@
 """``python -m jaxsync elastic``: run a job under mpirun, restart it on what is left.
 
+``--mpirun srun`` launches with Slurm's srun instead (found by ``srun --version``):
+inside an allocation (``salloc``, ``sbatch``) the capacity is the allocation's unless
+``--hosts`` is given, each run is a job step, and a task srun reports ``Killed`` costs
+its slot.
+
 The loop: find the capacity (``--hosts`` or ``--host-discovery-script``), launch
 ``min(capacity, --max-np)`` processes (never fewer than ``--min-np``), pass the
 launcher's output through while keeping it, and when the job fails take away the
@@ -70,7 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--mpirun",
         default=None,
-        help="the launcher (default: mpirun next to this Python, else on PATH)",
+        help="the launcher (default: mpirun next to this Python, else on PATH); 'srun' "
+        "runs each attempt as a Slurm job step (--mpi=pmi2, --kill-on-bad-exit=1; "
+        "inside salloc/sbatch the allocation is the capacity unless --hosts is given)",
     )
     p.add_argument(
         "--mpirun-args",
@@ -180,7 +187,8 @@ def _lost_slots(
             host = node if node in names else (next(iter(names)) if len(names) == 1 else None)
         if host is not None:
             hosts.append(host)
-            seen.append(f"rank {rank if rank is not None else '?'} (pid {pid}) on {host}")
+            which = f"rank {rank if rank is not None else '?'}"
+            seen.append(f"{which} (pid {pid}) on {host}" if pid >= 0 else f"{which} on {host}")
     return hosts, seen
 
 
@@ -189,7 +197,14 @@ def run(args: argparse.Namespace, cmd: list[str]) -> int:
     mpirun = _mpirun(args.mpirun)
     kind = sv.launcher_kind(mpirun)
     extra = shlex.split(args.mpirun_args)
-    static = sv.parse_hosts(args.hosts) if args.hosts else [("localhost", args.max_np)]
+    alloc = sv.slurm_allocation() if kind == "slurm" and not args.hosts else None
+    if args.hosts:
+        static = sv.parse_hosts(args.hosts)
+    elif alloc:
+        static = alloc
+        _say(f"capacity from the Slurm allocation: {_fmt(alloc)}")
+    else:
+        static = [("localhost", args.max_np)]
     restart, rc = 0, 0
     while True:
         hosts = sv.discover(args.host_discovery_script) if args.host_discovery_script else static
