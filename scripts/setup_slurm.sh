@@ -2,7 +2,7 @@
 # Slurm for the tests in tests/slurm: Debian's slurm-wlm (slurmctld, slurmd, srun,
 # sbatch, salloc, sinfo, with the pmi2 MPI plugin) and munge (the authentication
 # daemon), installed with apt-get. Nothing is configured or started here: the tests
-# start a private munged, slurmctld and slurmd of their own (tests/slurm/_slurm.py)
+# start a private munged, slurmctld and slurmd of their own (tests/slurm/slurm_harness.py)
 # with a generated slurm.conf under a temporary folder, and stop them at the end.
 # A second run is a no-op when every program is already there.
 #
