@@ -64,6 +64,28 @@ def test_auto_raises_when_launched_but_mpi4py_missing(monkeypatch):
         _topology.default_comm()
 
 
+def test_auto_raises_under_srun_without_mpi_wiring(monkeypatch):
+    """srun -n 2 --mpi=none (or MpiDefault=none): no PMI variable, so MPI would see
+    one process on each task and every task train alone (found under tests/slurm)."""
+    _clear_launcher(monkeypatch)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    with pytest.raises(_topology.LaunchError, match=r"SLURM_STEP_NUM_TASKS=2.*--mpi=pmi2"):
+        _topology.default_comm()
+    with pytest.raises(_topology.LaunchError, match="srun"):
+        jaxsync.hierarchical_mean(axis_name="i")
+    assert jaxsync.hierarchical_mean(axis_name="i", comm=None)  # on purpose: fine
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")  # srun -n 1
+    assert _topology._srun_tasks_without_mpi() == 0
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    monkeypatch.setenv("PMI_RANK", "0")  # --mpi=pmi2 wires it
+    assert _topology._srun_tasks_without_mpi() == 0
+    monkeypatch.delenv("PMI_RANK")
+    from jax._src import distributed
+
+    monkeypatch.setattr(distributed.global_state, "client", object())  # jax.distributed
+    assert _topology._srun_tasks_without_mpi() == 0
+
+
 def test_auto_single_process_launch_is_fine(monkeypatch):
     _clear_launcher(monkeypatch)
     monkeypatch.setenv("PMI_SIZE", "1")  # mpirun -n 1

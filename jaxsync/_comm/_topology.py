@@ -55,6 +55,25 @@ class LaunchError(RuntimeError):
     """An MPI launcher started several processes but MPI sees only one."""
 
 
+def _srun_tasks_without_mpi() -> int:
+    """srun's task count where it started several tasks of this step without MPI
+    wiring (no PMI/PMIx variable) and ``jax.distributed`` is not initialised; else 0."""
+    try:
+        tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", ""))
+    except ValueError:
+        return 0
+    if tasks <= 1 or any(k in os.environ for k in (*_MPI_ENV, "PMIX_SIZE", "PMI_FD")):
+        return 0
+    try:  # jax.distributed's processes: comm=None is theirs to choose (a global mesh)
+        from jax._src import distributed
+
+        if distributed.global_state.client is not None:
+            return 0
+    except (ImportError, AttributeError):
+        pass
+    return tasks
+
+
 def default_comm() -> Any:
     """``MPI.COMM_WORLD`` when MPI is in use with more than one process, else None.
 
@@ -72,7 +91,9 @@ def default_comm() -> Any:
         ``OMPI_COMM_WORLD_SIZE``, ... > 1) but mpi4py cannot be imported or its
         ``COMM_WORLD`` has a single process (mpi4py built against another MPI
         than the launcher's, PMI not wired): every process would otherwise train
-        alone without a word. ``mpirun -n 1`` is fine (size 1 both ways).
+        alone without a word. ``mpirun -n 1`` is fine (size 1 both ways). Likewise
+        under ``srun`` with several tasks and no MPI wiring (``--mpi=none``), unless
+        ``jax.distributed`` is initialised.
 
     Example:
       >>> import jaxsync
@@ -81,6 +102,17 @@ def default_comm() -> Any:
     """
     if _WORLD:  # the survivors' communicator after an in-process recovery
         return _WORLD[0] if _WORLD[0].Get_size() > 1 else None
+    tasks = _srun_tasks_without_mpi()
+    if tasks:
+        raise LaunchError(
+            f"jaxsync: comm='auto' runs in one of {tasks} tasks that srun started "
+            f"(SLURM_STEP_NUM_TASKS={tasks}) with no MPI wiring (no PMI_*/PMIX_* "
+            "variables: srun --mpi=none, or the cluster's MpiDefault=none), so every "
+            "process would train alone. Fix: srun --mpi=pmi2 (the mpich wheel; "
+            "--mpi=pmix for an Open MPI built with PMIx), or initialise "
+            "jax.distributed and pass comm=jaxsync.AxisComm(...), or pass comm=None "
+            "to train each process on its own on purpose."
+        )
     if not launched_by_mpi():
         return None
     sizes = _launcher_sizes()

@@ -5,7 +5,8 @@ one slurmd, node ``jaxsync0``, under a temporary folder; see slurm_harness.py), 
 ``python -m jaxsync info`` on 2 tasks, ``jaxsync.topology()`` against Slurm's own
 variables on every rank, a short exact training run, and the restarting supervisor
 (``python -m jaxsync elastic --mpirun srun`` inside ``salloc`` and in an ``sbatch``
-script) through a rank lost at a step. Every command runs with a timeout: a hang fails,
+script) through a rank lost at a step, and ``srun --mpi=none`` refused by
+``comm="auto"`` (it would train every task alone). Every command runs with a timeout: a hang fails,
 it does not block.
 """
 
@@ -125,3 +126,15 @@ def test_supervisor_in_an_allocation_restarts_a_lost_rank_from_the_checkpoint(sl
     assert not np.array_equal(ref, _reference([2] * STEPS))
     assert not np.array_equal(ref, _reference([1] * STEPS))
     assert not (tmp_path / "final-rank1.npy").exists()
+
+
+def test_srun_without_mpi_wiring_is_refused_not_trained_alone(slurm):
+    """``srun --mpi=none``: no PMI variables, so each task's MPI would be a world of
+    one and ``comm="auto"`` would leave every task training alone; it raises on
+    every task, naming ``--mpi=pmi2``."""
+    code = "import jaxsync; jaxsync.hierarchical_mean(axis_name=None)"
+    line = ["srun", "-n", "2", "--mpi=none", PYTHON, "-c", code]
+    r = slurm.run(line, 120, ENV)
+    assert not r.timed_out and r.returncode != 0, r.describe()
+    assert r.output.count("LaunchError") >= 2, r.describe()
+    assert "SLURM_STEP_NUM_TASKS=2" in r.output and "srun --mpi=pmi2" in r.output, r.describe()
