@@ -45,28 +45,9 @@ tag=setup-slurm
 log="${JAXSYNC_SLURM_LOG:-/tmp/jaxsync-setup-slurm.log}"
 : > "$log"
 started=$SECONDS
-# step NAME COMMAND...: as in scripts/_setup_steps.sh (which needs a venv; this has none).
-step() {
-  local name="$1"; shift
-  local out rc t0=$SECONDS
-  out="$(mktemp)"
-  echo "[$tag] $name"
-  printf '\n===== %s: %s\n' "$name" "$*" >> "$log"
-  if "$@" > "$out" 2>&1; then rc=0; else rc=$?; fi
-  cat "$out" >> "$log"
-  if [ "$rc" -ne 0 ]; then
-    {
-      echo "[$tag] FAILED: $name (exit status $rc). Last lines of its output:"
-      tail -n 25 "$out" | sed 's/^/    /'
-      echo "[$tag] full log: $log"
-      echo "[$tag] fix the cause and run this again (bash $root/scripts/setup_slurm.sh)."
-    } >&2
-    rm -f "$out"
-    exit "$rc"
-  fi
-  rm -f "$out"
-  echo "        done in $((SECONDS - t0)) s" >> "$log"
-}
+step_fix="fix the cause and run this again (bash $root/scripts/setup_slurm.sh)."
+# shellcheck source=scripts/_step.sh
+source "$root/scripts/_step.sh"
 
 sudo=()
 if [ "$(id -u)" -ne 0 ]; then
