@@ -123,6 +123,10 @@ def mpi4jax_bridges() -> dict:
     return out
 
 
+# the topology table's columns, one row per rank
+_COLUMNS = "rank size host hosts local_rank local_size local_devices platform".split()
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="python -m jaxsync info",
@@ -207,34 +211,10 @@ def main(argv: list[str]) -> int:
     wires = ", ".join(f"{f.name} ({f.bytes_per_value():.4g} B)" for f in wire_formats())
     con.print(f"{'wire formats':>19}: {wires}", soft_wrap=True)
     t = Table(title="topology")
-    for col in (
-        "rank",
-        "size",
-        "host",
-        "hosts",
-        "local_rank",
-        "local_size",
-        "local_devices",
-        "platform",
-    ):
+    for col in _COLUMNS:
         t.add_column(col, justify="right")
     for i in infos:
-        topo = i["topology"]
-        t.add_row(
-            *(
-                str(topo[c])
-                for c in (
-                    "rank",
-                    "size",
-                    "host",
-                    "hosts",
-                    "local_rank",
-                    "local_size",
-                    "local_devices",
-                    "platform",
-                )
-            )
-        )
+        t.add_row(*(str(i["topology"][c]) for c in _COLUMNS))
     con.print(t)
     if args.tree:
         from jaxsync.auto._project import explain_tree
