@@ -26,6 +26,7 @@ from jaxsync._core._sync import DoubleBufferState, SyncState, sync_gradients
 from jaxsync._core._transforms import (
     flat_mean,
     hierarchical_mean,
+    mean,
     naive_mean,
     single_node_mean,
     two_dimensional_mean,
@@ -109,6 +110,7 @@ __all__ = [
     "host_allocator_state",
     "local_batch",
     "make_plan",
+    "mean",
     "naive_mean",
     "powersgd_mean",
     "replica_mean",

@@ -12,10 +12,17 @@ Three things the docstrings do that griffe's Google parser does not read as they
   (``help()`` shows them); static analysis sees ``**overrides``, so the options
   the factory takes (the TypedDict's keys, in ``SyncOptions``' order) are named
   here in its docstring.
+- ``name = _preset(mean, "strategy", doc)`` (``_core/_transforms``) makes a
+  factory at import time; static analysis sees an attribute, so it is given here
+  as the function it is: ``mean``'s parameters without ``strategy``, its return,
+  and its docstring (``doc`` with the preset's Args and Returns: the one place
+  this reads the imported module).
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import re
 from typing import Any
 
@@ -31,6 +38,7 @@ def _walk(obj: griffe.Object):
 
 class JaxsyncDocstrings(griffe.Extension):
     def on_package(self, *, pkg: griffe.Module, loader: griffe.GriffeLoader, **kwargs: Any):
+        _presets_as_functions(loader)
         for obj in _walk(pkg):
             doc = obj.docstring
             if doc is None:
@@ -41,6 +49,30 @@ class JaxsyncDocstrings(griffe.Extension):
             if isinstance(obj, griffe.Function):
                 text = _add_option_names(obj, text, loader)
             doc.value = _split_shared_args(text)
+
+
+def _presets_as_functions(loader: griffe.GriffeLoader) -> None:
+    module = loader.modules_collection["jaxsync._core._transforms"]
+    for name, attr in list(module.members.items()):
+        call = None if attr.is_alias else getattr(attr, "value", None)
+        if not (isinstance(call, griffe.ExprCall) and str(call.function) == "_preset"):
+            continue
+        of, strategy, _ = call.arguments
+        base = module.members[str(of)]
+        doc = inspect.getdoc(getattr(importlib.import_module(module.path), name)) or ""
+        fn = griffe.Function(
+            name,
+            lineno=attr.lineno,
+            endlineno=attr.endlineno,
+            parameters=griffe.Parameters(*[p for p in base.parameters if p.name != "strategy"]),
+            returns=base.returns,
+            docstring=griffe.Docstring(doc, lineno=attr.lineno, parser=base.docstring.parser),
+        )
+        # the options its strategy takes: _TAKES = {"naive": names_of(NaiveKeywords), ...}
+        table = module.members["_TAKES"].value
+        taken = dict(zip(map(str, table.keys), map(str, table.values)))[strategy]
+        fn.extra["jaxsync"] = {"keywords": re.fullmatch(r"names_of\((\w+)\)", taken).group(1)}
+        module.set_member(name, fn)
 
 
 def _typed_dict_keys(cls: griffe.Class) -> list[str]:
@@ -57,15 +89,18 @@ def _typed_dict_keys(cls: griffe.Class) -> list[str]:
 def _add_option_names(fn: griffe.Function, text: str, loader: griffe.GriffeLoader) -> str:
     """``@takes(SomeKeywords)``: name the options the factory takes (``help()``
     shows them as its signature; static analysis sees ``**overrides`` only)."""
+    given = [fn.extra["jaxsync"]["keywords"]] if "jaxsync" in fn.extra else []
     for dec in fn.decorators:
         m = re.fullmatch(r"(?:_options\.)?takes\((?:_options\.)?(\w+)\)", str(dec.value))
-        if not m:
-            continue
-        cls = loader.modules_collection["jaxsync._core._options"].members[m.group(1)]
+        if m:
+            given.append(m.group(1))
+    for keywords in given:
+        cls = loader.modules_collection["jaxsync._core._options"].members[keywords]
         taken = set(_typed_dict_keys(cls))  # type: ignore[arg-type]
         keys = [k for k in _fields(loader) if k in taken]  # SyncOptions' order
         names = ", ".join(f"``{k}``" for k in keys)
-        at = text.index("\nReturns:") if "\nReturns:" in text else len(text)
+        ends = [text.find(f"\n{title}:") for title in ("Returns", "Examples")]
+        at = min([i for i in ends if i >= 0], default=len(text))
         note = f"\n\nOptions as keywords (each over ``options``): {names}.\n"
         return text[:at].rstrip("\n") + note + text[at:]
     return text

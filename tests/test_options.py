@@ -112,13 +112,18 @@ def test_type_checkers_see_the_keywords(tmp_path):
         "jaxsync.hierarchical_mean('i', comm=None, reduce='max')\n"
         "jaxsync.single_node_mean('i', staging='host')\n"
         "jaxsync.flat_mean('i', comm=None, bucket_size=3)\n"
+        "jaxsync.mean('two_dimensional', 'i', comm=None, overlap=True)\n"
+        "jaxsync.mean('flat', 'i', reduce='max')\n"
+        "jaxsync.mean('ring', 'i')\n"
+        "jaxsync.two_dimensional_mean('i', None, double_buffering='yes')\n"
+        "jaxsync.naive_mean(axis_name='i', comm=None, overlap=False)\n"
     )
     cache = ROOT / ".venv" / ".mypy_cache"
     out, err, status = mypy_api.run(
         [str(snippet), "--ignore-missing-imports", "--cache-dir", str(cache), "--no-error-summary"]
     )
     lines = sorted({int(line.split(":")[1]) for line in out.splitlines() if ": error:" in line})
-    assert lines == [4, 5, 6], out + err
+    assert lines == [4, 5, 6, 8, 9, 10], out + err
 
 
 @pytest.mark.parametrize(
@@ -154,7 +159,7 @@ def test_replace_checks_and_names_unknown_options():
 
 
 @pytest.mark.parametrize(
-    "name", [*FAMILY, "sync_gradients", "sharded", "powersgd_mean", "sign_mean"]
+    "name", [*FAMILY, "mean", "sync_gradients", "sharded", "powersgd_mean", "sign_mean"]
 )
 def test_the_keywords_are_the_options_with_their_defaults(name):
     params = inspect.signature(getattr(jaxsync, name)).parameters
@@ -175,6 +180,53 @@ def test_each_option_has_one_text():
         fdoc = getattr(jaxsync, fac).__doc__ or ""
         own = [n for n in FIELDS if re.search(rf"^      {n}: ", fdoc, re.M)]
         assert not own, f"{fac} documents {own} again: its text is SyncOptions'"
-        # it points to that text (directly, or through hierarchical_mean's)
-        assert "jaxsync.SyncOptions" in fdoc or "jaxsync.hierarchical_mean" in fdoc, fac
-    assert "jaxsync.SyncOptions" in (jaxsync.hierarchical_mean.__doc__ or "")
+        # it points to that text (directly, or through mean's)
+        assert "jaxsync.SyncOptions" in fdoc or "jaxsync.mean" in fdoc, fac
+    assert "jaxsync.SyncOptions" in (jaxsync.mean.__doc__ or "")
+
+
+PRESETS = ["naive", "flat", "hierarchical", "two_dimensional"]
+
+
+@pytest.mark.parametrize("strategy", PRESETS)
+def test_each_preset_is_mean_with_its_strategy(strategy):
+    """``flat_mean(...)`` is ``mean("flat", ...)``: the same program, signature and
+    refusals; only ``strategy`` is given."""
+    preset = getattr(jaxsync, f"{strategy}_mean")
+    given = dict(reduce="sum", comm_dtype=jnp.bfloat16, check_finite=True, bucket_bytes=64)
+    by_mean = _program(jaxsync.mean(strategy, "i", comm=None, **given))
+    assert _program(preset("i", None, options=jaxsync.SyncOptions(**given))) == by_mean
+    assert by_mean != _program(jaxsync.mean(strategy, "i", comm=None)), "vacuous"
+    assert preset.__name__ == f"{strategy}_mean" and ">>> " in (preset.__doc__ or "")
+    mean_params = dict(inspect.signature(jaxsync.mean).parameters)
+    del mean_params["strategy"]
+    params = inspect.signature(preset).parameters
+    assert [p for p in mean_params if p not in params] == (
+        ["host_tier"] if strategy == "naive" else []
+    )
+    assert all(params[p] == mean_params[p] for p in params)
+    assert inspect.signature(preset).return_annotation == "optax.GradientTransformation"
+
+
+def test_mean_refuses_an_unknown_strategy_and_what_the_strategy_does_not_take():
+    with pytest.raises(
+        ValueError,
+        match=r"mean: unexpected strategy; expected one of 'naive', 'flat', "
+        r"'hierarchical', 'two_dimensional'; given: 'ring'\. Fix: ",
+    ):
+        jaxsync.mean("ring", "i")
+    with pytest.raises(ValueError, match=r"given: 'single_node'.*single_node_mean"):
+        jaxsync.mean("single_node", "i")
+    # naive takes no host tier, by either name; its errors name the strategy's factory
+    for make in (
+        lambda **kw: jaxsync.mean("naive", "i", **kw),
+        lambda **kw: jaxsync.naive_mean("i", **kw),
+    ):
+        with pytest.raises(
+            TypeError,
+            match=r"naive_mean\(\) got an unexpected keyword "
+            r"argument 'host_tier': it takes no option 'host_tier'",
+        ):
+            make(host_tier="device")
+    with pytest.raises(ValueError, match=r"flat_mean: reduce must be one of"):
+        jaxsync.mean("flat", "i", reduce="max")

@@ -106,7 +106,7 @@ def apply_if_finite(
         (an int >= 0).
       axis_name: the local axis name(s) of the step, as for
         :func:`jaxsync.hierarchical_mean` (``None`` under plain ``jit``).
-      comm: the inter-process stage, as for :func:`jaxsync.hierarchical_mean`.
+      comm: the inter-process stage, as for :func:`jaxsync.mean`.
 
     Returns:
       an ``optax.GradientTransformationExtraArgs`` with optax's
@@ -188,7 +188,7 @@ def skip_not_finite(*, axis_name: AxisName, comm: Comm = AUTO) -> Callable[..., 
     Args:
       axis_name: the local axis name(s) of the step, as for
         :func:`jaxsync.hierarchical_mean` (``None`` under plain ``jit``).
-      comm: the inter-process stage, as for :func:`jaxsync.hierarchical_mean`.
+      comm: the inter-process stage, as for :func:`jaxsync.mean`.
 
     Returns:
       a ``should_skip_update_fn`` taking ``(updates, gradient_step, params)``

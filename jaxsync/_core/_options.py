@@ -74,7 +74,7 @@ class SyncOptions:
 
     Give them to a factory as ``options=`` (one object for several transforms,
     or a configuration file's), or as keywords of the same names: every
-    factory of :func:`jaxsync.hierarchical_mean`'s family takes both, and a
+    factory of :func:`jaxsync.mean`'s family takes both, and a
     keyword overrides ``options``. An option the factory does not take is
     refused, as a keyword (``TypeError``) or set in ``options`` (``ValueError``;
     e.g. ``staging`` for :func:`jaxsync.single_node_mean`, which has no
@@ -332,13 +332,19 @@ F = TypeVar("F", bound=Callable[..., Any])
 _ANNOTATIONS = {f.name: f.type for f in dataclasses.fields(SyncOptions)}
 
 
+def names_of(keywords: type) -> tuple[str, ...]:
+    """The options of ``keywords`` (a TypedDict above), in ``SyncOptions``' order."""
+    names = tuple(n for n in FIELDS if n in keywords.__annotations__)
+    assert set(names) == set(keywords.__annotations__), keywords
+    return names
+
+
 def takes(keywords: type) -> Callable[[F], F]:
     """Give a factory ``def f(..., *, options=None, **options_as_keywords)`` the
     options of ``keywords`` (a TypedDict above) as keyword-only parameters of its
     signature, in ``SyncOptions``' order, with their defaults (``help``,
     ``inspect.signature``); ``f.takes`` lists them for ``merge``."""
-    names = tuple(n for n in FIELDS if n in keywords.__annotations__)
-    assert set(names) == set(keywords.__annotations__), keywords
+    names = names_of(keywords)
 
     def decorate(factory: F) -> F:
         sig = inspect.signature(factory)

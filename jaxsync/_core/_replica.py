@@ -70,7 +70,7 @@ def replica_mean(tree: PyTree, *, axis_name: AxisName, comm: Comm = AUTO) -> PyT
       axis_name: the mesh axis name, or tuple of names, of the replicas inside
         this process (bound by ``shard_map``, ``pmap`` or ``vmap``); ``None``
         when each process has a single device and no mapped axis.
-      comm: the inter-process stage, as for :func:`jaxsync.hierarchical_mean`
+      comm: the inter-process stage, as for :func:`jaxsync.mean`
         (``"auto"``: ``MPI.COMM_WORLD`` when launched by MPI with several
         processes, else ``None``).
 

@@ -264,13 +264,13 @@ def sync_gradients(
     Args:
       tree: the gradients: a pytree of arrays (:class:`jaxsync.RowSparse` leaves
         too).
-      axis_name: as for :func:`jaxsync.hierarchical_mean`.
+      axis_name: as for :func:`jaxsync.mean`.
       strategy: ``"naive"``, ``"flat"``, ``"hierarchical"``,
         ``"two_dimensional"``, ``"single_node"`` (one process: ``comm`` must be
         ``None`` or ``"auto"``), or ``"auto"``: chosen from the cost model when
         the step is traced (see :func:`jaxsync.auto_mean`).
-      comm: as for :func:`jaxsync.hierarchical_mean`.
-      options, **overrides: as for :func:`jaxsync.hierarchical_mean`; the options
+      comm: as for :func:`jaxsync.mean`.
+      options, **overrides: as for :func:`jaxsync.mean`; the options
         of a transform's state (``overlap``, ``double_buffering``, ``host_tier``,
         ``weights``, ``early_termination``) are the factories' only.
       profile: ``strategy="auto"`` only: as for :func:`jaxsync.auto_mean`.

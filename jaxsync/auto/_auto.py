@@ -125,7 +125,7 @@ def make_auto_config(
 ):
     """A SyncConfig with ``strategy="auto"`` and an :class:`AutoSpec`.
 
-    Every other option is validated as for ``hierarchical_mean``. For an MPI
+    Every other option is validated as for :func:`jaxsync.mean`. For an MPI
     communicator the profile of rank 0 is broadcast and the number of hosts found
     now (collective: this runs when the factory is called, on every process).
     """
@@ -308,14 +308,14 @@ def auto_mean(
     ``describe()`` says what was allowed and what was picked.
 
     Args:
-      axis_name: as for :func:`jaxsync.hierarchical_mean`.
-      comm: as for :func:`jaxsync.hierarchical_mean`.
+      axis_name: as for :func:`jaxsync.mean`.
+      comm: as for :func:`jaxsync.mean`.
       profile: a profile written by ``python -m jaxsync tune --out FILE`` (a
         path), its JSON as a dict, or ``None``: ``$JAXSYNC_PROFILE``, else
         ``~/.cache/jaxsync/profile.json`` (where ``tune`` writes by default),
         else the built-in default parameters (see docs/choosing.md), with a
         ``UserWarning`` once per process (on rank 0 with MPI) naming the fix.
-      options, **overrides: as for :func:`jaxsync.hierarchical_mean` (the
+      options, **overrides: as for :func:`jaxsync.mean` (the
         options this one takes: ``help()``); ``bucket_bytes`` and
         ``pack_threshold`` are chosen where ``"auto"`` (the default).
       allow_lossy: ``False`` (default: lossless only), ``True`` (bfloat16 on

@@ -128,7 +128,7 @@ def powersgd_mean(
         ``vmap``); ``None`` when each process has a single device and no
         mapped axis (plain ``jit``: only ``comm`` averages), as for
         ``hierarchical_mean``.
-      comm: the inter-process stage, as for ``hierarchical_mean``.
+      comm: the inter-process stage, as for :func:`jaxsync.mean`.
       rank: the rank ``r`` of the approximation (>= 1).
       start_step: updates before compression starts (exact averages until then).
       min_compression_rate: compress a leaf only when it saves at least this
@@ -148,7 +148,7 @@ def powersgd_mean(
         ``Q`` every step, from ``seed`` and the step count).
       seed: the seed of the initial (and, without warm start, every) ``Q``;
         the same on every replica.
-      options, **overrides: as for :func:`jaxsync.hierarchical_mean` (this one
+      options, **overrides: as for :func:`jaxsync.mean` (this one
         takes ``staging``, ``timeout``, ``on_timeout`` and ``weights``).
 
     Returns:

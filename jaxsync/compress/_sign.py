@@ -129,11 +129,11 @@ def sign_mean(
         ``vmap``); ``None`` when each process has a single device and no
         mapped axis (plain ``jit``: only ``comm`` averages), as for
         ``hierarchical_mean``.
-      comm: the inter-process stage, as for ``hierarchical_mean``.
+      comm: the inter-process stage, as for :func:`jaxsync.mean`.
       error_feedback: keep the compression error and add it to the next
         gradient (``False``: plain scaled sign; the residual stays zero).
       min_size: compress floating leaves of at least this many values (>= 1).
-      options, **overrides: as for :func:`jaxsync.hierarchical_mean` (this one
+      options, **overrides: as for :func:`jaxsync.mean` (this one
         takes ``staging``, ``timeout``, ``on_timeout`` and ``weights``).
 
     Returns:

@@ -95,7 +95,7 @@ def islands(islands: Any = "host", *, axis_name: Any = None, comm: Any = "auto")
         that indexes the islands (e.g. a ``("island", "replica")`` mesh under
         ``shard_map``: several islands in one process).
       axis_name: the replicas' mesh axis name(s) inside one island and process
-        (as for :func:`jaxsync.hierarchical_mean`); ``None``: one device.
+        (as for :func:`jaxsync.mean`); ``None``: one device.
       comm: every process of the job (``"auto"``: ``MPI.COMM_WORLD`` under MPI
         with several processes, else ``None``). With mesh islands, the
         processes an island spans.

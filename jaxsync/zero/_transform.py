@@ -70,9 +70,9 @@ def sharded(
       axis_name: the local mesh axis (or axes) of the step, as for
         :func:`jaxsync.hierarchical_mean`; None under plain ``jit`` with one
         device per process.
-      comm: as for :func:`jaxsync.hierarchical_mean` (an mpi4py communicator,
+      comm: as for :func:`jaxsync.mean` (an mpi4py communicator,
         ``"auto"``, a :class:`jaxsync.AxisComm`, or None: one process).
-      options, **overrides: as for :func:`jaxsync.hierarchical_mean`: ``sharded``
+      options, **overrides: as for :func:`jaxsync.mean`: ``sharded``
         takes ``reduce``, ``comm_dtype``, ``predivide``, ``check_finite``,
         ``staging``, ``timeout``, ``on_timeout``, ``weights`` and
         ``early_termination``. Here ``comm_dtype`` is the dtype the gradients'
