@@ -123,11 +123,8 @@ def powersgd_mean(
     most of a tree's floating-point bytes would travel uncompressed.
 
     Args:
-      axis_name: the mesh axis name, or tuple of names, of the replicas inside
-        this process, bound where ``update`` runs (``shard_map``, ``pmap`` or
-        ``vmap``); ``None`` when each process has a single device and no
-        mapped axis (plain ``jit``: only ``comm`` averages), as for
-        ``hierarchical_mean``.
+      axis_name: as for :func:`jaxsync.mean`; ``update`` runs where it is bound
+        (with ``None``, anywhere: under plain ``jit`` only ``comm`` averages).
       comm: the inter-process stage, as for :func:`jaxsync.mean`.
       rank: the rank ``r`` of the approximation (>= 1).
       start_step: updates before compression starts (exact averages until then).
@@ -153,9 +150,7 @@ def powersgd_mean(
 
     Returns:
       a :class:`PowerSGDTransformation` (an ``optax.GradientTransformation``
-      with ``describe(params)``); with a named ``axis_name`` its ``update``
-      runs where that axis is bound, with ``axis_name=None`` anywhere (e.g.
-      under plain ``jax.jit``).
+      with ``describe(params)``).
 
     Raises:
       TypeError, ValueError: a static argument is of the wrong type or out of

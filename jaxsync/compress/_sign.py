@@ -124,11 +124,8 @@ def sign_mean(
     :func:`jaxsync.state_specs`.
 
     Args:
-      axis_name: the mesh axis name, or tuple of names, of the replicas inside
-        this process, bound where ``update`` runs (``shard_map``, ``pmap`` or
-        ``vmap``); ``None`` when each process has a single device and no
-        mapped axis (plain ``jit``: only ``comm`` averages), as for
-        ``hierarchical_mean``.
+      axis_name: as for :func:`jaxsync.mean`; ``update`` runs where it is bound
+        (with ``None``, anywhere: under plain ``jit`` only ``comm`` averages).
       comm: the inter-process stage, as for :func:`jaxsync.mean`.
       error_feedback: keep the compression error and add it to the next
         gradient (``False``: plain scaled sign; the residual stays zero).
@@ -137,15 +134,12 @@ def sign_mean(
         takes ``staging``, ``timeout``, ``on_timeout`` and ``weights``).
 
     Returns:
-      an ``optax.GradientTransformation``; with a named ``axis_name`` its
-      ``update`` runs where that axis is bound, with ``axis_name=None``
-      anywhere (e.g. under plain ``jax.jit``).
+      an ``optax.GradientTransformation``.
 
     Raises:
-      TypeError, ValueError: a static argument is of the wrong type or out of
-        range (when the factory is called); a state made for another tree, or
-        made (or passed) outside ``shard_map``'s per-device specs (when
-        ``update`` is traced).
+      TypeError, ValueError: as :func:`jaxsync.powersgd_mean` raises them (a bad
+        static argument when the factory is called; a state for another tree, or
+        outside ``shard_map``'s per-device specs, when ``update`` is traced).
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxsync
