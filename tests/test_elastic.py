@@ -249,6 +249,13 @@ with open(os.path.join(here, "launches.jsonl"), "a") as f:
     f.write(json.dumps({"args": args[: args.index("python")],
                         "np": os.environ["JAXSYNC_ELASTIC_NP"]}) + "\n")
 fails = int(open(os.path.join(here, "fails")).read())
+how = open(os.path.join(here, "how")).read() if os.path.exists(os.path.join(here, "how")) else ""
+if fails > 0 and how == "node":  # node n2 lost, as Slurm 22.05 reports it (salloc --no-kill)
+    open(os.path.join(here, "fails"), "w").write(str(fails - 1))
+    print("srun: error: Node failure on n2")
+    print("srun: error: n1: tasks 0-1: Killed")  # srun's teardown of the step, not lost
+    print("srun: Force Terminated StepId=13077824.1")
+    sys.exit(137)
 if fails > 0:  # the last task lost, the others torn down by srun, as srun reports it
     open(os.path.join(here, "fails"), "w").write(str(fails - 1))
     print(f"srun: error: n2: task {n - 1}: Killed")
@@ -281,6 +288,35 @@ def test_srun_launches_job_steps_on_the_allocation_and_a_killed_task_costs_its_s
     assert "capacity from the Slurm allocation: n1:2,n2:1" in err, err
     assert "run 0 failed with exit status 137 after" in err and "rank 2 on n2" in err, err
     assert "rank 0" not in err and "rank 1 " not in err, err  # "Terminated" is not lost
+
+
+def test_a_node_lost_under_srun_costs_all_its_slots_and_none_of_the_others(
+    tmp_path, capsys, monkeypatch
+):
+    """srun's "Node failure on n2" (a node gone: its slurmd, stepd and tasks) then kills
+    the tasks on n1 ("Killed"); the node is lost, n1's tasks are not. Before, each
+    "Killed" task cost a slot of n1 and the node that failed kept its own: the restart
+    went to the dead node."""
+    (tmp_path / "srun.py").write_text(FAKE_SRUN)
+    (tmp_path / "fails").write_text("1")
+    (tmp_path / "how").write_text("node")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x2)")
+    rc = _main(["--min-np", "1", "--max-np", "4"], f"{sys.executable} {tmp_path / 'srun.py'}")
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    got = [(x["args"], x["np"]) for x in _launches(tmp_path)]
+    assert got == [
+        (
+            ["-n", "4", "--kill-on-bad-exit=1", "--nodelist=n1,n1,n2,n2"]
+            + ["--distribution=arbitrary", "--mpi=pmi2"],
+            "4",
+        ),
+        (["-n", "2", "--kill-on-bad-exit=1", "--mpi=pmi2"], "2"),
+    ], err
+    assert "run 0 failed with exit status 137" in err, err
+    assert "node n2 lost (node failure): every process on it" in err, err
+    assert "run 1 on 2 process(es) (n1:2)" in err, err
 
 
 def test_slurm_allocation_errors_name_the_variable():

@@ -1,7 +1,8 @@
 """The cluster's supervisor: runs as PID 1 of the namespaces that ``_run`` creates.
 
 ``python -m jaxsync.cluster._inside DIR`` (``DIR/spec.json`` and ``DIR/command.json``
-written by ``_run``), inside ``unshare --user --map-root-user --net --mount --pid``:
+written by ``_run``), inside ``unshare --user --map-root-user --net --mount --pid`` (without
+``--user --map-root-user`` where ``user_namespace=False``: a real root, for Slurm's daemons):
 
 1. a tmpfs on ``/run/netns`` (this mount namespace's own, so ``ip netns`` names
    are invisible outside and vanish with it);

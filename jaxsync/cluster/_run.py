@@ -31,6 +31,16 @@ from ._spec import LinkDown, Spec
 UNSHARE = ["--user", "--map-root-user", "--net", "--mount", "--pid", "--fork"]
 
 
+def unshare_flags(user_namespace: bool = True) -> list[str]:
+    """``unshare``'s namespaces: a user namespace (root inside, nobody outside) unless
+    ``user_namespace=False`` (the caller is root: daemons that call ``setgroups``,
+    such as ``slurmctld``, need a real root)."""
+    return UNSHARE if user_namespace else [f for f in UNSHARE if f not in _USER]
+
+
+_USER = ("--user", "--map-root-user")
+
+
 class ClusterUnavailable(RuntimeError):
     """This machine cannot run the emulated cluster; the message says what is missing."""
 
@@ -71,8 +81,14 @@ def find_mpirun() -> str:
 
 
 @functools.cache
-def _probe() -> str | None:
+def _probe(user_namespace: bool = True) -> str | None:
     """Why the cluster cannot run here, or None. Cached: it runs a few commands."""
+    if not user_namespace and os.geteuid() != 0:
+        return (
+            "user_namespace=False (--no-user-namespace) needs root: without a user "
+            f"namespace the namespaces are made as this user (uid {os.geteuid()}). Fix: run "
+            "as root, or leave the user namespace on (the default)."
+        )
     if platform.system() != "Linux":
         return (
             f"the emulated cluster needs Linux network namespaces; this is "
@@ -100,7 +116,10 @@ def _probe() -> str | None:
         "tc qdisc add dev jx0 root tbf rate 1gbit burst 131072 latency 100ms"
     )
     r = subprocess.run(
-        ["unshare", *UNSHARE, "sh", "-c", script], capture_output=True, text=True, timeout=30
+        ["unshare", *unshare_flags(user_namespace), "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     if r.returncode != 0:
         why = r.stderr.strip().splitlines()[-1:] or ["no message"]
@@ -118,7 +137,7 @@ def _probe() -> str | None:
     return None
 
 
-def check() -> None:
+def check(user_namespace: bool = True) -> None:
     """Raise :class:`ClusterUnavailable` if this machine cannot run the cluster.
 
     It needs Linux, ``unshare`` and ``setpriv`` (util-linux), ``ip`` and ``tc`` (iproute2), user
@@ -132,7 +151,7 @@ def check() -> None:
       >>> import jaxsync.cluster
       >>> jaxsync.cluster.check()  # nothing to say on this machine
     """
-    why = _probe()
+    why = _probe(bool(user_namespace))
     if why is not None:
         raise ClusterUnavailable(f"jaxsync cluster: {why}")
 
@@ -151,6 +170,7 @@ def run(
     env: Mapping[str, str] | None = None,
     echo: Callable[[str], object] | None = None,
     launch: bool = True,
+    user_namespace: bool = True,
 ) -> ClusterResult:
     """Run ``command`` on an emulated cluster of ``hosts`` hosts on one Linux machine.
 
@@ -191,6 +211,12 @@ def run(
         whole output is also in the result.
       launch: run ``command`` under ``mpirun`` across the hosts (one copy per
         rank); ``False``: once, outside the hosts, with the launcher above.
+      user_namespace: make the namespaces inside a user namespace of their own
+        (root inside it, nobody outside; the default, no root needed).
+        ``False`` (root only): without one, for programs that need a real root
+        inside, e.g. Slurm's daemons (``slurmctld`` calls ``setgroups``, which a
+        user namespace refuses); the namespaces are still this run's own, and
+        removed with it.
 
     Returns:
       A :class:`ClusterResult`.
@@ -222,7 +248,7 @@ def run(
         slow=tuple(sorted((slow or {}).items())),
         faults=tuple(link_down),
     )
-    check()
+    check(user_namespace)
     with tempfile.TemporaryDirectory(prefix="jaxsync-cluster-") as work:
         wd = Path(work)
         os.chmod(wd, 0o755)
@@ -235,10 +261,11 @@ def run(
             launch=bool(launch),
         )
         (wd / "command.json").write_text(json.dumps(job))
-        return _supervise(wd, timeout, dict(os.environ if env is None else env), echo)
+        env = dict(os.environ if env is None else env)
+        return _supervise(wd, timeout, env, echo, unshare_flags(user_namespace))
 
 
-def _supervise(wd: Path, timeout: float, env: dict, echo) -> ClusterResult:
+def _supervise(wd: Path, timeout: float, env: dict, echo, unshare: list[str]) -> ClusterResult:
     env.setdefault("PYTHONUNBUFFERED", "1")
     # The supervisor imports this very jaxsync; the ranks' environment is untouched.
     root = str(Path(__file__).resolve().parents[2])
@@ -249,7 +276,7 @@ def _supervise(wd: Path, timeout: float, env: dict, echo) -> ClusterResult:
     # setpriv: SIGKILL when this process (the thread that starts it) dies, however
     # it dies; unshare's --kill-child then takes PID 1 and the namespaces along.
     # (Not preexec_fn: that forks, and JAX warns that fork deadlocks its threads.)
-    cmd = ["setpriv", "--pdeathsig", "KILL", "unshare", *UNSHARE, "--mount-proc", "--kill-child"]
+    cmd = ["setpriv", "--pdeathsig", "KILL", "unshare", *unshare, "--mount-proc", "--kill-child"]
     cmd += [sys.executable, "-c", boot, str(wd)]
     t0 = time.monotonic()
     proc = subprocess.Popen(

@@ -103,6 +103,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "(e.g. python -m jaxsync elastic)",
     )
     p.add_argument(
+        "--no-user-namespace",
+        dest="user_namespace",
+        action="store_false",
+        help="root only: make the namespaces without a user namespace of their own, for "
+        "programs that need a real root inside (e.g. Slurm's daemons: slurmctld calls "
+        "setgroups, which a user namespace refuses)",
+    )
+    p.add_argument(
         "--timeout",
         type=float,
         default=3600.0,
@@ -139,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             timeout=args.timeout,
             echo=lambda line: print(line, flush=True),
             launch=args.launch,
+            user_namespace=args.user_namespace,
         )
     except (ClusterUnavailable, ValueError) as e:
         print(e, file=sys.stderr)

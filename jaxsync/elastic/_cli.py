@@ -180,7 +180,12 @@ def _lost_slots(
             continue
     hosts, seen = [], []
     names = {h for h, _ in placed}
+    gone = sv.lost_nodes(output)
     for rank, pid, node in sv.lost_processes(output):
+        if node in gone and node in names:  # a node lost whole: all its slots
+            hosts += [node] * sum(s for h, s in placed if h == node)
+            seen.append(f"node {node} lost (node failure): every process on it")
+            continue
         rank = pids.get(pid, rank)
         host = sv.host_of_rank(placed, rank) if rank is not None else None
         if host is None:
@@ -251,7 +256,8 @@ def run(args: argparse.Namespace, cmd: list[str]) -> int:
                 i = next((i for i, (h, s) in enumerate(static) if h == host and s > 0), None)
                 if i is not None:
                     static[i] = (host, static[i][1] - 1)
-            static = [(h, s) for h, s in static if s > 0]
+            gone = sv.lost_nodes(output)  # a node lost whole takes all its slots along
+            static = [(h, s) for h, s in static if s > 0 and h not in gone]
         restart += 1
 
 

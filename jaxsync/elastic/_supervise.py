@@ -238,6 +238,22 @@ _OMPI = re.compile(  # Open MPI wraps the line at any space
 # OOM killer, a kill -9, a node going away). "Terminated" is srun's own teardown of the
 # other tasks (--kill-on-bad-exit), and an exit code is the script's own failure.
 _SRUN = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): Killed")
+# srun, a node lost (its slurmd gone: powered off, cut off, crashed): "srun: error: Node
+# failure on NODE" once Slurm declares it down (SlurmdTimeout); srun then kills the tasks
+# on the other nodes ("NODE2: task 0: Killed"), which are not lost. The job survives it
+# only when allocated with --no-kill (salloc/sbatch -k).
+_NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")
+
+
+def lost_nodes(output: str) -> list[str]:
+    """The nodes the launcher reports lost whole (srun's "Node failure on NODE").
+
+    Example:
+      >>> from jaxsync.elastic._supervise import lost_nodes
+      >>> lost_nodes("srun: error: Node failure on host1\\nsrun: error: host0: task 0: Killed")
+      ['host1']
+    """
+    return list(dict.fromkeys(m.group(1) for m in _NODE_FAILURE.finditer(output)))
 
 
 def _task_ids(text: str) -> list[int]:
@@ -251,7 +267,9 @@ def _task_ids(text: str) -> list[int]:
 def lost_processes(output: str) -> list[tuple[int | None, int, str]]:
     """``(rank or None, pid, node)`` of each process the launcher reports as lost.
 
-    ``pid`` is -1 where the launcher names none (srun names the task, its rank).
+    ``pid`` is -1 where the launcher names none (srun names the task, its rank). A
+    node lost whole (:func:`lost_nodes`) is one entry ``(None, -1, node)``; the tasks
+    srun kills on the other nodes after it are not lost.
 
     Example:
       >>> from jaxsync.elastic._supervise import lost_processes
@@ -263,14 +281,20 @@ def lost_processes(output: str) -> list[tuple[int | None, int, str]]:
       >>> lost_processes("srun: error: node3: tasks 1-2,5: Killed\\n"
       ...                "srun: error: node3: task 0: Terminated")
       [(1, -1, 'node3'), (2, -1, 'node3'), (5, -1, 'node3')]
+      >>> lost_processes("srun: error: Node failure on host1\\n"
+      ...                "srun: error: host0: task 0: Killed")
+      [(None, -1, 'host1')]
     """
     found: list[tuple[int | None, int, str]] = []
     for m in _HYDRA.finditer(output):
         found.append((int(m.group(1)) if m.group(1) else None, int(m.group(2)), m.group(3)))
     for m in _OMPI.finditer(output):
         found.append((int(m.group(1)), int(m.group(2)), m.group(3)))
+    nodes = lost_nodes(output)
+    found += [(None, -1, node) for node in nodes]
     for m in _SRUN.finditer(output):
-        found += [(task, -1, m.group(1)) for task in _task_ids(m.group(2))]
+        if not nodes or m.group(1) in nodes:  # after a node failure: srun's own kills
+            found += [(task, -1, m.group(1)) for task in _task_ids(m.group(2))]
     return found
 
 

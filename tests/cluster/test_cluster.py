@@ -75,6 +75,40 @@ def test_arguments_are_checked_before_anything_is_built():
         jc.run(["true"], hosts=2, link_down=[jc.LinkDown(host=2, after="step-3")])
 
 
+def test_without_a_user_namespace_is_refused_to_a_non_root_user(monkeypatch):
+    import jaxsync.cluster as jc
+    from jaxsync.cluster import _run
+
+    monkeypatch.setattr(_run.os, "geteuid", lambda: 1000)
+    _run._probe.cache_clear()
+    try:
+        with pytest.raises(
+            jc.ClusterUnavailable,
+            match=r"user_namespace=False.*needs root.*"
+            r"uid 1000\)\. Fix: run as root, or leave the user namespace on",
+        ):
+            jc.run(["true"], user_namespace=False)
+    finally:
+        _run._probe.cache_clear()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="user_namespace=False needs root")
+def test_without_a_user_namespace_the_hosts_run_as_the_real_root(cluster):
+    """``user_namespace=False``: the same hosts, but the ranks' root is the machine's
+    (the identity uid map) instead of a user namespace's, and nothing is left."""
+    code = "import socket; print(socket.gethostname(), open('/proc/self/uid_map').read().split())"
+    before = namespaces()
+    for userns, mapped in (
+        (True, f"['0', '{os.getuid()}', '1']"),
+        (False, "['0', '0', '4294967295']"),
+    ):
+        r = cluster.run([PY, "-c", code], hosts=2, timeout=60, user_namespace=userns)
+        assert r.returncode == 0, r.output
+        lines = sorted(line.split("] ", 1)[1] for line in r.output.splitlines() if "] host" in line)
+        assert lines == [f"host0 {mapped}", f"host1 {mapped}"], r.output
+    assert namespaces() == before
+
+
 def test_a_link_down_is_checked_when_it_is_made():
     from jaxsync.cluster import LinkDown
 
