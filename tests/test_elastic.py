@@ -250,6 +250,12 @@ with open(os.path.join(here, "launches.jsonl"), "a") as f:
                         "np": os.environ["JAXSYNC_ELASTIC_NP"]}) + "\n")
 fails = int(open(os.path.join(here, "fails")).read())
 how = open(os.path.join(here, "how")).read() if os.path.exists(os.path.join(here, "how")) else ""
+if fails > 0 and how == "pmi2":  # MPI failed to start: Slurm 22.05's pmi2, MPICH's UCX
+    open(os.path.join(here, "fails"), "w").write(str(fails - 1))
+    print("slurmstepd-n1: error: mpi/pmi2: value not properly terminated in client request")
+    print("srun: error: n1: task 0: Exited with exit code 15")
+    print("srun: error: n2: task 2: Terminated")
+    sys.exit(143)
 if fails > 0 and how == "node":  # node n2 lost, as Slurm 22.05 reports it (salloc --no-kill)
     open(os.path.join(here, "fails"), "w").write(str(fails - 1))
     print("srun: error: Node failure on n2")
@@ -317,6 +323,22 @@ def test_a_node_lost_under_srun_costs_all_its_slots_and_none_of_the_others(
     assert "run 0 failed with exit status 137" in err, err
     assert "node n2 lost (node failure): every process on it" in err, err
     assert "run 1 on 2 process(es) (n1:2)" in err, err
+
+
+def test_mpi_failing_to_start_under_srun_pmi2_is_named_with_the_fix_and_costs_no_slot(
+    tmp_path, capsys, monkeypatch
+):
+    (tmp_path / "srun.py").write_text(FAKE_SRUN)
+    (tmp_path / "fails").write_text("1")
+    (tmp_path / "how").write_text("pmi2")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2,1")
+    rc = _main(["--min-np", "1", "--max-np", "4"], f"{sys.executable} {tmp_path / 'srun.py'}")
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert [x["np"] for x in _launches(tmp_path)] == ["3", "3"], err
+    assert "srun's pmi2 mangled MPICH's long UCX addresses" in err, err
+    assert "Fix: export MPIR_CVAR_CH4_NETMOD=ofi" in err, err
 
 
 def test_slurm_allocation_errors_name_the_variable():

@@ -245,6 +245,8 @@ def run(args: argparse.Namespace, cmd: list[str]) -> int:
             _say(f"run {restart} finished ({time.monotonic() - t0:.1f} s)")
             return 0
         what = ", ".join(seen) if seen else "no lost process named in the launcher's output"
+        if sv.PMI2_MANGLED in output:
+            _say(sv.PMI2_HINT)
         what = f"ended by the supervisor ({ended[0]})" if ended else what
         took = time.monotonic() - t0
         _say(f"run {restart} failed with exit status {rc} after {took:.1f} s: {what}")

@@ -245,6 +245,17 @@ _SRUN = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): Killed")
 _NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")
 
 
+# srun's pmi2 (Slurm 22.05) with MPICH's UCX netmod, tasks on several nodes: slurmstepd
+# mangles the long addresses MPICH exchanges and MPI_Init fails (or hangs) now and then.
+PMI2_MANGLED = "mpi/pmi2: value not properly terminated in client request"
+PMI2_HINT = (
+    "slurmstepd says 'mpi/pmi2: value not properly terminated': srun's pmi2 mangled "
+    "MPICH's long UCX addresses and MPI failed to start (not a lost process). Fix: "
+    "export MPIR_CVAR_CH4_NETMOD=ofi (and FI_PROVIDER=tcp on Ethernet) before the "
+    "supervisor, or launch with srun --mpi=pmix where Slurm has PMIx"
+)
+
+
 def lost_nodes(output: str) -> list[str]:
     """The nodes the launcher reports lost whole (srun's "Node failure on NODE").
 

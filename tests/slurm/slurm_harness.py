@@ -3,11 +3,12 @@
 :class:`Slurm` writes a munge key and a ``slurm.conf`` (its own ports, state, spool and
 log folders, ``SlurmUser=root``, ``ProctrackType=proctrack/linuxproc`` and
 ``TaskPlugin=task/none`` - no systemd or cgroups needed - ``MpiDefault=pmi2``), starts
-``munged``, ``slurmctld`` and one ``slurmd`` (one node, ``jaxsync0``, on this machine),
-waits (bounded) until ``sinfo`` shows the node idle, and stops every daemon it started
-on :meth:`Slurm.stop`. Its :meth:`Slurm.run` runs a client command (``srun``,
-``salloc``, ``python -m jaxsync elastic --mpirun srun``, ...) with ``SLURM_CONF``
-pointing at this cluster, in its own process group, killed whole past its timeout.
+``munged``, ``slurmctld`` and a ``slurmd`` per node (by default one, ``jaxsync0``, on this
+machine; :class:`Node` for more), waits (bounded) until ``sinfo`` shows the nodes idle,
+and stops every daemon it started on :meth:`Slurm.stop`. Its :meth:`Slurm.run` runs a
+client command (``srun``, ``salloc``, ``python -m jaxsync elastic --mpirun srun``, ...)
+with ``SLURM_CONF`` pointing at this cluster, in its own process group, killed whole past
+its timeout.
 
 Slurm's programs come from ``bash scripts/setup_slurm.sh`` (Debian's slurm-wlm and
 munge). Without them the tests are skipped, naming that script, except in CI
@@ -17,6 +18,7 @@ this process is not root the tests are skipped the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import shutil
@@ -26,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -115,12 +118,38 @@ class Result:
         )
 
 
-class Slurm:
-    """One private Slurm cluster (munged + slurmctld + one slurmd) in ``self.dir``."""
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """One slurmd: its node name, the address slurmctld reaches it at, its hostname
+    (None: this machine's) and ``launch``, which turns the slurmd command into the
+    command that starts it there (e.g. into an emulated host's namespace)."""
 
-    def __init__(self, cpus: int = CPUS) -> None:
+    name: str = NODE
+    addr: str = "127.0.0.1"
+    hostname: str | None = None
+    launch: Callable[[list[str]], list[str]] = list
+
+
+class Slurm:
+    """One private Slurm cluster (munged + slurmctld + a slurmd per node) in ``self.dir``.
+
+    By default one node, ``jaxsync0``, on this machine; ``nodes`` (with ``controller``,
+    the address slurmctld listens on, reachable from every node) makes more, e.g. one
+    per host of ``python -m jaxsync cluster`` (worker_cluster.py).
+    """
+
+    def __init__(
+        self,
+        cpus: int = CPUS,
+        nodes: Sequence[Node] = (Node(),),
+        controller: str = "127.0.0.1",
+        slurmd_timeout: int = 30,
+    ) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="jaxsync-slurm-"))
         self.cpus = cpus
+        self.nodes = tuple(nodes)
+        self.controller = controller
+        self.slurmd_timeout = slurmd_timeout
         self.conf = self.dir / "slurm.conf"
         self.munge_socket = self.dir / "munge" / "munge.socket.2"
         self.procs: list[tuple[str, subprocess.Popen]] = []
@@ -137,12 +166,21 @@ class Slurm:
             (self.dir / d).mkdir(parents=True, exist_ok=True)
         host = socket.gethostname()
         d = self.dir
-        self.logs.update(slurmctld=d / "log" / "slurmctld.log", slurmd=d / "log" / "slurmd.log")
+        self.logs["slurmctld"] = d / "log" / "slurmctld.log"
+        for n in self.nodes:
+            self.logs[f"slurmd {n.name}"] = d / "log" / f"slurmd-{n.name}.log"
+            (d / "spool" / n.name).mkdir(parents=True, exist_ok=True)
+        nodes = "\n".join(
+            f"NodeName={n.name} NodeHostname={n.hostname or host} NodeAddr={n.addr} "
+            f"CPUs={self.cpus} State=UNKNOWN"
+            for n in self.nodes
+        )
+        names = ",".join(n.name for n in self.nodes)
         self.conf.write_text(
             f"""\
 ClusterName=jaxsync
 FirstJobId={random.randint(1_000_000, 60_000_000)}
-SlurmctldHost={host}(127.0.0.1)
+SlurmctldHost={host}({self.controller})
 SlurmctldPort={ctld}
 SlurmdPort={slurmd}
 SlurmUser=root
@@ -155,7 +193,7 @@ SlurmdSpoolDir={d}/spool/%n
 SlurmctldPidFile={d}/run/slurmctld.pid
 SlurmdPidFile={d}/run/slurmd-%n.pid
 SlurmctldLogFile={self.logs["slurmctld"]}
-SlurmdLogFile={self.logs["slurmd"]}
+SlurmdLogFile={d}/log/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
@@ -171,12 +209,12 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 PlugStackConfig={d}/plugstack.conf
 ReturnToService=2
-SlurmdTimeout=30
+SlurmdTimeout={self.slurmd_timeout}
 InactiveLimit=0
 KillWait=5
 MinJobAge=5
-NodeName={NODE} NodeHostname={host} NodeAddr=127.0.0.1 CPUs={self.cpus} State=UNKNOWN
-PartitionName=debug Nodes={NODE} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+{nodes}
+PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
         )
         (d / "plugstack.conf").write_text("")
@@ -246,8 +284,11 @@ PartitionName=debug Nodes={NODE} Default=YES MaxTime=INFINITE State=UP OverSubsc
         self._write_conf()
         self._start("slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(self.conf)])
         self._wait(self._ctld_up, timeout, "slurmctld answering `scontrol ping`")
-        self._start("slurmd", [_which("slurmd"), "-D", "-N", NODE, "-f", str(self.conf)])
-        self._wait(self._node_idle, timeout, f"sinfo showing node {NODE} idle")
+        for n in self.nodes:
+            slurmd = [_which("slurmd"), "-D", "-N", n.name, "-f", str(self.conf)]
+            self._start(f"slurmd-{n.name}", n.launch(slurmd))
+        names = ", ".join(n.name for n in self.nodes)
+        self._wait(self._nodes_idle, timeout, f"sinfo showing node(s) {names} idle")
 
     def _client(self, cmd: list[str], timeout: float = 15.0) -> str:
         try:
@@ -259,8 +300,13 @@ PartitionName=debug Nodes={NODE} Default=YES MaxTime=INFINITE State=UP OverSubsc
     def _ctld_up(self) -> bool:
         return "is UP" in self._client(["scontrol", "ping"])
 
-    def _node_idle(self) -> bool:
-        return self._client(["sinfo", "-h", "-n", NODE, "-o", "%t"]).strip() == "idle"
+    def states(self) -> dict[str, str]:
+        """Each node's state as sinfo says it (``idle``, ``alloc``, ``down*``, ...)."""
+        lines = self._client(["sinfo", "-h", "-N", "-o", "%N %t"]).splitlines()
+        return dict(line.split() for line in lines if len(line.split()) == 2)
+
+    def _nodes_idle(self) -> bool:
+        return self.states() == {n.name: "idle" for n in self.nodes}
 
     def _wait(self, ready, timeout: float, what: str) -> None:
         end = time.monotonic() + timeout

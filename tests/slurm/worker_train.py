@@ -1,6 +1,6 @@
 """A short data-parallel run under srun, exact, with a checkpoint (and a lost rank).
 
-    srun -n 2 --mpi=pmi2 python worker_train.py DIR [--kill-at K]
+    srun -n 2 --mpi=pmi2 python worker_train.py DIR [--kill-at K | --lose-at K]
     python -m jaxsync elastic --mpirun srun ... -- python worker_train.py DIR --kill-at K
 
 ``optax.chain(jaxsync.hierarchical_mean(axis_name=None), optax.sgd(LR))``, jit-compiled,
@@ -10,7 +10,11 @@ small dyadic values, so every sum, mean and update is exact in float32 and the r
 has a closed form. Rank 0 checkpoints after every step (written whole, then renamed)
 and a barrier follows. With ``--kill-at K``, on the supervisor's first run
 (``jaxsync.elastic.world().restart == 0``) the last rank kills itself (SIGKILL) when it
-reaches step K - by the program's progress, not the clock. Rank 0 appends each run's
+reaches step K - by the program's progress, not the clock. With ``--lose-at K`` (on
+the emulated cluster, worker_cluster.py), in the run that starts from scratch (no
+checkpoint yet: a run whose MPI failed to start counts for nothing), the last rank
+instead marks ``lose`` there (``jaxsync.cluster.mark``: the cluster then loses its host
+whole, slurmd and all) and waits to be killed with it. Rank 0 appends each run's
 (restart, np, first step) to DIR/runs.jsonl; every rank writes DIR/final-rank{R}.npy
 (its parameters) at the end.
 """
@@ -19,6 +23,7 @@ import argparse
 import json
 import os
 import signal
+import time
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +43,7 @@ def c(t):
 p = argparse.ArgumentParser()
 p.add_argument("folder")
 p.add_argument("--kill-at", type=int, default=-1)
+p.add_argument("--lose-at", type=int, default=-1)
 ns = p.parse_args()
 me = el.world()
 comm = jaxsync.default_comm()  # None when one process is left
@@ -68,6 +74,11 @@ def step(params, opt_state, x):
 for t in range(start, STEPS):
     if me.restart == 0 and rank == size - 1 and size > 1 and t == ns.kill_at:
         os.kill(os.getpid(), signal.SIGKILL)
+    if start == 0 and rank == size - 1 and size > 1 and t == ns.lose_at:
+        import jaxsync.cluster
+
+        jaxsync.cluster.mark("lose")
+        time.sleep(600)  # killed with its host (the run's time limit is far shorter)
     params, opt_state = step(params, opt_state, jnp.asarray((rank + 1) * c(t)))
     if rank == 0:
         with open(ckpt + ".tmp", "wb") as f:
