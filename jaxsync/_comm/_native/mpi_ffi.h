@@ -90,6 +90,25 @@ using ActiveArg = ffi::BufferR0<ffi::S32>;
 
 namespace jaxsync {
 
+// The binding of a handler that takes (token, comm, active, buffers...) and
+// returns (token, results...) (see the top of this file), before its
+// attributes: comm of type Comm, active of type Active (jaxsync_tier's are
+// int32[2]; in a handler's definition in parentheses, as the macro would split
+// the template's arguments at their comma).
+template <typename Comm, typename Active>
+auto BindCollective() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::Token>()
+      .Arg<Comm>()
+      .template Arg<Active>()
+      .RemainingArgs()
+      .template Ret<ffi::Token>()
+      .RemainingRets();
+}
+
+// The same with comm and active int32 scalars: every such handler but jaxsync_tier.
+inline auto BindCollective() { return BindCollective<CommArg, ActiveArg>(); }
+
 const char* DtypeName(ffi::DataType t);
 // MPI datatype for summing `t`; false if summing it is not supported.
 bool SumType(ffi::DataType t, MPI_Datatype* out);

@@ -334,31 +334,10 @@ ffi::Error ReduceScatterImpl(ffi::Token, CommArg comm, ActiveArg active, ffi::Re
 }  // namespace jaxsync
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_reduce, jaxsync::ReduceImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<CommArg>()
-                                  .Arg<ActiveArg>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Token>()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("group_bytes"));
+                              jaxsync::BindCollective().Attr<int64_t>("group_bytes"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_bcast, jaxsync::BcastImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<CommArg>()
-                                  .Arg<ActiveArg>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Token>()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("group_bytes"));
+                              jaxsync::BindCollective().Attr<int64_t>("group_bytes"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_reduce_scatter, jaxsync::ReduceScatterImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<CommArg>()
-                                  .Arg<ActiveArg>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Token>()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("poll_us"));
+                              jaxsync::BindCollective().Attr<int64_t>("poll_us"));

@@ -396,13 +396,7 @@ ffi::Error TierImpl(ffi::Token, Pair comms, Pair active, ffi::RemainingArgs args
 }  // namespace jaxsync
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_tier, jaxsync::TierImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<jaxsync::Pair>()
-                                  .Arg<jaxsync::Pair>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Token>()
-                                  .RemainingRets()
+                              (jaxsync::BindCollective<jaxsync::Pair, jaxsync::Pair>())
                                   .Attr<int64_t>("chunk_bytes")
                                   .Attr<int64_t>("leader_only")
                                   .Attr<int64_t>("poll_us"));
