@@ -137,6 +137,20 @@ constexpr size_t kArenaBytes = 64 << 20;
 // The most elements one host-tier MPI call moves (MPI's count is an int).
 constexpr size_t kTierChunk = size_t{1} << 28;
 
+// How a buffer is summed on the host tier (jaxsync_reduce, jaxsync_bcast,
+// jaxsync_reduce_scatter and the pipelined jaxsync_tier): its MPI type and
+// element width there (16-bit floats: float32).
+struct TierType {
+  ffi::DataType t;
+  MPI_Datatype mpi;  // as summed on the host
+  size_t width;      // bytes per element as summed on the host
+  size_t item;       // bytes per element of the buffer
+  bool low;
+};
+
+// The TierType of `t`; false if summing it is not supported (tier.cc).
+bool TierTypeOf(ffi::DataType t, TierType* out);
+
 // How a thread waits for its MPI calls: 0 MPI_Waitall, which spins; > 0:
 // MPI_Testall in a loop, yielding the core between tests, for 1 ms (a call that
 // ends within that, as on a fast network, is not held up), then test and sleep
