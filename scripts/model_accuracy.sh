@@ -22,58 +22,35 @@
 # Logs: OUT/log-PxD.txt. A configuration that fails is reported and skipped.
 set -uo pipefail
 out="${1:?usage: scripts/model_accuracy.sh OUT_DIR}"
-mkdir -p "$out"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$root"
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
-py="$(command -v python)"
+# shellcheck source=scripts/_model_accuracy.sh
+source "$root/scripts/_model_accuracy.sh"
 mpirun="${JAXSYNC_MPIRUN:-$(dirname "$py")/mpirun}"
 configs="${CONFIGS:-1x8 2x1 2x2 2x4 3x1 3x2}"
-if [[ "${QUICK:-0}" == 1 ]]; then
-  tune_args=(--quick)
-  bench_args=(--trees small500 --repeats 2 --min-sample-ms 5)
-else
-  tune_args=()
-  bench_args=(--trees resnet18 small500 mixed --repeats 5 --min-sample-ms 10)
-fi
+measure_args --trees resnet18 small500 mixed --repeats 5 --min-sample-ms 10
 if [[ "${ALLOCATOR:-tuned}" == tuned ]]; then
   tune_args+=(--tune-host-allocator)
   bench_args+=(--tune-host-allocator)
 fi
-# jaxsync CFG ARGS...: python -m jaxsync ARGS in configuration CFG (PxD), under
+# launch CFG ARGS...: python -m jaxsync ARGS in configuration CFG (PxD), under
 # mpirun for more than one process, with --devices D
-jaxsync() {
+launch() {
   local p="${1%x*}" d="${1#*x}"
   shift
-  local launch=("$py")
-  [[ "$p" -gt 1 ]] && launch=("$mpirun" -n "$p" "$py")
-  "${launch[@]}" -m jaxsync "$@" --devices "$d"
+  local cmd=("$py")
+  [[ "$p" -gt 1 ]] && cmd=("$mpirun" -n "$p" "$py")
+  "${cmd[@]}" -m jaxsync "$@" --devices "$d"
 }
-# measure CFG DIR: the model suite on OUT/profile-CFG.json, results in DIR
-measure() {
-  jaxsync "$1" bench --suite model "${bench_args[@]}" --profile "$out/profile-$1.json" --out "$2"
-}
-failed=()
-start=$SECONDS
 for cfg in $configs; do
   echo "== $cfg (${cfg%x*} process(es) x ${cfg#*x} device(s)); $((SECONDS - start)) s so far" >&2
-  if jaxsync "$cfg" tune "${tune_args[@]}" --out "$out/profile-$cfg.json" >"$out/log-$cfg.txt" 2>&1 &&
-     measure "$cfg" "$out" >>"$out/log-$cfg.txt" 2>&1; then
-    grep -A12 '^profile (measured' "$out/log-$cfg.txt" | head -12 >&2 || true
-  else
-    echo "   $cfg FAILED (see $out/log-$cfg.txt)" >&2
-    failed+=("$cfg")
-  fi
+  calibrate "$cfg" || continue
+  grep -A12 '^profile (measured' "$out/log-$cfg.txt" | head -12 >&2 || true
 done
 if [[ "${REPEAT:-0}" == 1 ]]; then
   mkdir -p "$out/repeat"
   for cfg in $configs; do
     [[ " ${failed[*]:-} " == *" $cfg "* ]] && continue
-    echo "== repeat $cfg; $((SECONDS - start)) s so far" >&2
-    measure "$cfg" "$out/repeat" >"$out/repeat/log-$cfg.txt" 2>&1 ||
-      { echo "   repeat $cfg FAILED (see $out/repeat/log-$cfg.txt)" >&2; failed+=("repeat-$cfg"); }
+    remeasure "$cfg"
   done
 fi
-"$py" -m jaxsync bench --suite model --collect --out "$out" | tail -n 6
-echo "took $((SECONDS - start)) s; configurations: $configs; failed: ${failed[*]:-none}" >&2
-[[ ${#failed[@]} -eq 0 ]]
+collect 6

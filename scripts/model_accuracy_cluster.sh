@@ -25,27 +25,19 @@
 # cluster's own and go with it).
 set -uo pipefail
 out="${1:?usage: scripts/model_accuracy_cluster.sh OUT_DIR}"
-mkdir -p "$out"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$root"
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+# shellcheck source=scripts/_model_accuracy.sh
+source "$root/scripts/_model_accuracy.sh"
 export JAXSYNC_HOST_TIER="${HOST_TIER:-0}"
-py="$(command -v python)"
 configs="${CONFIGS:-2x1x1@1gbit 2x2x1@1gbit 2x1x1@10gbit 2x2x1@10gbit 2x1x2@1gbit 2x2x2@1gbit 2x1x2@10gbit 2x2x2@10gbit}"
 timeout="${TIMEOUT:-900}"
-if [[ "${QUICK:-0}" == 1 ]]; then
-  tune_args=(--quick)
-  bench_args=(--trees small500 --repeats 2 --min-sample-ms 5)
-else
-  tune_args=()
-  # shellcheck disable=SC2206
-  bench_args=(--trees ${TREES:-resnet18 small500 transformer mixed} --repeats "${ROUNDS:-5}"
-              --min-sample-ms 10)
-fi
+# shellcheck disable=SC2086
+measure_args --trees ${TREES:-resnet18 small500 transformer mixed} --repeats "${ROUNDS:-5}" \
+  --min-sample-ms 10
 tune_args+=(--tune-host-allocator)
 bench_args+=(--tune-host-allocator)
-# incluster CFG ARGS...: python -m jaxsync ARGS inside the emulated cluster of CFG
-incluster() {
+# launch CFG ARGS...: python -m jaxsync ARGS inside the emulated cluster of CFG
+launch() {
   local cfg="$1" hosts rest procs devices link
   shift
   hosts="${cfg%%x*}"; rest="${cfg#*x}"; procs="${rest%%x*}"; rest="${rest#*x}"
@@ -53,28 +45,13 @@ incluster() {
   "$py" -m jaxsync cluster --hosts "$hosts" --procs-per-host "$procs" --link "$link" \
     --devices "$devices" --timeout "$timeout" -- "$py" -m jaxsync "$@" --devices "$devices"
 }
-measure() {  # measure CFG DIR
-  incluster "$1" bench --suite model "${bench_args[@]}" --profile "$out/profile-$1.json" --out "$2"
-}
-failed=()
-start=$SECONDS
 [[ "${REPEAT:-0}" == 1 ]] && mkdir -p "$out/repeat"
 for cfg in $configs; do
   echo "== $cfg; $((SECONDS - start)) s so far (load $(cut -d' ' -f1-3 /proc/loadavg))" >&2
-  if incluster "$cfg" tune "${tune_args[@]}" --out "$out/profile-$cfg.json" >"$out/log-$cfg.txt" 2>&1 &&
-     measure "$cfg" "$out" >>"$out/log-$cfg.txt" 2>&1; then
-    grep -A6 'profile (measured' "$out/log-$cfg.txt" | head -8 >&2 || true
-  else
-    echo "   $cfg FAILED (see $out/log-$cfg.txt)" >&2
-    failed+=("$cfg")
-    continue
-  fi
+  calibrate "$cfg" || continue
+  grep -A6 'profile (measured' "$out/log-$cfg.txt" | head -8 >&2 || true
   if [[ "${REPEAT:-0}" == 1 ]]; then  # right after, on the same profile
-    echo "== repeat $cfg; $((SECONDS - start)) s so far" >&2
-    measure "$cfg" "$out/repeat" >"$out/repeat/log-$cfg.txt" 2>&1 ||
-      { echo "   repeat $cfg FAILED (see $out/repeat/log-$cfg.txt)" >&2; failed+=("repeat-$cfg"); }
+    remeasure "$cfg"
   fi
 done
-"$py" -m jaxsync bench --suite model --collect --out "$out" | tail -n 8
-echo "took $((SECONDS - start)) s; configurations: $configs; failed: ${failed[*]:-none}" >&2
-[[ ${#failed[@]} -eq 0 ]]
+collect 8

@@ -214,16 +214,8 @@ ffi::Error AlltoallImpl(ffi::Token t, CommArg comm, ActiveArg active, ffi::Remai
 
 // The four moves take the same operands: (token, comm, active, buffers...) ->
 // (token, results...), and how their waits poll.
-#define JAXSYNC_MOVE_HANDLER(name, impl)                                \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl,                             \
-                                ffi::Ffi::Bind()                        \
-                                    .Arg<ffi::Token>()                  \
-                                    .Arg<CommArg>()                     \
-                                    .Arg<ActiveArg>()                   \
-                                    .RemainingArgs()                    \
-                                    .Ret<ffi::Token>()                  \
-                                    .RemainingRets()                    \
-                                    .Attr<int64_t>("poll_us"))
+#define JAXSYNC_MOVE_HANDLER(name, impl) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl, jaxsync::BindCollective().Attr<int64_t>("poll_us"))
 
 JAXSYNC_MOVE_HANDLER(jaxsync_allgather, jaxsync::AllgatherImpl);
 JAXSYNC_MOVE_HANDLER(jaxsync_alltoall, jaxsync::AlltoallImpl);

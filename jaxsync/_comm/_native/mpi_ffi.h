@@ -90,6 +90,25 @@ using ActiveArg = ffi::BufferR0<ffi::S32>;
 
 namespace jaxsync {
 
+// The binding of a handler that takes (token, comm, active, buffers...) and
+// returns (token, results...) (see the top of this file), before its
+// attributes: comm of type Comm, active of type Active (jaxsync_tier's are
+// int32[2]; in a handler's definition in parentheses, as the macro would split
+// the template's arguments at their comma).
+template <typename Comm, typename Active>
+auto BindCollective() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::Token>()
+      .Arg<Comm>()
+      .template Arg<Active>()
+      .RemainingArgs()
+      .template Ret<ffi::Token>()
+      .RemainingRets();
+}
+
+// The same with comm and active int32 scalars: every such handler but jaxsync_tier.
+inline auto BindCollective() { return BindCollective<CommArg, ActiveArg>(); }
+
 const char* DtypeName(ffi::DataType t);
 // MPI datatype for summing `t`; false if summing it is not supported.
 bool SumType(ffi::DataType t, MPI_Datatype* out);
@@ -117,6 +136,20 @@ constexpr size_t kArenaBytes = 64 << 20;
 
 // The most elements one host-tier MPI call moves (MPI's count is an int).
 constexpr size_t kTierChunk = size_t{1} << 28;
+
+// How a buffer is summed on the host tier (jaxsync_reduce, jaxsync_bcast,
+// jaxsync_reduce_scatter and the pipelined jaxsync_tier): its MPI type and
+// element width there (16-bit floats: float32).
+struct TierType {
+  ffi::DataType t;
+  MPI_Datatype mpi;  // as summed on the host
+  size_t width;      // bytes per element as summed on the host
+  size_t item;       // bytes per element of the buffer
+  bool low;
+};
+
+// The TierType of `t`; false if summing it is not supported (tier.cc).
+bool TierTypeOf(ffi::DataType t, TierType* out);
 
 // How a thread waits for its MPI calls: 0 MPI_Waitall, which spins; > 0:
 // MPI_Testall in a loop, yielding the core between tests, for 1 ms (a call that

@@ -404,25 +404,13 @@ ffi::Error SumBuffer(MPI_Comm c, ffi::DataType t, void* data, size_t count, int6
 }  // namespace jaxsync
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_allreduce, jaxsync::AllreduceImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<CommArg>()
-                                  .Arg<ActiveArg>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Token>()
-                                  .RemainingRets()
+                              jaxsync::BindCollective()
                                   .Attr<int64_t>("group_bytes")
                                   .Attr<int64_t>("piece_bytes")
                                   .Attr<int64_t>("poll_us"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_allreduce_async, jaxsync::AllreduceAsyncImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<CommArg>()
-                                  .Arg<ActiveArg>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Token>()
-                                  .RemainingRets()
+                              jaxsync::BindCollective()
                                   .Attr<int64_t>("group_bytes")
                                   .Attr<int64_t>("poll_us")
                                   .Attr<int64_t>("piece_bytes"));

@@ -4,6 +4,18 @@
 #include "mpi_ffi.h"
 
 namespace jaxsync {
+
+bool TierTypeOf(ffi::DataType t, TierType* out) {
+  if (IsLow(t)) {
+    *out = {t, MPI_FLOAT, 4, 2, true};
+    return true;
+  }
+  MPI_Datatype d;
+  if (!SumType(t, &d)) return false;
+  *out = {t, d, ffi::ByteWidth(t), ffi::ByteWidth(t), false};
+  return true;
+}
+
 namespace {
 
 // ---- The host tier: the processes of one host (shared memory) ------------
@@ -16,26 +28,6 @@ namespace {
 // Buffers under `group_bytes` of one dtype travel together through a reused
 // scratch arena (one message of at most max(group_bytes, 4 MiB)). Every MPI
 // call here moves at most kTierChunk elements (MPI's count is an int).
-
-// How a buffer is summed on the host tier: its MPI type and element width
-// there (16-bit floats: float32).
-struct TierType {
-  ffi::DataType t;
-  MPI_Datatype mpi;
-  size_t width;  // bytes per element as summed
-  bool low;
-};
-
-bool TierTypeOf(ffi::DataType t, TierType* out) {
-  if (IsLow(t)) {
-    *out = {t, MPI_FLOAT, 4, true};
-    return true;
-  }
-  MPI_Datatype d;
-  if (!SumType(t, &d)) return false;
-  *out = {t, d, ffi::ByteWidth(t), false};
-  return true;
-}
 
 struct TierBuf {
   TierType type;
@@ -64,7 +56,8 @@ ffi::Error TierBufs(ffi::RemainingArgs& args, ffi::RemainingRets& rets, const ch
     auto res = rets.get<ffi::AnyBuffer>(i);
     if (!in.has_value()) return in.error();
     if (!res.has_value()) return res.error();
-    TierType tt{in->element_type(), MPI_BYTE, ffi::ByteWidth(in->element_type()), false};
+    const size_t w = ffi::ByteWidth(in->element_type());
+    TierType tt{in->element_type(), MPI_BYTE, w, w, false};
     if (need_sum && !TierTypeOf(in->element_type(), &tt)) {
       return Unsupported(what, in->element_type());
     }
@@ -281,7 +274,7 @@ ffi::Error ReduceScatterImpl(ffi::Token, CommArg comm, ActiveArg active, ffi::Re
     }
     const size_t n = in->element_count();
     const size_t m = (n + p - 1) / p;
-    const size_t item = ffi::ByteWidth(type.t);
+    const size_t item = type.item;
     const char* src = static_cast<const char*>(in->untyped_data());
     // In place: every chunk below reads its columns of every row before it
     // writes them to the first row's place, so the rows still to read stay.
@@ -334,31 +327,10 @@ ffi::Error ReduceScatterImpl(ffi::Token, CommArg comm, ActiveArg active, ffi::Re
 }  // namespace jaxsync
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_reduce, jaxsync::ReduceImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<CommArg>()
-                                  .Arg<ActiveArg>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Token>()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("group_bytes"));
+                              jaxsync::BindCollective().Attr<int64_t>("group_bytes"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_bcast, jaxsync::BcastImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<CommArg>()
-                                  .Arg<ActiveArg>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Token>()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("group_bytes"));
+                              jaxsync::BindCollective().Attr<int64_t>("group_bytes"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_reduce_scatter, jaxsync::ReduceScatterImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<CommArg>()
-                                  .Arg<ActiveArg>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Token>()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("poll_us"));
+                              jaxsync::BindCollective().Attr<int64_t>("poll_us"));

@@ -38,25 +38,6 @@ namespace {
 
 using Pair = ffi::BufferR1<ffi::S32>;
 
-struct PipeType {
-  ffi::DataType t;
-  MPI_Datatype sum;   // as summed on the host (16-bit floats: float32)
-  size_t width;       // bytes per element as summed on the host
-  size_t item;        // bytes per element of the buffer
-  bool low;
-};
-
-bool PipeTypeOf(ffi::DataType t, PipeType* out) {
-  if (IsLow(t)) {
-    *out = {t, MPI_FLOAT, 4, 2, true};
-    return true;
-  }
-  MPI_Datatype d;
-  if (!SumType(t, &d)) return false;
-  *out = {t, d, ffi::ByteWidth(t), ffi::ByteWidth(t), false};
-  return true;
-}
-
 struct Piece {
   char* at;  // in the result buffer
   size_t n;  // elements
@@ -66,7 +47,7 @@ struct Piece {
 // two_dimensional, columns [a, a + n) of every rank's slice (m elements) of
 // the buffer at pieces[0] (total elements `len`).
 struct Chunk {
-  PipeType type;
+  TierType type;
   std::vector<Piece> pieces;
   size_t n = 0;
   size_t m = 0, a = 0, len = 0;
@@ -149,7 +130,7 @@ class Pipe {
 
   // Stage 1: the host's sum (onto the leader, or scattered).
   ffi::Error StartHost(const Chunk& ch, Slot& s) {
-    const PipeType& ty = ch.type;
+    const TierType& ty = ch.type;
     const bool bf16 = ty.t == ffi::DataType::BF16;
     if (leader_only_) {
       char* at;
@@ -171,7 +152,7 @@ class Pipe {
       }
       s.data = at;
       int rc = MPI_Ireduce(root() ? MPI_IN_PLACE : at, root() ? at : nullptr,
-                           static_cast<int>(ch.n), ty.sum, MPI_SUM, 0, host_, &s.host);
+                           static_cast<int>(ch.n), ty.mpi, MPI_SUM, 0, host_, &s.host);
       return rc == MPI_SUCCESS ? ffi::Error::Success() : MpiError(rc, "MPI_Ireduce");
     }
     // Columns [a, a + n) of every rank's slice, rank after rank (zeros past len).
@@ -191,7 +172,7 @@ class Pipe {
       }
       std::memset(row + (hi - lo) * ty.width, 0, (k - (hi - lo)) * ty.width);
     }
-    int rc = MPI_Ireduce_scatter_block(s.sum.data(), s.mine.data(), static_cast<int>(k), ty.sum,
+    int rc = MPI_Ireduce_scatter_block(s.sum.data(), s.mine.data(), static_cast<int>(k), ty.mpi,
                                        MPI_SUM, host_, &s.host);
     return rc == MPI_SUCCESS ? ffi::Error::Success() : MpiError(rc, "MPI_Ireduce_scatter_block");
   }
@@ -204,7 +185,7 @@ class Pipe {
     }
     const bool mine = leader_only_ ? root() : true;  // this rank holds a summed chunk
     if (!mine) return ffi::Error::Success();
-    const PipeType& ty = ch.type;
+    const TierType& ty = ch.type;
     const size_t k = ch.n;
     char* summed = leader_only_ ? s.data : s.mine.data();
     if (ty.low) {  // rounded once here, as jaxsync_reduce / _reduce_scatter do
@@ -221,7 +202,7 @@ class Pipe {
     if (!lead_ || hosts_ <= 1) return ffi::Error::Success();
     int rc;
     if (!ty.low) {
-      rc = MPI_Iallreduce(MPI_IN_PLACE, s.data, static_cast<int>(k), ty.sum, MPI_SUM, cross_,
+      rc = MPI_Iallreduce(MPI_IN_PLACE, s.data, static_cast<int>(k), ty.mpi, MPI_SUM, cross_,
                           &s.cross);
       return rc == MPI_SUCCESS ? ffi::Error::Success() : MpiError(rc, "MPI_Iallreduce");
     }
@@ -242,7 +223,7 @@ class Pipe {
 
   // Stage 3: the hosts' sum back to every process of the host.
   ffi::Error StartLast(const Chunk& ch, Slot& s) {
-    const PipeType& ty = ch.type;
+    const TierType& ty = ch.type;
     const size_t k = ch.n;
     const bool mine = leader_only_ ? root() : true;
     if (mine && lead_ && hosts_ > 1) {
@@ -277,7 +258,7 @@ class Pipe {
     }
     const size_t p = static_cast<size_t>(size_);
     if (s.gather.size() < p * k * item) s.gather.resize(p * k * item);
-    MPI_Datatype move = ty.low ? MPI_UINT16_T : ty.sum;
+    MPI_Datatype move = ty.low ? MPI_UINT16_T : ty.mpi;
     int rc = MPI_Iallgather(s.data, static_cast<int>(k), move, s.gather.data(),
                             static_cast<int>(k), move, host_, &s.last);
     return rc == MPI_SUCCESS ? ffi::Error::Success() : MpiError(rc, "MPI_Iallgather");
@@ -335,7 +316,7 @@ ffi::Error TierImpl(ffi::Token, Pair comms, Pair active, ffi::RemainingArgs args
     return ffi::Error::InvalidArgument("jaxsync_tier: comms and active hold 2 values each");
   }
   struct Buf {
-    PipeType type;
+    TierType type;
     char* at;
     size_t n;
   };
@@ -346,8 +327,8 @@ ffi::Error TierImpl(ffi::Token, Pair comms, Pair active, ffi::RemainingArgs args
     auto res = rets.get<ffi::AnyBuffer>(i);
     if (!in.has_value()) return in.error();
     if (!res.has_value()) return res.error();
-    PipeType ty;
-    if (!PipeTypeOf(in->element_type(), &ty)) return Unsupported("jaxsync_tier", in->element_type());
+    TierType ty;
+    if (!TierTypeOf(in->element_type(), &ty)) return Unsupported("jaxsync_tier", in->element_type());
     char* src = static_cast<char*>(in->untyped_data());
     char* dst = static_cast<char*>((*res)->untyped_data());
     if (src != dst) std::memcpy(dst, src, in->size_bytes());
@@ -396,13 +377,7 @@ ffi::Error TierImpl(ffi::Token, Pair comms, Pair active, ffi::RemainingArgs args
 }  // namespace jaxsync
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxsync_tier, jaxsync::TierImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Token>()
-                                  .Arg<jaxsync::Pair>()
-                                  .Arg<jaxsync::Pair>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Token>()
-                                  .RemainingRets()
+                              (jaxsync::BindCollective<jaxsync::Pair, jaxsync::Pair>())
                                   .Attr<int64_t>("chunk_bytes")
                                   .Attr<int64_t>("leader_only")
                                   .Attr<int64_t>("poll_us"));
