@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 _HELP = {
@@ -24,6 +25,18 @@ _HELP = {
     "(run alone or under mpirun)",
 }
 
+# the module whose ``main(argv)`` runs each command (relative to this package)
+_MODULES = {
+    "demo": ".bench.demo",
+    "bench": ".bench.cli",
+    "tune": ".auto._tune",
+    "cluster": ".cluster.cli",
+    "selftest": "._cli._selftest",
+    "timeline": "._cli._timeline",
+    "elastic": ".elastic._cli",
+    "info": "._cli._info",
+}
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -39,38 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    if command == "demo":
-        from .bench import demo
-
-        return demo.main(rest)
-    if command == "bench":
-        from .bench import cli
-
-        return cli.main(rest)
-    if command == "tune":
-        from .auto import _tune
-
-        return _tune.main(rest)
-    if command == "cluster":
-        from .cluster import cli as cluster_cli
-
-        return cluster_cli.main(rest)
-    if command == "selftest":
-        from ._cli import _selftest
-
-        return _selftest.main(rest)
-    if command == "timeline":
-        from ._cli import _timeline
-
-        return _timeline.main(rest)
-    if command == "elastic":
-        from .elastic import _cli as elastic_cli
-
-        return elastic_cli.main(rest)
-    if command == "info":
-        from ._cli import _info
-
-        return _info.main(rest)
+    if command in _MODULES:  # imported only when run: each command's start-up stays its own
+        return importlib.import_module(_MODULES[command], __package__).main(rest)
     parser.error(f"unknown command {command!r}; choose from {', '.join(_HELP)}")
     return 2
 

@@ -199,6 +199,17 @@ def native_status() -> dict:
     return out
 
 
+def _check_version(part: str, package: str, version: str, supported, pin: str) -> None:
+    """``package``'s major.minor ``version`` is one ``part`` supports, else
+    MPIUnavailableError naming the versions and the pin to install."""
+    if ".".join(version.split(".")[:2]) not in supported:
+        raise MPIUnavailableError(
+            f"jaxsync's {part} supports {package} {supported}; found {package} "
+            f"{version}. Install a matching version (pip install '{pin}') or use "
+            "comm=None / a mesh axis."
+        )
+
+
 @functools.cache
 def _load():
     """Import mpi4py, check MPI's thread level, return the MPI module."""
@@ -209,13 +220,7 @@ def _load():
             "jaxsync needs mpi4py for inter-process communication (comm=...); "
             "install it with `pip install 'jaxsync[mpi]'`, or pass comm=None."
         ) from e
-    jv = ".".join(jax.__version__.split(".")[:2])
-    if jv not in SUPPORTED_JAX:
-        raise MPIUnavailableError(
-            f"jaxsync's MPI backend supports jax {SUPPORTED_JAX}; found jax "
-            f"{jax.__version__}. Install a matching version (pip install "
-            f"'jax>=0.10,<0.13') or use comm=None / a mesh axis."
-        )
+    _check_version("MPI backend", "jax", jax.__version__, SUPPORTED_JAX, "jax>=0.10,<0.13")
     import atexit
 
     # Registered after mpi4py's MPI_Finalize handler, so it runs before it:
@@ -243,11 +248,7 @@ def _load_mpi4jax():
             "(comm=...); install it with `pip install 'jaxsync[mpi]'`, or pass "
             "comm=None."
         ) from e
-    mv = ".".join(mpi4jax.__version__.split(".")[:2])
-    if mv not in SUPPORTED_MPI4JAX:
-        raise MPIUnavailableError(
-            f"jaxsync's GPU MPI path supports mpi4jax {SUPPORTED_MPI4JAX}; found "
-            f"{mpi4jax.__version__}. Install a matching version (pip install "
-            "'mpi4jax==0.9.*') or use comm=None / a mesh axis."
-        )
+    _check_version(
+        "GPU MPI path", "mpi4jax", mpi4jax.__version__, SUPPORTED_MPI4JAX, "mpi4jax==0.9.*"
+    )
     return MPI, to_mpi_handle, to_dtype_handle

@@ -74,6 +74,24 @@ def _srun_tasks_without_mpi() -> int:
     return tasks
 
 
+def set_cpu_devices(n: int, command: str) -> None:
+    """Ask for ``n`` CPU devices (``--devices`` of ``python -m jaxsync <command>``).
+
+    Must happen before JAX initialises its backends; if it already has, with
+    another count, the command stops (``SystemExit``) saying how to start again.
+    """
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:
+        if jax.local_device_count() != n:
+            raise SystemExit(
+                f"jaxsync {command}: JAX is already initialised with "
+                f"{jax.local_device_count()} device(s), --devices asks for {n}. Start a "
+                f"fresh process, or set XLA_FLAGS=--xla_force_host_platform_device_count={n} "
+                "before JAX starts."
+            ) from None
+
+
 def default_comm() -> Any:
     """``MPI.COMM_WORLD`` when MPI is in use with more than one process, else None.
 

@@ -28,7 +28,7 @@ from jax import lax
 
 from jaxsync._comm import _intra, _invariance
 
-from ._config import ACCUMULATE, AxisName, make_config
+from ._config import ACCUMULATE, AxisName, check_count, check_transformation, make_config
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["tree"], meta_fields=[])
@@ -113,17 +113,20 @@ def accumulate(
       (Array([0., 0., 0., 0.], dtype=float32), Array([-3.5, -3.5, -3.5, -3.5], dtype=float32))
     """
     fn = "accumulate"
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(
-            f"{fn}: every must be an int >= 1 (micro-steps per synchronisation), got "
-            f"{every!r}. Fix: e.g. jaxsync.accumulate(tx, 4, axis_name=...)."
-        )
-    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
-        raise TypeError(
-            f"{fn}: tx must be an optax GradientTransformation, got {type(tx).__name__}. "
-            "Fix: e.g. jaxsync.accumulate(optax.chain(jaxsync.hierarchical_mean(...), "
-            "optax.adam(1e-3)), 4, axis_name=...)."
-        )
+    check_count(
+        fn,
+        "every",
+        every,
+        "micro-steps per synchronisation",
+        "jaxsync.accumulate(tx, 4, axis_name=...)",
+    )
+    check_transformation(
+        fn,
+        "tx",
+        tx,
+        "jaxsync.accumulate(optax.chain(jaxsync.hierarchical_mean(...), optax.adam(1e-3)), "
+        "4, axis_name=...)",
+    )
     axes = make_config(fn, "hierarchical", axis_name, None).axes
     tx = optax.with_extra_args_support(tx)
 

@@ -3,6 +3,8 @@
 ``make_config`` checks every option of ``sync_gradients`` and the factories
 (errors name the argument, what was expected, what was given and the fix) and
 builds the backend; ``SyncConfig`` is the frozen result that ``_sync`` follows.
+``check_count`` and ``check_transformation`` are the argument checks of the
+factories that wrap an optimizer (``accumulate``, ``apply_if_finite``, ``sharded``).
 Imports: ``_plan``, ``_topology``, the backends and ``_plugins`` (``sparse=`` and
 ``strategy="auto"`` are checked by their areas);
 nothing here traces.
@@ -229,6 +231,25 @@ class SyncConfig:
             + ("" if early in ([], ["join"]) else f" early_termination {early[0]}")
             + (f" accumulate {accumulate}" if accumulate > 1 else "")
             + ("" if forced is None else f" {_host_tier.HOST_TIER_ENV}={int(forced)}")
+        )
+
+
+def check_count(fn: str, name: str, value, meaning: str, example: str) -> None:
+    """``value`` (the argument ``name``: ``meaning``) is an int >= 1, else a
+    ValueError that names it and the fix (``example``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{fn}: {name} must be an int >= 1 ({meaning}), got {value!r}. Fix: e.g. {example}."
+        )
+
+
+def check_transformation(fn: str, name: str, tx, example: str) -> None:
+    """``tx`` (the wrapped optimizer, the argument ``name``) has optax's ``init``
+    and ``update``, else a TypeError that names it and the fix (``example``)."""
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise TypeError(
+            f"{fn}: {name} must be an optax GradientTransformation (with init and "
+            f"update), got {type(tx).__name__}. Fix: e.g. {example}."
         )
 
 

@@ -29,7 +29,7 @@ import optax
 
 from jaxsync._comm import _intra
 
-from ._config import AUTO, AxisName, Comm, make_config
+from ._config import AUTO, AxisName, Comm, check_transformation, make_config
 from ._replica import replica_mean
 
 
@@ -137,12 +137,13 @@ def apply_if_finite(
             f"{fn}: max_consecutive_errors must be >= 0, got {max_consecutive_errors}. "
             "Fix: 0 skips nothing twice in a row; e.g. 5."
         )
-    if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
-        raise TypeError(
-            f"{fn}: inner must be an optax GradientTransformation (with init and update), "
-            f"got {type(inner).__name__}. Fix: e.g. jaxsync.apply_if_finite(optax.chain("
-            "jaxsync.hierarchical_mean(...), optax.adam(1e-3)), 5, axis_name=...)."
-        )
+    check_transformation(
+        fn,
+        "inner",
+        inner,
+        "jaxsync.apply_if_finite(optax.chain(jaxsync.hierarchical_mean(...), "
+        "optax.adam(1e-3)), 5, axis_name=...)",
+    )
     cfg = make_config(fn, "hierarchical", axis_name, comm)
     inner = optax.with_extra_args_support(inner)
 

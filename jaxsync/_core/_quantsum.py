@@ -124,6 +124,45 @@ def _unpack_rows(rows, sizes, spec: Quantized) -> list:
     return out
 
 
+def _key(spec: Quantized, step, k: int, rank, stage: int):
+    """Stochastic rounding's key of buffer ``k`` at ``stage`` (0: the rows, 1: the
+    sums requantized, 2: ``sharded``'s scatter) on ``rank`` at ``step``; None
+    when the rounding is nearest."""
+    if spec.rounding != "stochastic":
+        return None
+    key = jax.random.fold_in(jax.random.PRNGKey(_SEED), step)
+    return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, k), rank), stage)
+
+
+def _first_half(spec: Quantized, ops, bufs, count: int, rows_of, key_of):
+    """Both schedules' first half. ``bufs``: ``count`` float32 buffers, then their
+    residuals (``count`` more, or none). Each buffer (its residual added) is cut
+    into one row per peer by ``rows_of(p, size) -> (m, rows)`` and quantized with
+    ``key_of(k)``; one all-to-all carries every buffer's rows. Returns ``(xs,
+    res, None)`` when nothing crosses (one peer, or no buffers), else ``(xs, res,
+    (got, sizes, firsts))``: the ``(size, L)`` rows this peer got (peer ``i``'s
+    rows of its slice), the rows' widths ``m``, and per buffer ``(p, codes,
+    scales)`` (its new residual is their quantization error)."""
+    xs, res = list(bufs[:count]), list(bufs[count:])
+    size = ops.size
+    if size == 1 or not xs:
+        return xs, res, None
+    parts, sizes, firsts = [], [], []
+    for k, x in enumerate(xs):
+        p = x + res[k] if res else x
+        m, rows = rows_of(p, size)
+        codes, scales = encode(rows, spec, key_of(k))
+        sizes.append(m)
+        parts.append((codes, scales))
+        firsts.append((p, codes, scales))
+    return xs, res, (ops.alltoall(_pack_rows(parts)), sizes, firsts)
+
+
+def _finite_or_zero(e):
+    """A new residual with its non-finite values zeroed: never poisoned."""
+    return jnp.where(jnp.isfinite(e), e, jnp.zeros_like(e))
+
+
 def program(spec: Quantized, count: int, step, rank, ks=None):
     """``prog(ops, bufs)``: ``bufs`` = ``count`` float32 buffers, then their
     residuals (``count`` more, or none); returns the sums, then the new residuals.
@@ -132,28 +171,18 @@ def program(spec: Quantized, count: int, step, rank, ks=None):
     fold them in; default ``0 .. count - 1``)."""
 
     def keys(k, stage):
-        if spec.rounding != "stochastic":
-            return None
-        k = ks[k] if ks is not None else k
-        key = jax.random.fold_in(jax.random.PRNGKey(_SEED), step)
-        return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, k), rank), stage)
+        return _key(spec, step, ks[k] if ks is not None else k, rank, stage)
+
+    def rows_of(p, size):  # peer i's slice in row i, padded to m values
+        n = p.shape[0]
+        m = _chunk(n, size, spec)
+        return m, jnp.pad(p, (0, m * size - n)).reshape(size, m)
 
     def prog(ops, bufs):
-        xs, res = list(bufs[:count]), list(bufs[count:])
-        size = ops.size
-        if size == 1 or not xs:  # nothing crosses: the sums are the buffers
+        xs, res, sent = _first_half(spec, ops, bufs, count, rows_of, lambda k: keys(k, 0))
+        if sent is None:  # nothing crosses: the sums are the buffers
             return xs + res
-        sizes, parts, firsts = [], [], []
-        for k, x in enumerate(xs):
-            p = x + res[k] if res else x
-            n = p.shape[0]
-            m = _chunk(n, size, spec)
-            rows = jnp.pad(p, (0, m * size - n)).reshape(size, m)
-            codes, scales = encode(rows, spec, keys(k, 0))
-            sizes.append(m)
-            parts.append((codes, scales))
-            firsts.append((p, rows, codes, scales))
-        got = ops.alltoall(_pack_rows(parts))  # (size, L): peer i's rows of my slice
+        got, sizes, firsts = sent
         mine = [rows_sum_f32(v) for v in _unpack_rows(got, sizes, spec)]
         again = [encode(s[None], spec, keys(k, 1)) for k, s in enumerate(mine)]
         full = ops.allgather(_pack_rows(again).reshape(-1))  # (size, L)
@@ -161,9 +190,9 @@ def program(spec: Quantized, count: int, step, rank, ks=None):
         if not res:
             return outs
         new = []
-        for (p, _, codes, scales), m in zip(firsts, sizes):
+        for (p, codes, scales), m in zip(firsts, sizes):
             e = p - decode(codes, scales, m, spec).reshape(-1)[: p.shape[0]]
-            new.append(jnp.where(jnp.isfinite(e), e, jnp.zeros_like(e)))  # never poisoned
+            new.append(_finite_or_zero(e))
         return outs + new
 
     prog.reduced = count  # type: ignore[attr-defined]  # the host tier sums these only
@@ -181,36 +210,27 @@ def scatter_program(spec: Quantized, count: int, step, rank):
     requantized or gathered. ``step``, ``rank``: traced int32 (the stochastic
     keys: this replica's), or None (nearest)."""
 
+    def rows_of(p, size):  # peer i's slice in row i, 4 bits: padded to even rows
+        width = p.shape[0] // size
+        m = width + (width % 2 if spec.bits == 4 else 0)
+        return m, jnp.pad(p.reshape(size, width), ((0, 0), (0, m - width)))
+
+    def key_of(k):
+        return _key(spec, step, k, rank, 2)
+
     def prog(ops, bufs):
-        xs, res = list(bufs[:count]), list(bufs[count:])
-        size = ops.size
-        if size == 1 or not xs:  # nothing crosses: the buffers are the slices
+        xs, res, sent = _first_half(spec, ops, bufs, count, rows_of, key_of)
+        if sent is None:  # nothing crosses: the buffers are the slices
             return xs + res
-        parts, sizes, firsts = [], [], []
-        for k, x in enumerate(xs):
-            p = x + res[k] if res else x
-            width = p.shape[0] // size
-            m = width + (width % 2 if spec.bits == 4 else 0)  # 4 bits: even rows
-            rows = jnp.pad(p.reshape(size, width), ((0, 0), (0, m - width)))
-            key = None
-            if spec.rounding == "stochastic":
-                key = jax.random.fold_in(jax.random.PRNGKey(_SEED), step)
-                key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, k), rank), 2)
-            codes, scales = encode(rows, spec, key)
-            sizes.append(m)
-            parts.append((codes, scales))
-            firsts.append((p, width, codes, scales))
-        got = ops.alltoall(_pack_rows(parts))  # (size, L): peer i's rows of my slice
-        sums = [
-            rows_sum_f32(v)[:width]
-            for v, (_, width, _, _) in zip(_unpack_rows(got, sizes, spec), firsts)
-        ]
+        got, sizes, firsts = sent
+        widths = [p.shape[0] // ops.size for p, _, _ in firsts]
+        sums = [rows_sum_f32(v)[:width] for v, width in zip(_unpack_rows(got, sizes, spec), widths)]
         if not res:
             return sums
         new = []
-        for (p, width, codes, scales), m in zip(firsts, sizes):
+        for (p, codes, scales), m, width in zip(firsts, sizes, widths):
             e = p - decode(codes, scales, m, spec)[:, :width].reshape(-1)
-            new.append(jnp.where(jnp.isfinite(e), e, jnp.zeros_like(e)))  # never poisoned
+            new.append(_finite_or_zero(e))
         return sums + new
 
     return prog

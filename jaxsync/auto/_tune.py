@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxsync._comm._host import host_allocator_state, tune_host_allocator
-from jaxsync._comm._topology import default_comm
+from jaxsync._comm._topology import default_comm, set_cpu_devices
 
 from . import _cost, _cost_fit, _tune_sync
 from ._cost import Profile
@@ -267,20 +267,6 @@ def print_fit(profile: Profile) -> None:
 # --------------------------------------------------------------------------
 
 
-def _set_devices(n: int) -> None:
-    """Ask for ``n`` CPU devices; must happen before JAX initialises its backends."""
-    import jax
-
-    try:
-        jax.config.update("jax_num_cpu_devices", n)
-    except RuntimeError:
-        if jax.local_device_count() != n:
-            raise SystemExit(
-                f"jaxsync tune: JAX is already initialised with {jax.local_device_count()} "
-                f"device(s), --devices asks for {n}. Start a fresh process."
-            ) from None
-
-
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="python -m jaxsync tune",
@@ -358,7 +344,7 @@ def main(argv: list[str]) -> int:
             "is not glibc. Run without it."
         )
     comm = default_comm()  # what comm='auto' resolves to
-    _set_devices(args.devices or (1 if comm is not None else 8))
+    set_cpu_devices(args.devices or (1 if comm is not None else 8), "tune")
     prof = calibrate(comm, quick=args.quick)
     if comm is not None and comm.Get_rank() != 0:
         return 0

@@ -64,6 +64,28 @@ def _sync_fn(tx):
     return lambda g: tx.update(g, tx.init(g))[0]
 
 
+def _strategy_cases(bench, arg, buf) -> list:
+    """The two bases (the tree, one buffer of its bytes) and a case per method of
+    ``bench.methods``, each marginal to the tree's base."""
+    return [
+        Case("base tree", "base", None, step=bench._step(None), arg=arg),
+        Case("base buffer", "base", None, step=bench._step(None), arg=buf),
+        *(
+            Case(m, "jaxsync", "base tree", step=bench._step(s), arg=arg)
+            for m, s in bench.methods.items()
+        ),
+    ]
+
+
+def _psum_case(bench, kind: str, axis: str, buf):
+    """A bare ``psum`` of the buffer over ``axis``, marginal to the buffer's base."""
+    from jax import lax
+
+    return Case(
+        "psum bare", kind, "base buffer", step=bench._step(lambda b: lax.psum(b, axis)), arg=buf
+    )
+
+
 class ModelIntra(cases.IntraBench):
     """One process: strategies, auto and a bare ``psum``; nothing else."""
 
@@ -74,25 +96,10 @@ class ModelIntra(cases.IntraBench):
     def cases(self, tree, sweep):
         import jax
         import jax.numpy as jnp
-        from jax import lax
 
         arg = self._stacked(tree)
         buf = self._stacked(jax.ShapeDtypeStruct((trees.tree_info(tree)[2] // 4,), jnp.float32))
-        cases = [
-            Case("base tree", "base", None, step=self._step(None), arg=arg),
-            Case("base buffer", "base", None, step=self._step(None), arg=buf),
-            *(
-                Case(m, "jaxsync", "base tree", step=self._step(s), arg=arg)
-                for m, s in self.methods.items()
-            ),
-            Case(
-                "psum bare",
-                "bare",
-                "base buffer",
-                step=self._step(lambda b: lax.psum(b, AXIS)),
-                arg=buf,
-            ),
-        ]
+        cases = [*_strategy_cases(self, arg, buf), _psum_case(self, "bare", AXIS, buf)]
         compile_cases(cases, self.n, 1)
         return cases, {}
 
@@ -107,30 +114,14 @@ class ModelMPI(cases.MPIBench):
     def cases(self, tree, sweep):
         import jax
         import jax.numpy as jnp
-        from jax import lax
         from mpi4py import MPI
 
         arg = self._stacked(tree)
         nbytes = trees.tree_info(tree)[2]
         buf = self._stacked(jax.ShapeDtypeStruct((nbytes // 4,), jnp.float32))
-        cases = [
-            Case("base tree", "base", None, step=self._step(None), arg=arg),
-            Case("base buffer", "base", None, step=self._step(None), arg=buf),
-            *(
-                Case(m, "jaxsync", "base tree", step=self._step(s), arg=arg)
-                for m, s in self.methods.items()
-            ),
-        ]
+        cases = _strategy_cases(self, arg, buf)
         if self.n > 1:
-            cases.append(
-                Case(
-                    "psum bare",
-                    "limit",
-                    "base buffer",
-                    step=self._step(lambda b: lax.psum(b, LOCAL)),
-                    arg=buf,
-                )
-            )
+            cases.append(_psum_case(self, "limit", LOCAL, buf))
         compile_cases(cases, self.n, self.procs)
         send = np.ones(nbytes // 4, np.float32)
         recv = np.ones_like(send)

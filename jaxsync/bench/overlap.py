@@ -55,7 +55,7 @@ from pathlib import Path
 
 from jaxsync import wire_formats
 
-from .report import draw_timeline
+from .report import draw_timeline, save_plot
 from .timing import CpuMeter, ranks_share
 
 # The suite's arguments, its targets and its plot.
@@ -451,11 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {got and got['png']}")
     path.write_text(json.dumps(record, indent=1))
     print(f"wrote {path}")
-    try:
-        plot(med, meta, args.out / f"overlap-{mode}.png")
-        print(f"wrote {args.out / f'overlap-{mode}.png'}")
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    save_plot(lambda png: plot(med, meta, png), args.out / f"overlap-{mode}.png")
     return 0
 
 

@@ -2,8 +2,9 @@
 
 What it is for: turning the ``Row``s of a run into the issues' targets, a rich
 table on the terminal, the JSON and CSV files under ``--out`` (columns: the fields
-of ``timing.Row``; ``docs/bench/*.json`` are such files) and the bar plot; and
-the timeline picture the cluster and overlap suites store (``draw_timeline``).
+of ``timing.Row``; ``docs/bench/*.json`` are such files) and the bar plot (a
+suite's own figure saved by ``save_plot``); and the timeline picture the cluster
+and overlap suites store (``draw_timeline``).
 What it may import: matplotlib, rich, the standard library,
 ``jaxsync.bench.timing`` / ``methods`` / ``trees`` (for ``Row`` and constants)
 and the timeline's merge and draw (``jaxsync._cli._timeline``).
@@ -20,6 +21,7 @@ import csv
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 from .methods import DEFAULT_METHOD, STRATEGY_METHODS
@@ -277,6 +279,16 @@ def write_files(rows: list[Row], targets: list[Target], meta: dict, out: Path) -
             w.writerow(dataclasses.asdict(r))
     plot(rows, meta, paths[2])
     return paths
+
+
+def save_plot(draw: Callable[[Path], None], path: Path) -> None:
+    """``draw(path)`` (a suite's figure) and say where it went; without
+    matplotlib (``draw`` raises ``ImportError``) say that there is no plot."""
+    try:
+        draw(path)
+        print(f"wrote {path}")
+    except ImportError:
+        print("matplotlib not installed: no plot")
 
 
 def plot(rows: list[Row], meta: dict, path: Path) -> None:

@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+from .report import save_plot
 from .timing import CpuMeter, ranks_share, time_calls
 
 AXIS = "data"
@@ -408,11 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     for dest in [stem.with_suffix(".json")] + ([args.json] if args.json else []):
         dest.write_text(json.dumps(record, indent=1))
         print(f"wrote {dest}")
-    try:
-        plot(rows, meta, stem.with_suffix(".png"))
-        print(f"wrote {stem.with_suffix('.png')}")
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    save_plot(lambda png: plot(rows, meta, png), stem.with_suffix(".png"))
     return 0
 
 

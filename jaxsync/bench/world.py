@@ -5,7 +5,8 @@ What it is for: every suite's first two calls. ``mpi_world`` is the communicator
 processes, else ``None``): the bench's mode switch, taken before JAX starts.
 ``set_devices`` asks for the fake CPU devices, which must happen before JAX
 initialises its backends.
-What it may import: jax, the standard library, and ``jaxsync.default_comm``.
+What it may import: jax, the standard library, ``jaxsync.default_comm`` and
+``jaxsync._comm._topology.set_cpu_devices`` (the same ``--devices`` as tune's).
 
 Example:
   >>> from jaxsync.bench import world
@@ -31,14 +32,6 @@ def mpi_world():
 
 def set_devices(n: int) -> None:
     """Ask for ``n`` CPU devices; must happen before JAX initialises its backends."""
-    import jax
+    from jaxsync._comm._topology import set_cpu_devices
 
-    try:
-        jax.config.update("jax_num_cpu_devices", n)
-    except RuntimeError:
-        if jax.local_device_count() != n:
-            raise SystemExit(
-                f"jaxsync bench: JAX is already initialised with {jax.local_device_count()} "
-                f"device(s), --devices asks for {n}. Start a fresh process, or set "
-                f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before JAX starts."
-            ) from None
+    set_cpu_devices(n, "bench")

@@ -106,18 +106,12 @@ class Layout:
         return out
 
     def _to_positions(self, rows):
-        p, d = self.processes, self.devices
-        if p == 1 or d == 1:
-            return rows
-        k = rows.shape[1]
-        return rows.reshape(p, d, k).transpose(1, 0, 2).reshape(p * d, k)
+        """Rows in slice order (``p * D + d``) -> in buffer order (``d * P + p``)."""
+        return _swap_rows(rows, self.processes, self.devices)
 
     def _from_positions(self, rows):
-        p, d = self.processes, self.devices
-        if p == 1 or d == 1:
-            return rows
-        k = rows.shape[1]
-        return rows.reshape(d, p, k).transpose(1, 0, 2).reshape(p * d, k)
+        """Rows in buffer order (``d * P + p``) -> in slice order (``p * D + d``)."""
+        return _swap_rows(rows, self.devices, self.processes)
 
     # -- one replica's slices <-> its (K,) buffers ---------------------------
     def split(self, bufs: list, finish=None) -> list:
@@ -185,6 +179,14 @@ class Layout:
             jax.ShapeDtypeStruct(slice_shape(s.shape, s.k + extra), jnp.dtype(s.dtype))
             for s in self.slots
         ]
+
+
+def _swap_rows(rows, a: int, b: int):
+    """``(a * b, k)`` rows, row ``i * b + j`` moved to row ``j * a + i``."""
+    if a == 1 or b == 1:
+        return rows
+    k = rows.shape[1]
+    return rows.reshape(a, b, k).transpose(1, 0, 2).reshape(a * b, k)
 
 
 def _rows(x, s: Slot, n: int):

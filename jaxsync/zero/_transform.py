@@ -24,6 +24,8 @@ from jaxsync._core._config import (
     AUTO,
     AxisName,
     Comm,
+    check_count,
+    check_transformation,
     make_config,
 )
 from jaxsync._core._options import ShardedKeywords, SyncOptions, merge, takes
@@ -128,17 +130,14 @@ def sharded(
     fn = "sharded"
     kw = merge(fn, options, overrides, takes=sharded.takes)  # type: ignore[attr-defined]
     weights, early_termination = kw.pop("weights"), kw.pop("early_termination")
-    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-        raise ValueError(
-            f"{fn}: accumulate must be an int >= 1 (micro-steps per update), got "
-            f"{accumulate!r}. Fix: e.g. jaxsync.sharded(inner, axis_name=..., accumulate=4)."
-        )
-    if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
-        raise TypeError(
-            f"{fn}: inner must be an optax GradientTransformation (with init and "
-            f"update), got {type(inner).__name__}. Fix: e.g. jaxsync.sharded("
-            "optax.adam(1e-3), axis_name=...)."
-        )
+    check_count(
+        fn,
+        "accumulate",
+        accumulate,
+        "micro-steps per update",
+        "jaxsync.sharded(inner, axis_name=..., accumulate=4)",
+    )
+    check_transformation(fn, "inner", inner, "jaxsync.sharded(optax.adam(1e-3), axis_name=...)")
     cfg = make_config(
         fn,
         "two_dimensional",
