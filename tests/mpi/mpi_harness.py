@@ -122,6 +122,15 @@ def run_command(cmd: list, timeout: float, env: dict | None = None) -> tuple[int
         return proc.returncode, output, True
 
 
+def run_bench(args, timeout: float) -> tuple[int, str, bool]:
+    """``mpirun -n 2 python -m jaxsync bench ARGS`` as :func:`run_command` runs it, with
+    this checkout on the path and no ``XLA_FLAGS`` (the benchmark sets its device count)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(ROOT)
+    cmd = [MPIRUN, "-n", "2", sys.executable, "-m", "jaxsync", "bench", *args]
+    return run_command(cmd, timeout, env)
+
+
 def run_mpi(script, n=2, devices=2, args=(), timeout=120, out=None, env=None) -> MPIRun:
     """Run ``tests/mpi/SCRIPT`` under ``mpirun -n N``; never blocks past ``timeout``.
     ``env``: variables set for the ranks on top of the test's environment."""
