@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _common import MESH1, MESH2, bits
+from _common import MESH1, MESH2, bits, raises_then_clean
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -404,16 +404,11 @@ def test_check_finite_and_reduce_sum_and_comm_dtype():
             raising.update, mesh=MESH1, in_specs=(P("i"), specs_r, P()), out_specs=(P(), specs_r)
         )
     )
-    try:
-        with pytest.raises(
-            (FloatingPointError, jax.errors.JaxRuntimeError), match=r"non-finite .* \['c'\]"
-        ):
-            jax.block_until_ready(f(grads(1, N), st, PARAMS))
-    finally:
-        # The callback's error stays in JAX's effect tokens until the next
-        # effectful computation on those devices: run one so later tests start clean.
-        jax.block_until_ready(f(grads(0, N), st, PARAMS))
-        jax.effects_barrier()
+    raises_then_clean(
+        lambda: f(grads(1, N), st, PARAMS),
+        lambda: f(grads(0, N), st, PARAMS),
+        match=r"non-finite .* \['c'\]",
+    )
     for opts in ({"reduce": "sum"}, {"comm_dtype": jnp.bfloat16}):
         got, _ = _run_shard_map(
             jaxsync.sharded(optax.sgd(0.5), axis_name="i", comm=None, **opts), MESH1, "i", steps=3
