@@ -18,6 +18,7 @@ import numpy as np
 import optax
 import pytest
 from _common import MESH1, MESH2, bits, raises_then_clean
+from _zero_ref import PARAMS, WD_MASK, replica_grads
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -33,25 +34,13 @@ def _standard_promotion():
         yield
 
 
-PARAMS = {
-    "b": jnp.zeros(()),
-    "c": jnp.arange(7.0),
-    "w": jnp.ones((3, 5)),
-    "k": jnp.full((2, 3, 4), 2.0),
-}
-WD_MASK = {"b": False, "c": False, "w": True, "k": True}
 LABELS = {"b": "plain", "c": "plain", "w": "moment", "k": "moment"}
 
 
 def _grads(t, n=N):
-    """Replica r's integer gradients at step t, stacked over the replicas."""
-    out = {}
-    for j, (name, p) in enumerate(sorted(PARAMS.items())):
-        size = int(np.prod(p.shape))
-        r = np.arange(n, dtype=np.float32)[:, None]
-        v = ((r * 3 + np.arange(size) + 5 * t + j) % 11) - 5
-        out[name] = jnp.asarray(v.reshape((n * p.shape[0],) + p.shape[1:]) if p.ndim else v[:, 0])
-    return out
+    """Replica r's integer gradients at step t, the replicas' rows one after another."""
+    g = replica_grads(range(n), t)
+    return {k: jnp.asarray(v.reshape((-1,) + v.shape[2:])) for k, v in g.items()}
 
 
 # Power-of-two factors everywhere (see the module's docstring).
