@@ -37,6 +37,7 @@ row   requirement                                                 tests
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import Mesh
 
 N = 8
@@ -46,10 +47,71 @@ MESH1 = Mesh(np.array(jax.devices()[:N]), ("i",))
 MESH2 = Mesh(np.array(jax.devices()[:N]).reshape(2, 4), ("host", "local"))
 HL = ("host", "local")
 
+# python -m jaxsync selftest's cases beyond one per strategy (test_cli.py, mpi/test_selftest_mpi.py)
+SELFTEST_EXTRA_CASES = (
+    "auto",
+    "hierarchical overlap",
+    "hierarchical double_buffering",
+    "flat overlap double_buffering",
+    "powersgd rank 2",
+    "sign",
+)
+
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def raises_then_clean(
+    bad, good, errors=(FloatingPointError, jax.errors.JaxRuntimeError), match=None
+):
+    """The error that ``bad()`` raises (a host callback's, on several devices), then
+    ``good()`` run and JAX's effects awaited.
+
+    A multi-device callback error stays in JAX's runtime effect tokens until the next
+    effectful computation on those devices: ``good()`` is that computation, so that
+    later tests start clean. Fails the test unless ``bad()`` raises one of ``errors``
+    (matching ``match``).
+    """
+    try:
+        with pytest.raises(errors, match=match) as info:
+            jax.block_until_ready(bad())
+    finally:
+        jax.block_until_ready(good())
+        jax.effects_barrier()
+    return info.value
 
 
 def bits(x) -> np.ndarray:
     """The raw bits of an array, for bitwise comparisons."""
     a = np.asarray(x)
     return a.view(_UINT[a.dtype.itemsize])
+
+
+class FakeComm:
+    """An mpi4py-like communicator of ``size`` processes that all agree.
+
+    This process is rank 0; ``allgather`` returns ``size`` copies of its object (and
+    records it in ``gathered``); ``Bcast`` leaves the buffer as it is.
+    """
+
+    def __init__(self, size=2):
+        self.size = size
+        self.gathered = []
+
+    def Get_size(self):
+        return self.size
+
+    def Get_rank(self):
+        return 0
+
+    def Dup(self):
+        return self
+
+    def Free(self):
+        pass
+
+    def allgather(self, obj):
+        self.gathered.append(obj)
+        return [obj] * self.size
+
+    def Bcast(self, buf, root=0):
+        pass

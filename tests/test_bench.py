@@ -11,28 +11,14 @@ import ast
 import json
 import math
 import os
-import subprocess
-import sys
 import types
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-# Not started by mpirun: a child that inherits these would try to join an MPI job.
-_MPI_ENV = ("PMI_", "PMIX_", "OMPI_", "HYDI_", "HYDRA_", "MPI_LOCAL", "MV2_")
+from _bench import ROOT, run_module
 
 
 def test_quick_bench_writes_json_csv_and_png(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith(_MPI_ENV)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "jaxsync.bench", "--quick", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env=env,
-    )
+    proc = run_module("jaxsync.bench", "--quick", "--out", tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for suffix in ("json", "csv", "png"):
         path = tmp_path / f"intra.{suffix}"
@@ -130,25 +116,10 @@ def test_bench_package_imports_only_public_jaxsync():
 
 
 def test_python_m_jaxsync_bench_help_and_unknown_suite():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith(_MPI_ENV)}
     for cmd in (["jaxsync", "bench"], ["jaxsync.bench"]):
-        proc = subprocess.run(
-            [sys.executable, "-m", *cmd, "--help"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=ROOT,
-            env=env,
-        )
+        proc = run_module(*cmd, "--help", timeout=60)
         assert proc.returncode == 0 and "--tune-host-allocator" in proc.stdout, proc.stderr
-    proc = subprocess.run(
-        [sys.executable, "-m", "jaxsync", "bench", "--suite", "nosuch"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-        env=env,
-    )
+    proc = run_module("jaxsync", "bench", "--suite", "nosuch", timeout=60)
     assert proc.returncode == 1 and "unknown suite 'nosuch'" in proc.stderr, proc.stderr
 
 

@@ -7,15 +7,10 @@ the uncompressed one), and that every figure is finite. Speed is not asserted.
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
+
+from _bench import run_module
 
 from jaxsync.bench import compress as bc
-
-ROOT = Path(__file__).resolve().parents[1]
-_MPI_ENV = ("PMI_", "PMIX_", "OMPI_", "HYDI_", "HYDRA_", "MPI_LOCAL", "MV2_")
 
 
 def test_ring_model_closed_form():
@@ -39,24 +34,8 @@ def test_payloads_of_resnet_like_tree():
 
 
 def test_quick_compress_suite_writes_json(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith(_MPI_ENV)}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jaxsync",
-            "bench",
-            "--suite",
-            "compress",
-            "--quick",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        env=env,
+    proc = run_module(
+        "jaxsync", "bench", "--suite", "compress", "--quick", "--out", tmp_path, timeout=600
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "compress-local.json").read_text())

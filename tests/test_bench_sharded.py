@@ -7,15 +7,10 @@ asserted."""
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
+
+from _bench import run_module
 
 from jaxsync.bench import sharded as bs
-
-ROOT = Path(__file__).resolve().parents[1]
-_MPI_ENV = ("PMI_", "PMIX_", "OMPI_", "HYDI_", "HYDRA_", "MPI_LOCAL", "MV2_")
 
 
 def test_slices_and_hlo_counts():
@@ -33,12 +28,11 @@ def test_slices_and_hlo_counts():
 
 
 def test_quick_sharded_suite_writes_json(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith(_MPI_ENV)}
     extra = tmp_path / "copy.json"
-    cmd = [sys.executable, "-m", "jaxsync", "bench", "--suite", "sharded", "--quick"]
+    cmd = ["jaxsync", "bench", "--suite", "sharded", "--quick"]
     cmd += ["--trees", "tiny", "--devices", "4", "--rounds", "1", "--iters", "1"]
     cmd += ["--out", str(tmp_path), "--json", str(extra)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    proc = run_module(*cmd, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "sharded-intra.json").read_text())
     assert json.loads(extra.read_text()) == result

@@ -6,34 +6,13 @@ to the same dense mean (the ``correct`` column).
 """
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-_MPI_ENV = ("PMI_", "PMIX_", "OMPI_", "HYDI_", "HYDRA_", "MPI_LOCAL", "MV2_")
+from _bench import run_module
 
 
 def test_quick_sparse_suite(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith(_MPI_ENV)}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jaxsync",
-            "bench",
-            "--suite",
-            "sparse",
-            "--quick",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
-        env=env,
+    proc = run_module(
+        "jaxsync", "bench", "--suite", "sparse", "--quick", "--out", tmp_path, timeout=180
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "sparse.json").read_text())

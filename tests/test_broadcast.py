@@ -14,33 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _common import FakeComm
 
 import jaxsync
-
-
-class _FakeComm:
-    """An mpi4py-like communicator of ``size`` processes that all agree."""
-
-    def __init__(self, size=2):
-        self.size = size
-
-    def Get_size(self):
-        return self.size
-
-    def Get_rank(self):
-        return 0
-
-    def Dup(self):
-        return self
-
-    def Free(self):
-        pass
-
-    def allgather(self, obj):
-        return [obj] * self.size
-
-    def Bcast(self, buf, root=0):
-        pass
 
 
 @pytest.fixture(params=["none", "axis", "mpi"])
@@ -50,7 +26,7 @@ def comm(request):
     elif request.param == "axis":
         yield jaxsync.AxisComm("host")
     else:
-        fake = _FakeComm()
+        fake = FakeComm()
         yield fake
         jaxsync.free_communicators(fake)
 
@@ -105,7 +81,7 @@ def test_a_traced_leaf_is_refused_naming_it():
 def test_an_equinox_model():
     eqx = pytest.importorskip("equinox")
     model = eqx.nn.MLP(2, 2, 4, 1, key=jax.random.PRNGKey(0))
-    comm = _FakeComm()
+    comm = FakeComm()
     try:
         out = jaxsync.broadcast_params(model, comm=comm)
     finally:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _common import SELFTEST_EXTRA_CASES, STRATEGIES
 
 from jaxsync._cli._selftest import table_rows as _selftest_rows
 
@@ -153,15 +154,6 @@ def test_bench_help_lists_every_suite():
 # --------------------------------------------------------------------------
 # python -m jaxsync selftest
 
-_NEW_CASES = (
-    "auto",
-    "hierarchical overlap",
-    "hierarchical double_buffering",
-    "flat overlap double_buffering",
-    "powersgd rank 2",
-    "sign",
-)
-
 
 def test_selftest_check_values_are_exact_for_every_replica_count():
     """Issue 32: leaf k of replica r was r + k, and the bfloat16 leaf's mean
@@ -261,7 +253,7 @@ def test_selftest_passes_with_256_replicas():
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
     rows = _selftest_rows(r.stdout)
-    for case in ("naive", "flat", "hierarchical", "two_dimensional", "single_node", *_NEW_CASES):
+    for case in (*STRATEGIES, *SELFTEST_EXTRA_CASES):
         assert rows.get(case, ("missing",))[0] == "PASS", (case, rows)
     assert all(ok == "PASS" for ok, _ in rows.values()), rows
     assert "selftest passed" in r.stdout
@@ -383,7 +375,7 @@ def test_selftest_main_fails_on_one_wrong_case(monkeypatch, capsys):
     rows = _selftest_rows(out)
     assert rc == 1, out
     assert rows.pop("sign")[0] == "FAIL", out
-    for case in ("naive", "flat", "hierarchical", "two_dimensional", "single_node", *_NEW_CASES):
+    for case in (*STRATEGIES, *SELFTEST_EXTRA_CASES):
         if case != "sign":
             assert rows.get(case, ("missing",))[0] == "PASS", (case, out)
     assert "selftest FAILED" in out

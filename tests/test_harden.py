@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _common import MESH1, MESH2
+from _common import MESH1, MESH2, FakeComm
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -244,35 +244,8 @@ def test_rows_sum_f32_graph_is_constant_in_the_row_count():
     assert sizes[1024] == sizes[16] and sizes[1024] < 20, sizes
 
 
-class _FakeComm:
-    """A 1024-process communicator where every process agrees (records traffic)."""
-
-    def __init__(self, size=1024):
-        self.size = size
-        self.gathered = []
-
-    def Get_size(self):
-        return self.size
-
-    def Get_rank(self):
-        return 0
-
-    def Dup(self):
-        return self
-
-    def Free(self):
-        pass
-
-    def allgather(self, obj):
-        self.gathered.append(obj)
-        return [obj] * self.size
-
-    def Bcast(self, buf, root=0):
-        pass
-
-
 def test_broadcast_params_sends_digests_not_texts_at_scale(monkeypatch):
-    comm = _FakeComm()
+    comm = FakeComm(1024)  # every process agrees
     tree = {f"layer{i}": {"w": jnp.ones((3, 4)), "b": jnp.zeros(4)} for i in range(50)}
     try:
         out = jaxsync.broadcast_params(tree, comm=comm)
@@ -390,7 +363,7 @@ def test_mpi_side_effects_are_io_callbacks():
     """Host-staged MPI calls and watchdog hooks are effects JAX keeps, once each."""
     from jaxsync._comm._watchdog import _tie
 
-    ops = _mpi_backend._HostOps(_FakeComm(size=2))
+    ops = _mpi_backend._HostOps(FakeComm(size=2))
     jaxpr = str(jax.make_jaxpr(lambda x: ops.allgather(ops.allreduce([x])[0]))(jnp.ones(3)))
     jaxpr += str(jax.make_jaxpr(lambda x: _tie(lambda h: h, x))(jnp.ones(3)))
     assert "io_callback" in jaxpr and "pure_callback" not in jaxpr, jaxpr

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _common import raises_then_clean
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -698,9 +699,9 @@ def test_islands_whose_anchors_differ_fail_the_first_outer_step(warmup):
     f = jax.jit(jax.shard_map(body, mesh=_mesh(2), in_specs=(P(AX), P()), out_specs=P(AX)))
     c = jnp.asarray(C, jnp.float32)
     jax.block_until_ready(f(c, jnp.zeros(1)))
-    try:
-        with pytest.raises(Exception, match=r"anchors differ at the first outer step \(step "):
-            jax.block_until_ready(f(c, jnp.ones(1)))
-    finally:  # the other devices' errors stay in JAX's effect tokens: clear them
-        jax.block_until_ready(f(c, jnp.zeros(1)))
-        jax.effects_barrier()
+    raises_then_clean(
+        lambda: f(c, jnp.ones(1)),
+        lambda: f(c, jnp.zeros(1)),
+        Exception,
+        match=r"anchors differ at the first outer step \(step ",
+    )

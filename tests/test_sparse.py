@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _common import raises_then_clean
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -445,14 +446,9 @@ def test_check_finite_raise_names_sparse_leaf():
         "e": _sparse.RowSparse.tree_unflatten(V, (idx.at[5, 1].set(V + 3), jnp.ones((R, 3, D)))),
         "w": jnp.ones((R, 2)),
     }
-    try:
-        with pytest.raises((FloatingPointError, jax.errors.JaxRuntimeError)) as info:
-            jax.block_until_ready(f(bad))
-    finally:
-        jax.block_until_ready(f(good))
-        jax.effects_barrier()
-    assert "indices outside [0, num_rows)" in str(info.value)
-    assert "row-sparse leaves e" in str(info.value)
+    error = raises_then_clean(lambda: f(bad), lambda: f(good))
+    assert "indices outside [0, num_rows)" in str(error)
+    assert "row-sparse leaves e" in str(error)
 
 
 def test_integer_rows_with_mean_are_refused_sum_is_exact():

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _common import MESH1, MESH2, bits
+from _common import MESH1, MESH2, bits, raises_then_clean
+from _zero_ref import PARAMS, WD_MASK, replica_grads
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -33,25 +34,13 @@ def _standard_promotion():
         yield
 
 
-PARAMS = {
-    "b": jnp.zeros(()),
-    "c": jnp.arange(7.0),
-    "w": jnp.ones((3, 5)),
-    "k": jnp.full((2, 3, 4), 2.0),
-}
-WD_MASK = {"b": False, "c": False, "w": True, "k": True}
 LABELS = {"b": "plain", "c": "plain", "w": "moment", "k": "moment"}
 
 
 def _grads(t, n=N):
-    """Replica r's integer gradients at step t, stacked over the replicas."""
-    out = {}
-    for j, (name, p) in enumerate(sorted(PARAMS.items())):
-        size = int(np.prod(p.shape))
-        r = np.arange(n, dtype=np.float32)[:, None]
-        v = ((r * 3 + np.arange(size) + 5 * t + j) % 11) - 5
-        out[name] = jnp.asarray(v.reshape((n * p.shape[0],) + p.shape[1:]) if p.ndim else v[:, 0])
-    return out
+    """Replica r's integer gradients at step t, the replicas' rows one after another."""
+    g = replica_grads(range(n), t)
+    return {k: jnp.asarray(v.reshape((-1,) + v.shape[2:])) for k, v in g.items()}
 
 
 # Power-of-two factors everywhere (see the module's docstring).
@@ -404,16 +393,11 @@ def test_check_finite_and_reduce_sum_and_comm_dtype():
             raising.update, mesh=MESH1, in_specs=(P("i"), specs_r, P()), out_specs=(P(), specs_r)
         )
     )
-    try:
-        with pytest.raises(
-            (FloatingPointError, jax.errors.JaxRuntimeError), match=r"non-finite .* \['c'\]"
-        ):
-            jax.block_until_ready(f(grads(1, N), st, PARAMS))
-    finally:
-        # The callback's error stays in JAX's effect tokens until the next
-        # effectful computation on those devices: run one so later tests start clean.
-        jax.block_until_ready(f(grads(0, N), st, PARAMS))
-        jax.effects_barrier()
+    raises_then_clean(
+        lambda: f(grads(1, N), st, PARAMS),
+        lambda: f(grads(0, N), st, PARAMS),
+        match=r"non-finite .* \['c'\]",
+    )
     for opts in ({"reduce": "sum"}, {"comm_dtype": jnp.bfloat16}):
         got, _ = _run_shard_map(
             jaxsync.sharded(optax.sgd(0.5), axis_name="i", comm=None, **opts), MESH1, "i", steps=3

@@ -5,15 +5,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from _harness import in_ci
 
 HERE = Path(__file__).resolve().parent
 MPI_DIR = HERE.parent / "mpi"
 if str(MPI_DIR) not in sys.path:
     sys.path.insert(0, str(MPI_DIR))
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +21,7 @@ def cluster():
     try:
         jaxsync.cluster.check()
     except jaxsync.cluster.ClusterUnavailable as e:
-        if _in_ci():
+        if in_ci():
             pytest.fail(f"CI is set but the emulated cluster cannot run: {e}", pytrace=False)
         pytest.skip(str(e))
     return jaxsync.cluster

@@ -65,6 +65,16 @@ def _takes_tier(case: str, env) -> bool:
     return 2 * sum(sixteen) > sum(nbytes)  # 48 of 92 bytes: the tier
 
 
+def _run_worker(
+    cluster, worker, out, *args, devices=1, procs_per_host=2, host_tier=True, timeout=180
+):
+    """``tests/mpi/WORKER --out OUT --devices DEVICES ARGS`` on 2 hosts of
+    ``procs_per_host`` processes; ``host_tier`` as :func:`worker_env` takes it."""
+    cmd = [PY, MPI_DIR / worker, "--out", out, "--devices", devices, *args]
+    env = worker_env(host_tier=host_tier)
+    return cluster.run(cmd, hosts=2, procs_per_host=procs_per_host, env=env, timeout=timeout)
+
+
 @pytest.mark.parametrize(
     "procs,devices,env", [(2, 1, None), (2, 2, None), (3, 2, None), (2, 1, False)]
 )
@@ -82,14 +92,10 @@ def test_every_strategy_is_exact_on_2_hosts(cluster, tmp_path, procs, devices, e
     if env is False:
         cases = [c for c in cases if _takes_tier(c, None)]
         assert len(cases) >= 9, cases
-    cmd = [PY, MPI_DIR / "worker_exact.py", "--out", tmp_path, "--devices", devices]
-    r = cluster.run(
-        [*cmd, "--cases", ",".join(cases)],
-        hosts=2,
-        procs_per_host=procs,
-        env=worker_env(host_tier=env),
-        timeout=480,
-    )
+    r = _run_worker(
+        cluster, "worker_exact.py", tmp_path, "--cases", ",".join(cases),
+        devices=devices, procs_per_host=procs, host_tier=env, timeout=480,
+    )  # fmt: skip
     assert r.returncode == 0, r.output
     n = 2 * procs
     tiered = [c for c in cases if _takes_tier(c, env)]
@@ -113,8 +119,7 @@ def test_the_host_tier_changes_the_lowered_step_across_hosts(cluster, tmp_path):
     processes on each, the tier is what makes the step differ."""
     from test_mpi import TIER_TARGETS
 
-    cmd = [PY, MPI_DIR / "worker_tier_lowering.py", "--out", tmp_path, "--devices", "1"]
-    r = cluster.run(cmd, hosts=2, procs_per_host=2, env=worker_env(), timeout=180)
+    r = _run_worker(cluster, "worker_tier_lowering.py", tmp_path)
     assert r.returncode == 0, r.output
     for rank, res in enumerate(results(tmp_path, 4)):
         assert res["topology"]["hosts"] == 2 and res["topology"]["local_size"] == 2
@@ -129,8 +134,7 @@ def test_the_host_tier_rounds_16_bit_sums_once_per_host_and_once_across(cluster,
     on the wire, the ranks hold 256, 1 | 1, 1. One rounding of the whole sum
     (naive, no tier): bf16(259) = 260. The tier rounds each host's float32 sum
     before it crosses, then the hosts' sum: bf16(bf16(257) + bf16(2)) = 258."""
-    cmd = [PY, MPI_DIR / "worker_tier_rounding.py", "--out", tmp_path, "--devices", "1"]
-    r = cluster.run(cmd, hosts=2, procs_per_host=2, env=worker_env(), timeout=180)
+    r = _run_worker(cluster, "worker_tier_rounding.py", tmp_path)
     assert r.returncode == 0, r.output
     for rank, res in enumerate(results(tmp_path, 4)):
         assert res["naive"] == 260.0, (rank, res)
@@ -175,14 +179,10 @@ def test_a_link_down_for_2_s_mid_training_is_survived_with_the_same_parameters(c
 
 
 def test_a_process_that_dies_mid_step_ends_the_job(cluster, tmp_path):
-    cmd = [PY, MPI_DIR / "worker_death.py", "--out", tmp_path, "--devices", "1"]
-    r = cluster.run(
-        [*cmd, "--mode", "die_after_compile"],
-        hosts=2,
-        procs_per_host=1,
-        env=worker_env(),
-        timeout=120,
-    )
+    r = _run_worker(
+        cluster, "worker_death.py", tmp_path, "--mode", "die_after_compile",
+        procs_per_host=1, timeout=120,
+    )  # fmt: skip
     assert not r.timed_out, "the job hung after rank 1 died:\n" + r.output
     assert r.returncode != 0, r.output
     assert (tmp_path / "rank0.calling").exists(), r.output
@@ -204,14 +204,7 @@ def test_sharded_equals_the_chain_on_2_hosts(cluster, tmp_path):
     the chain's bit for bit, the gathered state is the chain's."""
     from test_zero_mpi import _check_run, _check_states
 
-    cmd = [PY, MPI_DIR / "worker_zero.py", "--out", tmp_path, "--devices", "1"]
-    r = cluster.run(
-        [*cmd, "--cases", "sgd,adamw,clip"],
-        hosts=2,
-        procs_per_host=2,
-        env=worker_env(),
-        timeout=480,
-    )
+    r = _run_worker(cluster, "worker_zero.py", tmp_path, "--cases", "sgd,adamw,clip", timeout=480)
     assert r.returncode == 0, r.output
     _check_run(results(tmp_path, 4), {"sgd", "adamw", "clip"})
     _check_states(results(tmp_path, 4))

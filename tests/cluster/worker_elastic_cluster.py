@@ -17,6 +17,8 @@ step each host's folder gave) to ``DIR/runs.jsonl``, and writes ``DIR/final.npy`
 ``discover`` prints the cluster's hostfile (the hosts alive) and deletes the folder
 of every host that is not in it: a lost host takes its files with it, before the
 supervisor's next launch can read them.
+
+The step and the checkpoint are ``tests/mpi/elastic_job.py``'s (``worker_elastic_train.py``'s job).
 """
 
 import json
@@ -27,11 +29,7 @@ import time
 
 import numpy as np
 
-STEPS, KILL_AT, LOST, LR = 8, 5, 2, 0.5
-
-
-def c(t):
-    return np.array([t + 1, 0.5, -(t % 3), 0.25], dtype=np.float64)
+LOST = 2
 
 
 def discover(folder):
@@ -45,6 +43,7 @@ def discover(folder):
 
 
 def train(folder):
+    from elastic_job import KILL_AT, resume, steps  # tests/mpi
     from mpi4py import MPI
 
     import jaxsync.cluster
@@ -58,28 +57,20 @@ def train(folder):
     local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
     mine = os.path.join(folder, f"host{host}")
     ckpt = os.path.join(mine, "ckpt.npz")
-    w, start = np.zeros(4), 0
-    if os.path.exists(ckpt):  # resume from this host's own checkpoint
-        with np.load(ckpt) as z:
-            w, start = z["w"].copy(), int(z["step"])
+    w, start = resume(ckpt)  # this host's own checkpoint
     starts = comm.gather((host, start), root=0)
     if rank == 0:
         with open(os.path.join(folder, "runs.jsonl"), "a") as f:
             run = {"restart": me.restart, "np": size, "starts": sorted(set(starts))}
             f.write(json.dumps(run) + "\n")
     os.makedirs(mine, exist_ok=True)
-    for t in range(start, STEPS):
+
+    def fault(t):
         if me.restart == 0 and host == LOST and t == KILL_AT:
             jaxsync.cluster.mark("lose-host")
             time.sleep(600)  # killed here by the cluster, with every process of the host
-        g = np.empty(4)
-        comm.Allreduce((rank + 1) * c(t), g, op=MPI.SUM)
-        w = w - LR * (g / size)
-        if local == 0:
-            with open(ckpt + ".tmp", "wb") as f:
-                np.savez(f, w=w, step=t + 1)
-            os.replace(ckpt + ".tmp", ckpt)
-        comm.Barrier()
+
+    w = steps(comm, w, start, ckpt, writes=local == 0, fault=fault)
     if rank == 0:
         np.save(os.path.join(folder, "final.npy"), w)
 

@@ -18,11 +18,11 @@ the cluster's clock.
 import os
 import time
 
-from _worker import Results, init, to_numpy
+from _worker import local_mesh, start, to_numpy
 
 
 def main():
-    ns, jax, MPI = init(
+    ns, jax, comm, rank, size, D, res = start(
         [
             (("--steps",), dict(type=int, default=12)),
             (("--pause",), dict(type=float, default=0.3)),
@@ -38,17 +38,13 @@ def main():
     import jax.numpy as jnp
     import numpy as np
     import optax
-    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import jaxsync
     import jaxsync.cluster
 
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    D = jax.local_device_count()
-    res = Results(ns.out, rank)
-    mesh = Mesh(np.array(jax.devices()), ("d",))
+    mesh = local_mesh("d")
     shard = NamedSharding(mesh, P("d"))
     rng = np.random.default_rng(0)
     n = D * size

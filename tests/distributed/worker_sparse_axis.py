@@ -7,31 +7,18 @@ per option as JSON lines to the file RESULTS.
 """
 
 import json
-import sys
 
-pid, port = int(sys.argv[1]), sys.argv[2]
-results = open(sys.argv[3], "w")  # noqa: SIM115 (closed at exit)
-import jax
+from _runtime import join, replicas
 
-jax.config.update("jax_num_cpu_devices", 2)
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(
-    coordinator_address=f"127.0.0.1:{port}",
-    num_processes=2,
-    process_id=pid,
-    initialization_timeout=60,
-)
+jax, pid, results = join()
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxsync  # noqa: E402
 
 V = 64
-mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("host", "local"))
-replicas = NamedSharding(mesh, P(("host", "local")))
-r = jax.make_array_from_callback((4,), replicas, lambda idx: np.arange(4, dtype=np.int32)[idx])
+mesh, r = replicas(np.int32)
 for name, opts in (
     ("sparse", jaxsync.SparseOptions(mode="sparse")),
     ("coalesce", jaxsync.SparseOptions(mode="sparse", coalesce=True)),

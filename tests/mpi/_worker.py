@@ -4,7 +4,11 @@ A worker is started as ``python WORKER.py --out DIR --devices N [args]``. It
 must call :func:`init` before anything initialises JAX; it records results
 with :func:`Results.add` and writes them with :func:`Results.write` as
 ``DIR/rank{R}.pkl`` (a dict of plain numpy arrays / Python values) that
-``test_mpi.py`` loads and asserts on.
+``test_mpi.py`` loads and asserts on. :func:`start` does :func:`init` and
+the set-up every worker then repeats: the world communicator, this rank, the
+size, the local device count and the :class:`Results`; :func:`local_mesh` is
+the one-axis mesh over this process's devices, :func:`inter_factories` the
+strategies a worker runs across processes.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import os
 import pickle
 import sys
 import threading
+from typing import Any, NamedTuple
 
 
 def init(extra_args=None):
@@ -44,6 +49,50 @@ def init(extra_args=None):
     if ns.watchdog:
         arm_watchdog(ns.watchdog)
     return ns, jax, MPI
+
+
+class World(NamedTuple):
+    """What :func:`start` returns: a worker's arguments, JAX and its MPI world."""
+
+    ns: argparse.Namespace
+    jax: Any
+    comm: Any  # MPI.COMM_WORLD
+    rank: int
+    size: int
+    devices: int  # jax.local_device_count()
+    res: Results
+
+
+def start(extra_args=None) -> World:
+    """:func:`init`, then ``MPI.COMM_WORLD``, its rank and size, the local device
+    count and this rank's :class:`Results`."""
+    ns, jax, MPI = init(extra_args)
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    return World(
+        ns, jax, comm, rank, comm.Get_size(), jax.local_device_count(), Results(ns.out, rank)
+    )
+
+
+def local_mesh(axis="d"):
+    """A one-axis mesh named ``axis`` over this process's devices."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(jax.local_devices()), (axis,))
+
+
+def inter_factories():
+    """The factories of the strategies with an inter-process stage, by name."""
+    import jaxsync
+
+    return dict(
+        naive=jaxsync.naive_mean,
+        flat=jaxsync.flat_mean,
+        hierarchical=jaxsync.hierarchical_mean,
+        two_dimensional=jaxsync.two_dimensional_mean,
+    )
 
 
 def arm_watchdog(seconds):

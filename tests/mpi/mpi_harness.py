@@ -17,22 +17,17 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
+from _harness import Run, requirement, run_in_group
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 MPIRUN = Path(os.environ.get("JAXSYNC_MPIRUN") or Path(sys.executable).parent / "mpirun")
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
 def _have_mpi() -> bool:
@@ -47,13 +42,8 @@ def _have_mpi() -> bool:
 
 _MISSING = f"needs mpirun at {MPIRUN}, mpi4py and mpi4jax"
 
-if _have_mpi():
-    requires_mpi = pytest.mark.skipif(False, reason="")
-elif _in_ci():
-    # CI must run the multi-process suite: a missing MPI is a failure there.
-    requires_mpi = pytest.mark.usefixtures("_mpi_required_in_ci")
-else:
-    requires_mpi = pytest.mark.skipif(True, reason=_MISSING)
+# CI must run the multi-process suite: a missing MPI is a failure there.
+requires_mpi = requirement(not _have_mpi(), _MISSING, "_mpi_required_in_ci")
 
 
 @pytest.fixture
@@ -61,21 +51,10 @@ def _mpi_required_in_ci():
     pytest.fail(f"CI is set but the MPI suite cannot run: {_MISSING}", pytrace=False)
 
 
-class MPIRun:
+class MPIRun(Run):
     def __init__(self, cmd, returncode, output, results, elapsed, timed_out):
-        self.cmd = cmd
-        self.returncode = returncode
-        self.output = output
+        super().__init__(cmd, returncode, output, elapsed, timed_out)
         self.results = results  # one dict per rank (None: rank wrote nothing)
-        self.elapsed = elapsed
-        self.timed_out = timed_out
-
-    def describe(self) -> str:
-        state = "TIMED OUT" if self.timed_out else f"exit code {self.returncode}"
-        return (
-            f"$ {' '.join(map(str, self.cmd))}\n{state} after {self.elapsed:.1f} s\n"
-            f"----- output -----\n{self.output}\n------------------"
-        )
 
     def check(self) -> MPIRun:
         """Fail unless every rank exited 0 and wrote its results."""
@@ -103,23 +82,16 @@ def run_command(cmd: list, timeout: float, env: dict | None = None) -> tuple[int
     """Run ``cmd`` (e.g. ``mpirun -n 2 ...``) in its own process group; returns
     ``(returncode, output, timed_out)`` and never blocks past ``timeout``: on
     timeout the whole group (mpirun and its ranks) is killed."""
-    proc = subprocess.Popen(
-        [str(c) for c in cmd],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env=_env() if env is None else env,
-        cwd=str(ROOT),
-        start_new_session=True,
-        text=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, output, False
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        output, _ = proc.communicate()
-        return proc.returncode, output, True
+    return run_in_group(cmd, timeout, _env() if env is None else env, ROOT)
+
+
+def run_bench(args, timeout: float) -> tuple[int, str, bool]:
+    """``mpirun -n 2 python -m jaxsync bench ARGS`` as :func:`run_command` runs it, with
+    this checkout on the path and no ``XLA_FLAGS`` (the benchmark sets its device count)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(ROOT)
+    cmd = [MPIRUN, "-n", "2", sys.executable, "-m", "jaxsync", "bench", *args]
+    return run_command(cmd, timeout, env)
 
 
 def run_mpi(script, n=2, devices=2, args=(), timeout=120, out=None, env=None) -> MPIRun:
@@ -152,16 +124,3 @@ def run_mpi(script, n=2, devices=2, args=(), timeout=120, out=None, env=None) ->
     if own:
         shutil.rmtree(out, ignore_errors=True)
     return MPIRun(cmd, returncode, output, results, elapsed, timed_out)
-
-
-def _kill_group(proc):
-    """Kill the process group this helper created for ``proc`` (mpirun and its ranks)."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=5)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass

@@ -5,32 +5,15 @@ compress-mpi.json. Figures are not checked (speed is never asserted)."""
 
 import json
 import math
-import os
-import sys
 
-from mpi_harness import MPIRUN, ROOT, requires_mpi, run_command
+from mpi_harness import requires_mpi, run_bench
 
 pytestmark = requires_mpi
 
 
 def test_compress_suite_under_mpirun(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(ROOT)
-    cmd = [
-        str(MPIRUN),
-        "-n",
-        "2",
-        sys.executable,
-        "-m",
-        "jaxsync",
-        "bench",
-        "--suite",
-        "compress",
-        "--quick",
-        "--out",
-        str(tmp_path),
-    ]
-    returncode, text, timed_out = run_command(cmd, timeout=400, env=env)
+    args = ["--suite", "compress", "--quick", "--out", tmp_path]
+    returncode, text, timed_out = run_bench(args, timeout=400)
     if timed_out:
         raise AssertionError("compress bench under mpirun timed out:\n" + text[-3000:])
     assert returncode == 0, text[-3000:]

@@ -6,37 +6,17 @@ The figures are not checked (the benchmark evaluates its targets itself).
 """
 
 import json
-import os
-import sys
 
 import pytest
-from mpi_harness import MPIRUN, ROOT, requires_mpi, run_command
+from mpi_harness import requires_mpi, run_bench
 
 pytestmark = requires_mpi
 
 
 def _bench(tmp_path, devices: int):
     out = tmp_path / f"d{devices}"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(ROOT)
-    cmd = [
-        str(MPIRUN),
-        "-n",
-        "2",
-        sys.executable,
-        "-m",
-        "jaxsync",
-        "bench",
-        "--quick",
-        "--no-sweeps",
-        "--repeats",
-        "1",
-        "--devices",
-        str(devices),
-        "--out",
-        str(out),
-    ]
-    returncode, text, timed_out = run_command(cmd, timeout=300, env=env)
+    args = ["--quick", "--no-sweeps", "--repeats", "1", "--devices", devices, "--out", out]
+    returncode, text, timed_out = run_bench(args, timeout=300)
     if timed_out:
         pytest.fail("bench under mpirun timed out:\n" + text[-3000:])
     assert returncode == 0, text[-3000:]
@@ -97,11 +77,8 @@ def test_bench_two_devices_per_process(tmp_path):
 def test_bench_overlap_suite_smoke(tmp_path):
     """``bench --suite overlap --quick`` under mpirun -n 2: every case timed, the
     targets evaluated, the JSON written (the figures themselves are not checked)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(ROOT)
-    cmd = [str(MPIRUN), "-n", "2", sys.executable, "-m", "jaxsync", "bench", "--suite"]
-    cmd += ["overlap", "--quick", "--out", str(tmp_path)]
-    returncode, text, timed_out = run_command(cmd, timeout=300, env=env)
+    args = ["--suite", "overlap", "--quick", "--out", tmp_path]
+    returncode, text, timed_out = run_bench(args, timeout=300)
     if timed_out:
         pytest.fail("bench --suite overlap under mpirun timed out:\n" + text[-3000:])
     assert returncode == 0, text[-3000:]
@@ -133,11 +110,8 @@ def test_bench_overlap_suite_with_a_quantized_wire(tmp_path):
     """``--wire int8``: every case (overlap and double buffering included, refused
     with a quantized wire before) runs with ``comm_dtype=Quantized(bits=8)``, and
     the bare collective beside them is the schedule's all-to-all and all-gather."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(ROOT)
-    cmd = [str(MPIRUN), "-n", "2", sys.executable, "-m", "jaxsync", "bench", "--suite"]
-    cmd += ["overlap", "--quick", "--no-timeline", "--wire", "int8", "--out", str(tmp_path)]
-    returncode, text, timed_out = run_command(cmd, timeout=300, env=env)
+    args = ["--suite", "overlap", "--quick", "--no-timeline", "--wire", "int8", "--out", tmp_path]
+    returncode, text, timed_out = run_bench(args, timeout=300)
     if timed_out:
         pytest.fail("bench --suite overlap --wire int8 timed out:\n" + text[-3000:])
     assert returncode == 0, text[-3000:]

@@ -5,21 +5,15 @@ those of one replica's slices (N = 2). Speed is not asserted."""
 
 import json
 import math
-import os
-import sys
 
-from mpi_harness import MPIRUN, ROOT, requires_mpi, run_command
+from mpi_harness import requires_mpi, run_bench
 
 pytestmark = requires_mpi
 
 
 def test_sharded_suite_under_mpirun(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(ROOT)
-    cmd = [str(MPIRUN), "-n", "2", sys.executable, "-m", "jaxsync", "bench", "--suite"]
-    cmd += ["sharded", "--quick", "--trees", "tiny", "--rounds", "1", "--iters", "1"]
-    cmd += ["--out", str(tmp_path)]
-    returncode, text, timed_out = run_command(cmd, timeout=300, env=env)
+    args = ["--suite", "sharded", "--quick", "--trees", "tiny", "--rounds", "1", "--iters", "1"]
+    returncode, text, timed_out = run_bench([*args, "--out", tmp_path], timeout=300)
     if timed_out:
         raise AssertionError("sharded bench under mpirun timed out:\n" + text[-3000:])
     assert returncode == 0, text[-3000:]

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _harness import in_ci
 from mpi_harness import run_command
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +31,7 @@ def _ft_required_in_ci():
 # scripts/test.sh builds it first: there a missing one fails.
 requires_ft = (
     pytest.mark.usefixtures("_ft_present")
-    if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+    if in_ci()
     else pytest.mark.skipif(not FT_READY, reason=_MISSING_FT)
 )
 

@@ -6,6 +6,7 @@ case is wrong on one rank."""
 import os
 import sys
 
+from _common import SELFTEST_EXTRA_CASES
 from mpi_harness import MPIRUN, ROOT, requires_mpi, run_command, run_mpi
 
 from jaxsync._cli._selftest import table_rows as _rows
@@ -33,14 +34,7 @@ CASES = [
     f"{name}{option}"
     for name in ("naive", "flat", "hierarchical", "two_dimensional")
     for option in ("", " bf16", " host")
-] + [
-    "auto",
-    "hierarchical overlap",
-    "hierarchical double_buffering",
-    "flat overlap double_buffering",
-    "powersgd rank 2",
-    "sign",
-]
+] + list(SELFTEST_EXTRA_CASES)
 
 
 def test_selftest_passes_on_two_processes():

@@ -12,23 +12,18 @@ Modes:
           jit while rank 1 syncs a different tree B.
 """
 
-from _worker import Results, arm_watchdog, init
+from _worker import arm_watchdog, local_mesh, start
 
 
 def main():
-    ns, jax, MPI = init([(("--mode",), dict(default="basic"))])
+    ns, jax, comm, rank, size, D, res = start([(("--mode",), dict(default="basic"))])
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
     import jaxsync
 
-    comm = MPI.COMM_WORLD
-    rank = comm.Get_rank()
-    res = Results(ns.out, rank)
-    mesh = Mesh(np.array(jax.devices()), ("d",))
-    D = len(jax.devices())
+    mesh = local_mesh("d")
     tx = jaxsync.hierarchical_mean(axis_name="d", comm=comm)
 
     def sync(tree):

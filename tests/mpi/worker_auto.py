@@ -11,7 +11,7 @@ x local devices + device) holds ``r + 1`` in every element: the mean over
 import json
 import os
 
-from _worker import Results, init, to_numpy
+from _worker import local_mesh, start, to_numpy
 
 
 def profile_for(rank):
@@ -32,19 +32,13 @@ def profile_for(rank):
 
 
 def main():
-    ns, jax, MPI = init()
+    ns, jax, comm, rank, size, D, res = start()
     import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
     import jaxsync
     from jaxsync.auto import _auto, _cost_ops
 
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    D = jax.local_device_count()
-    res = Results(ns.out, rank)
     mine = os.path.join(ns.out, f"profile-{rank}.json")
     with open(mine, "w") as f:
         json.dump(profile_for(rank).to_json(), f)
@@ -52,7 +46,7 @@ def main():
 
     tree = {f"w{i:02d}": jnp.zeros((64 + i,), jnp.float32) for i in range(24)}
     tree["big"] = jnp.zeros((70_000,), jnp.float32)
-    mesh = Mesh(np.array(jax.local_devices()), ("local",))
+    mesh = local_mesh("local")
     tx = jaxsync.auto_mean(axis_name="local", comm=comm, profile=mine)
     res.add("before", tx.describe())
 

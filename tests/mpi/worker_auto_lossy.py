@@ -4,7 +4,7 @@ choice puts bfloat16 on the wire, the same on every rank, and the mean is right
 without ``allow_lossy`` the same profile keeps float32.
 """
 
-from _worker import Results, init, to_numpy
+from _worker import local_mesh, start, to_numpy
 
 
 def slow_link_profile():
@@ -20,20 +20,14 @@ def slow_link_profile():
 
 
 def main():
-    ns, jax, MPI = init()
+    _, jax, comm, rank, size, D, res = start()
     import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
     import jaxsync
 
-    comm = MPI.COMM_WORLD
-    rank = comm.Get_rank()
-    D = jax.local_device_count()
-    res = Results(ns.out, rank)
     tree = {"big": jnp.zeros((200_000,), jnp.float32), "b": jnp.zeros((300,), jnp.float32)}
-    mesh = Mesh(np.array(jax.local_devices()), ("local",))
+    mesh = local_mesh("local")
     first = rank * D + 1
     stacked = jax.tree.map(
         lambda x: jnp.stack([jnp.full(x.shape, first + d, x.dtype) for d in range(D)]), tree
@@ -50,7 +44,7 @@ def main():
         step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("local"), out_specs=P("local")))
         res.add(f"{name} result", to_numpy(jax.block_until_ready(step(stacked))))
         res.add(f"{name} describe", tx.describe())
-    res.add("replicas", comm.Get_size() * D)
+    res.add("replicas", size * D)
     res.write()
 
 

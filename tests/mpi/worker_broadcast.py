@@ -12,7 +12,7 @@ double buffering with a communicator of 2 processes (none) and of one
 (COMM_SELF: the no-inter-process-stage warning).
 """
 
-from _worker import Results, init
+from _worker import local_mesh, start
 
 
 def build(jnp, np, rank, sharding):
@@ -58,18 +58,15 @@ def refused(jnp):
 
 
 def main():
-    ns, jax, MPI = init()
+    _, jax, comm, rank, _, _, res = start()
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import jaxsync
 
-    comm = MPI.COMM_WORLD
-    rank = comm.Get_rank()
-    res = Results(ns.out, rank)
-    mesh = Mesh(np.array(jax.devices()), ("d",))
+    mesh = local_mesh("d")
     sharding = NamedSharding(mesh, P("d"))
     tree = build(jnp, np, rank, sharding)
     out = jaxsync.broadcast_params(tree, root=1, comm=comm)
@@ -119,6 +116,8 @@ def main():
     except TypeError as e:
         res.add("refused", str(e))
     import warnings
+
+    from mpi4py import MPI
 
     for name, c in (("warnings_world", comm), ("warnings_self", MPI.COMM_SELF)):
         with warnings.catch_warnings(record=True) as seen:

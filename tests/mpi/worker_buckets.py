@@ -8,7 +8,7 @@ through ``s``. Python-side trace counters show whether
 step 2 retraced.
 """
 
-from _worker import Results, init, to_numpy
+from _worker import inter_factories, local_mesh, start, to_numpy
 
 NLEAVES = 50
 STEPS = 4
@@ -22,19 +22,14 @@ def leaf_specs():
 
 
 def main():
-    ns, jax, MPI = init()
+    _, jax, comm, rank, _, D, res = start()
     import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import jaxsync
 
-    comm = MPI.COMM_WORLD
-    rank = comm.Get_rank()
-    D = jax.local_device_count()
-    res = Results(ns.out, rank)
-    mesh = Mesh(np.array(jax.devices()), ("d",))
+    mesh = local_mesh("d")
     specs = leaf_specs()
     opts = dict(bucket_bytes=64, pack_threshold=None)
     # Placed as the step's outputs are, so step 2 sees exactly step 1's input types.
@@ -48,12 +43,7 @@ def main():
         ),
     )
 
-    for name, fac in dict(
-        naive=jaxsync.naive_mean,
-        flat=jaxsync.flat_mean,
-        hierarchical=jaxsync.hierarchical_mean,
-        two_dimensional=jaxsync.two_dimensional_mean,
-    ).items():
+    for name, fac in inter_factories().items():
         tx = fac(axis_name="d", comm=comm, **opts)
         traces = [0]
 

@@ -31,29 +31,25 @@ they would put jit's dispatch on its slow path).
 
 import os
 
-from _worker import Results, init, to_numpy
+from _worker import local_mesh, start, to_numpy
 
 STEPS = 50
 
 
 def main():
-    ns, jax, MPI = init([(("--mode",), dict(default="train", choices=["train", "review"]))])
-    if ns.mode == "review":
-        return review(ns, jax, MPI)
+    world = start([(("--mode",), dict(default="train", choices=["train", "review"]))])
+    if world.ns.mode == "review":
+        return review(world)
+    ns, jax, comm, rank, size, D, res = world
     import jax.numpy as jnp
     import numpy as np
     import optax
-    from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
     import jaxsync
 
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    D = jax.local_device_count()
-    res = Results(ns.out, rank)
     res.add("meta", dict(rank=rank, size=size, devices=D))
-    mesh = Mesh(np.array(jax.devices()), ("d",))
+    mesh = local_mesh("d")
 
     rng = np.random.default_rng(3)
     x_all = rng.standard_normal((size * D * 16, 12)).astype(np.float32)
@@ -139,20 +135,16 @@ def main():
     res.write()
 
 
-def review(ns, jax, MPI):
+def review(world):
+    ns, jax, comm, rank, size, D, res = world
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
     import jaxsync
 
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    D = jax.local_device_count()
-    res = Results(ns.out, rank)
     res.add("meta", dict(rank=rank, size=size, devices=D))
-    mesh = Mesh(np.array(jax.devices()), ("d",))
+    mesh = local_mesh("d")
     # replica r = D * rank + d: w = (r + 1) * pattern (mean |w| = 2 (r + 1)), b exact
     pattern = np.array([1, -3, 2, -2, 3, -1, 2, -2], np.float32)
     reps = np.arange(rank * D, (rank + 1) * D)

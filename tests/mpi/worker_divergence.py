@@ -9,32 +9,23 @@ Cases run in sequence: a case that hangs ends the run through the watchdog
 alone on older code).
 """
 
-from _worker import Results, init
+from _worker import inter_factories, local_mesh, start
 
 
 def main():
-    ns, jax, MPI = init([(("--only",), dict(default=""))])
+    ns, jax, comm, rank, _, _, res = start([(("--only",), dict(default=""))])
     import jax.numpy as jnp
     import numpy as np
     import optax
     from jax import lax
-    from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
     import jaxsync
 
-    comm = MPI.COMM_WORLD
-    rank = comm.Get_rank()
-    res = Results(ns.out, rank)
-    mesh = Mesh(np.array(jax.devices()), ("d",))
+    mesh = local_mesh("d")
     f32, i32 = jnp.float32, jnp.int32
     mine = lambda a, b: a if rank == 0 else b  # noqa: E731
-    factories = dict(
-        naive=jaxsync.naive_mean,
-        flat=jaxsync.flat_mean,
-        hierarchical=jaxsync.hierarchical_mean,
-        two_dimensional=jaxsync.two_dimensional_mean,
-    )
+    factories = inter_factories()
 
     def attempt(key, fn):
         if ns.only and not key.startswith(ns.only):

@@ -8,7 +8,8 @@ checkpoints after every step (written whole, then renamed) and a barrier follows
 a step that started had its predecessor's checkpoint on disk. On the first run
 (``world().restart == 0``) rank 1 kills itself (SIGKILL) when it reaches step
 ``KILL_AT``: by the program's progress, not the clock. Rank 0 appends each run's
-(restart, np, first step) to DIR/runs.jsonl and writes DIR/final.npy at the end.
+(restart, np, first step) to DIR/runs.jsonl and writes DIR/final.npy at the end. The
+step and the checkpoint: ``elastic_job.py``.
 """
 
 import json
@@ -17,16 +18,10 @@ import signal
 import sys
 
 import numpy as np
+from elastic_job import KILL_AT, resume, steps
 from mpi4py import MPI
 
 import jaxsync.elastic as el
-
-STEPS, KILL_AT, LR = 8, 5, 0.5
-
-
-def c(t):
-    return np.array([t + 1, 0.5, -(t % 3), 0.25], dtype=np.float64)
-
 
 folder = sys.argv[1]
 ckpt = os.path.join(folder, "ckpt.npz")
@@ -34,23 +29,17 @@ me = el.world()
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
 assert me.np == size, (me, size)
-w, start = np.zeros(4), 0
-if os.path.exists(ckpt):  # resume: the checkpoint is the anchor
-    with np.load(ckpt) as z:
-        w, start = z["w"].copy(), int(z["step"])
+w, start = resume(ckpt)  # the checkpoint is the anchor
 if rank == 0:
     with open(os.path.join(folder, "runs.jsonl"), "a") as f:
         f.write(json.dumps({"restart": me.restart, "np": size, "start": start}) + "\n")
-for t in range(start, STEPS):
+
+
+def fault(t):
     if me.restart == 0 and rank == 1 and t == KILL_AT:
         os.kill(os.getpid(), signal.SIGKILL)
-    g = np.empty(4)
-    comm.Allreduce((rank + 1) * c(t), g, op=MPI.SUM)
-    w = w - LR * (g / size)
-    if rank == 0:
-        with open(ckpt + ".tmp", "wb") as f:
-            np.savez(f, w=w, step=t + 1)
-        os.replace(ckpt + ".tmp", ckpt)
-    comm.Barrier()
+
+
+w = steps(comm, w, start, ckpt, writes=rank == 0, fault=fault)
 if rank == 0:
     np.save(os.path.join(folder, "final.npy"), w)

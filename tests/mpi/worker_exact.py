@@ -17,37 +17,25 @@ staging="host" for every strategy; vmap for every strategy; pmap for
 hierarchical and two_dimensional.
 """
 
-from _worker import Results, init, to_numpy
+from _worker import inter_factories, local_mesh, start, to_numpy
 
 
 def main():
-    ns, jax, MPI = init([(("--cases",), dict(default="all"))])
+    ns, jax, comm, rank, size, D, res = start([(("--cases",), dict(default="all"))])
     import functools
     import re
 
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
-    import jaxsync
-
-    comm = MPI.COMM_WORLD
-    rank = comm.Get_rank()
-    D = jax.local_device_count()
-    res = Results(ns.out, rank)
-    res.add("meta", dict(rank=rank, size=comm.Get_size(), devices=D))
+    res.add("meta", dict(rank=rank, size=size, devices=D))
 
     from mpi_data import LEAVES, make_tree
 
     local = make_tree(jnp, np, first_replica=D * rank, count=D)
-    mesh = Mesh(np.array(jax.devices()), ("d",))
-    factories = dict(
-        naive=jaxsync.naive_mean,
-        flat=jaxsync.flat_mean,
-        hierarchical=jaxsync.hierarchical_mean,
-        two_dimensional=jaxsync.two_dimensional_mean,
-    )
+    mesh = local_mesh("d")
+    factories = inter_factories()
 
     def one(tx, t):
         return tx.update(t, tx.init(t))[0]
@@ -87,7 +75,6 @@ def main():
     # compared bitwise with the mesh backend by the pytest side.
     from mpi_data import random_tree
 
-    size = comm.Get_size()
     rand = {
         k: jnp.asarray(v[D * rank : D * (rank + 1)]) for k, v in random_tree(np, D * size).items()
     }

@@ -12,28 +12,23 @@ stops without joining for 3 s before its last step; rank 0's watchdog reports it
 
 import time
 
-from _worker import Results, init, to_numpy
+from _worker import local_mesh, start, to_numpy
 
 BATCHES = [3, 1, 2, 1, 2, 3, 1, 2]  # per replica q; rank 1 of 2x2 runs out first
 LR = 0.5
 
 
 def main():
-    ns, jax, MPI = init()
+    _, jax, comm, rank, size, D, res = start()
     import jax.numpy as jnp
     import numpy as np
     import optax
-    from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
     import jaxsync
 
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    D = jax.local_device_count()
-    res = Results(ns.out, rank)
     res.add("meta", {"size": size, "devices": D})
-    mesh = Mesh(np.array(jax.devices()), ("d",))
+    mesh = local_mesh("d")
     q = rank * D + np.arange(D)  # this process's replicas
     batches = np.array(BATCHES[: size * D])[q]
     params0 = {

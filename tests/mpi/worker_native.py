@@ -150,40 +150,33 @@ def main():
 
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
 
-    h = one_sync(jaxsync.hierarchical_mean(axis_name="d", comm=comm))
-    text = h.lower(x).compile().as_text()
-    entry = text[text.index("ENTRY") :]  # fusions may copy inside; the step must not
-    res.add(
-        "hlo",
-        dict(
+    def hlo(step, **counts):
+        """The compiled step's jaxsync_allreduce calls, the copies of its ENTRY
+        computation (fusions may copy inside; the step must not), its text, and
+        how often each regex of ``counts`` occurs in it."""
+        text = step.lower(x).compile().as_text()
+        return dict(
             calls=len(re.findall(r'custom_call_target="jaxsync_allreduce"', text)),
-            conditional=len(re.findall(r"\bconditional\(", text)),
-            copy=_copies(entry),
-            all_reduce=len(re.findall(r"\ball-reduce\(", text)),
-            aliasing="output_to_operand_aliasing" in text,
-            # Any effect (an io_callback, an ordered MPI primitive) puts jit's dispatch
-            # on its slow path: tens of microseconds per output of the step.
-            effects=[str(e) for e in h.trace(x).jaxpr.effects]
-            + [str(e) for e in f.trace(x).jaxpr.effects],
+            copy=_copies(text[text.index("ENTRY") :]),
             text=text,
-        ),
-    )
+            **{k: len(re.findall(pattern, text)) for k, pattern in counts.items()},
+        )
+
+    h = one_sync(jaxsync.hierarchical_mean(axis_name="d", comm=comm))
+    rec = hlo(h, conditional=r"\bconditional\(", all_reduce=r"\ball-reduce\(")
+    rec["aliasing"] = "output_to_operand_aliasing" in rec["text"]
+    # Any effect (an io_callback, an ordered MPI primitive) puts jit's dispatch
+    # on its slow path: tens of microseconds per output of the step.
+    rec["effects"] = [str(e) for e in h.trace(x).jaxpr.effects] + [
+        str(e) for e in f.trace(x).jaxpr.effects
+    ]
+    res.add("hlo", rec)
     attempt("hlo-run", lambda: to_numpy(jax.block_until_ready(h(x))))
 
     # flat: with one device per process the native target packs the leaves (no
     # XLA concatenate, slice or copy around its one call).
     hf = one_sync(jaxsync.flat_mean(axis_name="d", comm=comm))
-    text = hf.lower(x).compile().as_text()
-    entry = text[text.index("ENTRY") :]
-    res.add(
-        "hlo-flat",
-        dict(
-            calls=len(re.findall(r'custom_call_target="jaxsync_allreduce"', text)),
-            concatenate=len(re.findall(r"\bconcatenate\(", text)),
-            copy=_copies(entry),
-            text=text,
-        ),
-    )
+    res.add("hlo-flat", hlo(hf, concatenate=r"\bconcatenate\("))
     res.write()
 
 

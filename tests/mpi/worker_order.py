@@ -14,7 +14,7 @@ devices, and ``shard_map-host`` (staging="host"). Records every step's outputs f
 comparison.
 """
 
-from _worker import Results, init, to_numpy
+from _worker import local_mesh, start, to_numpy
 
 LEAVES_A = 12  # f32 and bf16 leaves alternating
 LEAVES_B = 9
@@ -22,19 +22,13 @@ STEPS = 8
 
 
 def main():
-    ns, jax, MPI = init()
+    _, jax, comm, rank, size, D, res = start()
     import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
     import jaxsync
 
-    comm = MPI.COMM_WORLD
-    rank = comm.Get_rank()
-    D = jax.local_device_count()
-    res = Results(ns.out, rank)
-    res.add("meta", dict(rank=rank, size=comm.Get_size(), devices=D))
+    res.add("meta", dict(rank=rank, size=size, devices=D))
 
     def dtype(k):
         return jnp.float32 if k % 2 == 0 else jnp.bfloat16
@@ -68,7 +62,7 @@ def main():
 
         return step
 
-    mesh = Mesh(np.array(jax.devices()), ("d",))
+    mesh = local_mesh("d")
     modes = {}
     if D == 1:
         modes["jit"] = (jax.jit(make(None)), lambda s: trees(rank, s))

@@ -18,28 +18,22 @@ Records, per mode (``jit``: one device per process, ``axis_name=None``;
   made transform and step: both final parameters.
 """
 
-from _worker import Results, init, to_numpy
+from _worker import local_mesh, start, to_numpy
 
 STEPS = 4
 WIDTH = 24
 
 
 def main():
-    ns, jax, MPI = init()
+    _, jax, comm, rank, size, D, res = start()
     import jax.numpy as jnp
-    import numpy as np
     import optax
-    from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
     import jaxsync
 
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    D = jax.local_device_count()
-    res = Results(ns.out, rank)
     res.add("meta", dict(rank=rank, size=size, devices=D, steps=STEPS))
-    mesh = Mesh(np.array(jax.local_devices()), ("d",))
+    mesh = local_mesh("d")
 
     def mlp_params():
         k = jax.random.PRNGKey(0)

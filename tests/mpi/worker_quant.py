@@ -26,27 +26,22 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _worker import Results, init, to_numpy  # noqa: E402
+from _worker import local_mesh, start, to_numpy  # noqa: E402
 
 
 def main():
-    ns, jax, MPI = init([(("--dir",), dict(required=True))])
+    ns, jax, comm, rank, N, D, res = start([(("--dir",), dict(required=True))])
     import jax.numpy as jnp
     import numpy as np
     from _quant_ref import check, examples, values
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
-    from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
     import jaxsync
 
-    comm = MPI.COMM_WORLD
-    rank, N = comm.Get_rank(), comm.Get_size()
-    D = jax.local_device_count()
-    res = Results(ns.out, rank)
     res.add("meta", dict(rank=rank, size=N, devices=D))
-    mesh = Mesh(np.array(jax.devices()), ("d",))
+    mesh = local_mesh("d")
     spec_d = P("d")
 
     def step_fn(tx, nsteps=1, grow=False):

@@ -9,26 +9,21 @@ Modes:
           every rank; then a matching sync still works.
 """
 
-from _worker import Results, init
+from _worker import local_mesh, start
 
 
 def main():
-    ns, jax, MPI = init([(("--mode",), dict(default="exact"))])
+    ns, jax, comm, rank, size, L, res = start([(("--mode",), dict(default="exact"))])
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
     from sparse_data import V, rows
 
     import jaxsync
     from jaxsync.sparse._rows import RowSparse
 
-    comm = MPI.COMM_WORLD
-    rank = comm.Get_rank()
-    L = jax.local_device_count()
-    res = Results(ns.out, rank)
-    res.add("replicas", comm.Get_size() * L)
-    mesh = Mesh(np.array(jax.devices()), ("local",))
+    res.add("replicas", size * L)
+    mesh = local_mesh("local")
 
     def tree_of(gs, k=3, num_rows=V):
         idx, vals = zip(*(rows(g, k=k) for g in gs))

@@ -16,7 +16,7 @@ their bytes, and the digests of every rank (gathered with mpi4py).
 
 import hashlib
 
-from _worker import Results, init, to_numpy
+from _worker import local_mesh, start, to_numpy
 
 BATCH = 64
 LR = 1e-2
@@ -58,22 +58,18 @@ def digest(np, tree):
 
 
 def main():
-    ns, jax, MPI = init([(("--steps",), dict(type=int, default=25))])
+    ns, jax, comm, rank, size, D, res = start([(("--steps",), dict(type=int, default=25))])
     import functools
 
     import jax.numpy as jnp
     import numpy as np
     import optax
-    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import jaxsync
 
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    D = jax.local_device_count()
-    res = Results(ns.out, rank)
-    mesh = Mesh(np.array(jax.devices()), ("d",))
+    mesh = local_mesh("d")
     shard = NamedSharding(mesh, P("d"))
     x, y = data(np)
     per = BATCH // (D * size)

@@ -8,23 +8,17 @@
 
 import time
 
-from _worker import Results, init, to_numpy
+from _worker import local_mesh, start, to_numpy
 
 
 def main():
-    ns, jax, MPI = init()
+    _, jax, comm, rank, _, d, res = start()
     import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
     import jaxsync
 
-    comm = MPI.COMM_WORLD
-    rank = comm.Get_rank()
-    res = Results(ns.out, rank)
-    mesh = Mesh(np.array(jax.devices()), ("d",))
-    d = jax.local_device_count()
+    mesh = local_mesh("d")
     x = jnp.arange(d, dtype=jnp.float32) + d * rank  # replica r holds r
 
     # Row 10: straggler and watchdog.

@@ -12,7 +12,12 @@ and compared with the chain's, and cut again (``shard_state``) into this
 rank's own.
 """
 
-from _worker import Results, init, to_numpy
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # _zero_ref
+
+from _worker import Results, init, to_numpy  # noqa: E402
 
 STEPS = 20
 
@@ -32,23 +37,14 @@ def main():
     n = size * dev
     res = Results(ns.out, rank)
     res.add("meta", {"size": size, "devices": dev})
-    params = {
-        "b": jnp.zeros(()),
-        "c": jnp.arange(7.0),
-        "w": jnp.ones((3, 5)),
-        "k": jnp.full((2, 3, 4), 2.0),
-    }
-    mask = {"b": False, "c": False, "w": True, "k": True}
+    from _zero_ref import PARAMS as params
+    from _zero_ref import WD_MASK as mask
+    from _zero_ref import replica_grads
 
     def grads(t):
-        """This process's rows: (dev * leading, ...) per leaf."""
-        out = {}
-        for j, (name, p) in enumerate(sorted(params.items())):
-            m = int(np.prod(p.shape))
-            r = (rank * dev + np.arange(dev, dtype=np.float32))[:, None]
-            v = ((r * 3 + np.arange(m) + 5 * t + j) % 11) - 5
-            out[name] = jnp.asarray(v.reshape((dev,) + p.shape))
-        return out
+        """This process's replicas' gradients: (dev, ...) per leaf."""
+        mine = rank * dev + np.arange(dev)
+        return {k: jnp.asarray(v) for k, v in replica_grads(mine, t).items()}
 
     inners = {
         "sgd": lambda: optax.sgd(0.125),

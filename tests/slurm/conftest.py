@@ -1,6 +1,7 @@
 """tests/slurm: jaxsync under a real Slurm (helpers in slurm_harness.py)."""
 
 import pytest
+from _harness import in_ci
 
 # Worker scripts run under srun; pytest (--doctest-modules) must not import them.
 collect_ignore_glob = ["worker_*.py"]
@@ -8,7 +9,6 @@ collect_ignore_glob = ["worker_*.py"]
 from slurm_harness import (  # noqa: E402
     MISSING,
     Slurm,
-    _in_ci,
     _slurm_required_in_ci,  # noqa: F401 - used by requires_slurm in CI
     missing,
 )
@@ -22,7 +22,7 @@ def slurm():
     (Checked here too: a module fixture is set up before the marks' function ones.)
     """
     if missing():
-        if _in_ci():
+        if in_ci():
             pytest.fail(f"CI is set (scripts/test.sh installs it) but {MISSING}", pytrace=False)
         pytest.skip(MISSING)
     cluster = Slurm().start()

@@ -22,7 +22,6 @@ import dataclasses
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
+from _harness import Run, kill_group, requirement, run_in_group
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -50,10 +50,6 @@ PROGRAMS = (
     "scontrol",
     "scancel",
 )
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
 def _which(name: str) -> str | None:
@@ -76,12 +72,7 @@ MISSING = (
     "scripts/setup_slurm.sh)"
 )
 
-if not _LACKS:
-    requires_slurm = pytest.mark.skipif(False, reason="")
-elif _in_ci():
-    requires_slurm = pytest.mark.usefixtures("_slurm_required_in_ci")
-else:
-    requires_slurm = pytest.mark.skipif(True, reason=MISSING)
+requires_slurm = requirement(bool(_LACKS), MISSING, "_slurm_required_in_ci")
 
 
 @pytest.fixture
@@ -100,22 +91,6 @@ def _free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
-
-
-class Result:
-    def __init__(self, cmd, returncode, output, elapsed, timed_out):
-        self.cmd = cmd
-        self.returncode = returncode
-        self.output = output
-        self.elapsed = elapsed
-        self.timed_out = timed_out
-
-    def describe(self) -> str:
-        state = "TIMED OUT" if self.timed_out else f"exit code {self.returncode}"
-        return (
-            f"$ {' '.join(map(str, self.cmd))}\n{state} after {self.elapsed:.1f} s\n"
-            f"----- output -----\n{self.output}\n------------------"
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,44 +306,19 @@ PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP OverSubs
         return "\n".join(out)
 
     # -- use ---------------------------------------------------------------------
-    def run(
-        self, cmd: list[str], timeout: float = 120.0, env: dict | None = None, cwd=None
-    ) -> Result:
+    def run(self, cmd: list[str], timeout: float = 120.0, env: dict | None = None, cwd=None) -> Run:
         """Run a client command against this cluster; its whole group killed on timeout."""
         t0 = time.monotonic()
-        proc = subprocess.Popen(
-            [str(c) for c in cmd],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-            env=self.env(env),
-            cwd=cwd or ROOT,
-            start_new_session=True,
-        )
-        timed_out = False
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
+        rc, out, timed_out = run_in_group(cmd, timeout, self.env(env), cwd or ROOT, grace=0)
         self._client(["scancel", "--full", "-p", "debug"], timeout=10)  # nothing outlives a test
-        return Result(cmd, proc.returncode, out, time.monotonic() - t0, timed_out)
+        return Run(cmd, rc, out, time.monotonic() - t0, timed_out)
 
     # -- tear-down ---------------------------------------------------------------
     def stop(self) -> None:
         """Stop every daemon started here (slurmd, slurmctld, munged) and remove the folder."""
         for _, proc in reversed(self.procs):
             if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(timeout=15)
+                kill_group(proc, grace=15)
+                proc.wait(timeout=15)
         self.procs.clear()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 import pytest
+from _harness import in_ci
 from slurm_harness import HERE, requires_slurm
 from test_slurm import STEPS, _reference
 
@@ -28,9 +29,7 @@ def cluster():
     try:
         jc.check(user_namespace=False)
     except jc.ClusterUnavailable as e:
-        from slurm_harness import _in_ci
-
-        if _in_ci():
+        if in_ci():
             pytest.fail(f"CI is set but the emulated cluster cannot run: {e}", pytrace=False)
         pytest.skip(str(e))
     return jc
