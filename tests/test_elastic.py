@@ -249,7 +249,7 @@ with open(os.path.join(here, "launches.jsonl"), "a") as f:
     f.write(json.dumps({"args": args[: args.index("python")],
                         "np": os.environ["JAXSYNC_ELASTIC_NP"]}) + "\n")
 fails = int(open(os.path.join(here, "fails")).read())
-how = open(os.path.join(here, "how")).read() if os.path.exists(os.path.join(here, "how")) else ""
+how = open(os.path.join(here, "how")).read()
 if fails > 0 and how == "pmi2":  # MPI failed to start: Slurm 22.05's pmi2, MPICH's UCX
     open(os.path.join(here, "fails"), "w").write(str(fails - 1))
     print("slurmstepd-n1: error: mpi/pmi2: value not properly terminated in client request")
@@ -271,17 +271,24 @@ print("fake job done")
 """
 
 
-def test_srun_launches_job_steps_on_the_allocation_and_a_killed_task_costs_its_slot(
-    tmp_path, capsys, monkeypatch
-):
+def _under_fake_srun(tmp_path, capsys, monkeypatch, tasks: str, how: str = "task"):
+    """The supervisor in an allocation of n1, n2 (``tasks``: SLURM_TASKS_PER_NODE) with
+    FAKE_SRUN, whose first run fails as ``how`` says; (launches, stderr)."""
     (tmp_path / "srun.py").write_text(FAKE_SRUN)
     (tmp_path / "fails").write_text("1")
+    (tmp_path / "how").write_text(how)
     monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
-    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2,1")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", tasks)
     rc = _main(["--min-np", "1", "--max-np", "4"], f"{sys.executable} {tmp_path / 'srun.py'}")
     err = capsys.readouterr().err
     assert rc == 0, err
-    got = [(x["args"], x["np"]) for x in _launches(tmp_path)]
+    return [(x["args"], x["np"]) for x in _launches(tmp_path)], err
+
+
+def test_srun_launches_job_steps_on_the_allocation_and_a_killed_task_costs_its_slot(
+    tmp_path, capsys, monkeypatch
+):
+    got, err = _under_fake_srun(tmp_path, capsys, monkeypatch, "2,1")
     # capacity n1:2,n2:1 from the allocation (not localhost:4); task 2 (on n2) lost
     assert got == [
         (
@@ -303,23 +310,9 @@ def test_a_node_lost_under_srun_costs_all_its_slots_and_none_of_the_others(
     the tasks on n1 ("Killed"); the node is lost, n1's tasks are not. Before, each
     "Killed" task cost a slot of n1 and the node that failed kept its own: the restart
     went to the dead node."""
-    (tmp_path / "srun.py").write_text(FAKE_SRUN)
-    (tmp_path / "fails").write_text("1")
-    (tmp_path / "how").write_text("node")
-    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
-    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x2)")
-    rc = _main(["--min-np", "1", "--max-np", "4"], f"{sys.executable} {tmp_path / 'srun.py'}")
-    err = capsys.readouterr().err
-    assert rc == 0, err
-    got = [(x["args"], x["np"]) for x in _launches(tmp_path)]
-    assert got == [
-        (
-            ["-n", "4", "--kill-on-bad-exit=1", "--nodelist=n1,n1,n2,n2"]
-            + ["--distribution=arbitrary", "--mpi=pmi2"],
-            "4",
-        ),
-        (["-n", "2", "--kill-on-bad-exit=1", "--mpi=pmi2"], "2"),
-    ], err
+    got, err = _under_fake_srun(tmp_path, capsys, monkeypatch, "2(x2)", how="node")
+    assert [np for _, np in got] == ["4", "2"], err
+    assert got[1][0] == ["-n", "2", "--kill-on-bad-exit=1", "--mpi=pmi2"], err
     assert "run 0 failed with exit status 137" in err, err
     assert "node n2 lost (node failure): every process on it" in err, err
     assert "run 1 on 2 process(es) (n1:2)" in err, err
@@ -328,15 +321,8 @@ def test_a_node_lost_under_srun_costs_all_its_slots_and_none_of_the_others(
 def test_mpi_failing_to_start_under_srun_pmi2_is_named_with_the_fix_and_costs_no_slot(
     tmp_path, capsys, monkeypatch
 ):
-    (tmp_path / "srun.py").write_text(FAKE_SRUN)
-    (tmp_path / "fails").write_text("1")
-    (tmp_path / "how").write_text("pmi2")
-    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
-    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2,1")
-    rc = _main(["--min-np", "1", "--max-np", "4"], f"{sys.executable} {tmp_path / 'srun.py'}")
-    err = capsys.readouterr().err
-    assert rc == 0, err
-    assert [x["np"] for x in _launches(tmp_path)] == ["3", "3"], err
+    got, err = _under_fake_srun(tmp_path, capsys, monkeypatch, "2,1", how="pmi2")
+    assert [np for _, np in got] == ["3", "3"], err
     assert "srun's pmi2 mangled MPICH's long UCX addresses" in err, err
     assert "Fix: export MPIR_CVAR_CH4_NETMOD=ofi" in err, err
 
