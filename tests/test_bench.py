@@ -91,6 +91,8 @@ _PRIVATE_ALLOWED = {
     ("jaxdist.py", "jaxsync.cluster._spec"),
     # the timeline picture of the cluster and overlap suites: python -m jaxsync timeline's code
     ("report.py", "jaxsync._cli._timeline"),
+    # the fake CPU device count before JAX starts, set as python -m jaxsync tune sets it
+    ("world.py", "jaxsync._comm._topology"),
 }
 
 

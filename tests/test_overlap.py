@@ -154,8 +154,8 @@ def test_the_default_is_auto():
     for name in [*TRANSFORMS, "auto_mean"]:
         fac = getattr(jaxsync, name)
         assert inspect.signature(fac).parameters["overlap"].default == "auto", name
-        # its text is SyncOptions', to which every factory's docstring leads
-        assert "jaxsync.SyncOptions" in fac.__doc__ or "jaxsync.hierarchical_mean" in fac.__doc__
+        # its text is SyncOptions', to which every factory's docstring leads (or mean's)
+        assert "jaxsync.SyncOptions" in fac.__doc__ or "jaxsync.mean" in fac.__doc__
     assert jaxsync.SyncOptions().overlap == "auto"
     assert '``"auto"`` (default): on where the inter-process' in jaxsync.SyncOptions.__doc__
     # a bucket size with the default is for when it is on: accepted
