@@ -25,9 +25,10 @@ import shlex
 import sys
 from pathlib import Path
 
-from slurm_harness import HERE, PYTHON, Node, Slurm
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: slurm_harness's _harness
+from slurm_harness import HERE, PYTHON, Node, Slurm  # noqa: E402
 
-from jaxsync.cluster._spec import SUBNET, Spec
+from jaxsync.cluster._spec import SUBNET, Spec  # noqa: E402
 
 SCENARIO, OUT = sys.argv[1], Path(sys.argv[2])
 spec = Spec.from_json(os.environ["JAXSYNC_CLUSTER"])
