@@ -170,8 +170,9 @@ def _watch(proc: subprocess.Popen, watch, every: float, done: threading.Event, e
 
 def _lost_slots(
     output: str, folder: Path, placed: list[tuple[str, int]]
-) -> tuple[list[str], list[str]]:
-    """The hosts whose processes were lost (one entry per process), and what was seen."""
+) -> tuple[list[str], list[str], list[str]]:
+    """The hosts whose processes were lost (one entry per process), the nodes lost
+    whole (each takes all its slots), and what was seen."""
     pids = {}
     for f in folder.glob("pid-*"):
         try:
@@ -182,8 +183,7 @@ def _lost_slots(
     names = {h for h, _ in placed}
     gone = sv.lost_nodes(output)
     for rank, pid, node in sv.lost_processes(output):
-        if node in gone and node in names:  # a node lost whole: all its slots
-            hosts += [node] * sum(s for h, s in placed if h == node)
+        if node in gone:  # a node lost whole: its slots go with it, not one by one
             seen.append(f"node {node} lost (node failure): every process on it")
             continue
         rank = pids.get(pid, rank)
@@ -194,7 +194,7 @@ def _lost_slots(
             hosts.append(host)
             which = f"rank {rank if rank is not None else '?'}"
             seen.append(f"{which} (pid {pid}) on {host}" if pid >= 0 else f"{which} on {host}")
-    return hosts, seen
+    return hosts, gone, seen
 
 
 def run(args: argparse.Namespace, cmd: list[str]) -> int:
@@ -240,7 +240,7 @@ def run(args: argparse.Namespace, cmd: list[str]) -> int:
             script = args.host_discovery_script
             watch = _gone(script, placed) if script else None
             rc, output, ended = _launch(line, env, watch, args.discovery_interval)
-            lost, seen = _lost_slots(output, Path(tmp), placed)
+            lost, gone, seen = _lost_slots(output, Path(tmp), placed)
         if rc == 0:
             _say(f"run {restart} finished ({time.monotonic() - t0:.1f} s)")
             return 0
@@ -258,7 +258,6 @@ def run(args: argparse.Namespace, cmd: list[str]) -> int:
                 i = next((i for i, (h, s) in enumerate(static) if h == host and s > 0), None)
                 if i is not None:
                     static[i] = (host, static[i][1] - 1)
-            gone = sv.lost_nodes(output)  # a node lost whole takes all its slots along
             static = [(h, s) for h, s in static if s > 0 and h not in gone]
         restart += 1
 
